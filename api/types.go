@@ -1,0 +1,271 @@
+// Package api holds the public wire types of space's HTTP API (control plane and data
+// plane) and the OpenAPI document that describes them. It has no behaviour: the server
+// encodes these types and the Go client decodes them.
+package api
+
+import "time"
+
+// Sandbox states, as observed by the node that runs the sandbox.
+const (
+	StatePending    = "pending"
+	StateCreating   = "creating"
+	StateRunning    = "running"
+	StatePausing    = "pausing"
+	StatePaused     = "paused"
+	StateResuming   = "resuming"
+	StateSuspending = "suspending"
+	StateSuspended  = "suspended"
+	StateRestoring  = "restoring"
+	StateStopping   = "stopping"
+	StateStopped    = "stopped"
+	StateDeleting   = "deleting"
+	StateDeleted    = "deleted"
+	StateFailed     = "failed"
+)
+
+// Operation states.
+const (
+	OpPending   = "pending"
+	OpRunning   = "running"
+	OpSucceeded = "succeeded"
+	OpFailed    = "failed"
+)
+
+// Operation kinds.
+const (
+	OpCreate        = "create"
+	OpDelete        = "delete"
+	OpStart         = "start"
+	OpStop          = "stop"
+	OpPause         = "pause"
+	OpResume        = "resume"
+	OpSuspend       = "suspend"
+	OpWake          = "wake"
+	OpClone         = "clone"
+	OpTemplateBuild = "template_build"
+)
+
+// Sandbox is one isolated machine.
+type Sandbox struct {
+	ID       string `json:"id"`
+	Template string `json:"template"`
+	// TemplateDigest is the content digest of the release the sandbox was created
+	// from ("sha256:…"). Empty until the template reference is resolved.
+	TemplateDigest string            `json:"template_digest,omitempty"`
+	State          string            `json:"state"`
+	DesiredState   string            `json:"desired_state"`
+	CPU            int               `json:"cpu"`
+	MemoryMB       int               `json:"memory_mb"`
+	Env            map[string]string `json:"env,omitempty"`
+	Metadata       map[string]string `json:"metadata,omitempty"`
+	Runtime        string            `json:"runtime,omitempty"`
+	Node           string            `json:"node,omitempty"`
+	StartPath      string            `json:"start_path,omitempty"`
+	Error          string            `json:"error,omitempty"`
+	CreatedAt      time.Time         `json:"created_at"`
+	UpdatedAt      time.Time         `json:"updated_at"`
+	// ExpiresAt is when the sandbox's TTL ends and it is deleted.
+	ExpiresAt *time.Time `json:"expires_at,omitempty"`
+	// Operation is the operation that created the sandbox (set on create responses).
+	Operation *Operation `json:"operation,omitempty"`
+}
+
+// CreateSandboxRequest is the body of POST /v1/sandboxes.
+type CreateSandboxRequest struct {
+	// Template is a template reference: "name", "name:tag" or "name@sha256:…".
+	// Defaults to "base".
+	Template string            `json:"template,omitempty"`
+	CPU      int               `json:"cpu,omitempty"`
+	MemoryMB int               `json:"memory_mb,omitempty"`
+	Env      map[string]string `json:"env,omitempty"`
+	Metadata map[string]string `json:"metadata,omitempty"`
+	// TTL is a Go duration ("30m", "2h"); the sandbox is deleted when it ends.
+	TTL string `json:"ttl,omitempty"`
+	// Runtime asks for a specific runtime ("gvisor", "qemu", "firecracker").
+	Runtime string `json:"runtime,omitempty"`
+}
+
+// SandboxList is the body of GET /v1/sandboxes.
+type SandboxList struct {
+	Sandboxes []Sandbox `json:"sandboxes"`
+}
+
+// Operation is the record of one asynchronous lifecycle request.
+type Operation struct {
+	ID        string     `json:"id"`
+	Kind      string     `json:"kind"`
+	SandboxID string     `json:"sandbox_id,omitempty"`
+	State     string     `json:"state"`
+	Message   string     `json:"message,omitempty"`
+	Error     string     `json:"error,omitempty"`
+	CreatedAt time.Time  `json:"created_at"`
+	UpdatedAt time.Time  `json:"updated_at"`
+	DoneAt    *time.Time `json:"done_at,omitempty"`
+}
+
+// Done reports whether the operation reached a terminal state.
+func (o *Operation) Done() bool { return o.State == OpSucceeded || o.State == OpFailed }
+
+// CreateSessionRequest is the body of POST /v1/sandboxes/{id}/sessions. Either a new
+// command (Command or Argv) or an existing process (PID) is given.
+type CreateSessionRequest struct {
+	// Argv runs a program directly.
+	Argv []string `json:"argv,omitempty"`
+	// Command runs through "/bin/bash -c" (or /bin/sh when bash is missing).
+	Command string            `json:"command,omitempty"`
+	Env     map[string]string `json:"env,omitempty"`
+	Cwd     string            `json:"cwd,omitempty"`
+	// User is "root" or "user"; default "root".
+	User string `json:"user,omitempty"`
+	// Timeout is a Go duration after which the process is killed; empty means none.
+	Timeout string `json:"timeout,omitempty"`
+	// Stdin keeps the process's stdin open for writes; otherwise it reads /dev/null.
+	Stdin bool     `json:"stdin,omitempty"`
+	PTY   *PTYSize `json:"pty,omitempty"`
+	// PID re-attaches to an existing process instead of starting a new one.
+	PID int `json:"pid,omitempty"`
+	// Rights narrows the token's rights; default all of read, stdin, resize, signal.
+	Rights []string `json:"rights,omitempty"`
+	// TokenTTL overrides the token lifetime (Go duration, at most the server's maximum).
+	TokenTTL string `json:"token_ttl,omitempty"`
+}
+
+// PTYSize is a terminal size.
+type PTYSize struct {
+	Rows int `json:"rows"`
+	Cols int `json:"cols"`
+}
+
+// CommandSession is connection information and authorization for one process.
+type CommandSession struct {
+	SessionID string    `json:"session_id"`
+	SandboxID string    `json:"sandbox_id"`
+	PID       int       `json:"pid"`
+	AttachURL string    `json:"attach_url"`
+	Token     string    `json:"token"`
+	ExpiresAt time.Time `json:"expires_at"`
+	Rights    []string  `json:"rights"`
+}
+
+// Token rights.
+const (
+	RightRead   = "read"
+	RightStdin  = "stdin"
+	RightResize = "resize"
+	RightSignal = "signal"
+)
+
+// Process describes one process in a sandbox.
+type Process struct {
+	PID       int        `json:"pid"`
+	Argv      []string   `json:"argv"`
+	Cwd       string     `json:"cwd,omitempty"`
+	User      string     `json:"user,omitempty"`
+	State     string     `json:"state"` // created, running, exited
+	ExitCode  *int       `json:"exit_code,omitempty"`
+	Signal    string     `json:"signal,omitempty"`
+	PTY       bool       `json:"pty,omitempty"`
+	Stdin     bool       `json:"stdin,omitempty"`
+	StartedAt *time.Time `json:"started_at,omitempty"`
+	EndedAt   *time.Time `json:"ended_at,omitempty"`
+}
+
+// Process states.
+const (
+	ProcCreated = "created"
+	ProcRunning = "running"
+	ProcExited  = "exited"
+)
+
+// Attach stream (SSE) event names.
+const (
+	EventStart  = "start"
+	EventStdout = "stdout"
+	EventStderr = "stderr"
+	EventGap    = "gap"
+	EventExit   = "exit"
+	EventError  = "error"
+)
+
+// StartEvent is the data of the "start" event.
+type StartEvent struct {
+	PID int `json:"pid"`
+	// Offset is the journal offset the stream begins at.
+	Offset int64 `json:"offset"`
+}
+
+// OutputEvent is the data of "stdout" and "stderr" events. The event id is Offset+len.
+type OutputEvent struct {
+	Offset int64 `json:"offset"`
+	// Data is base64 (standard encoding), unless the stream was opened with
+	// encoding=text, in which case Text holds the bytes as UTF-8 (invalid sequences
+	// replaced).
+	Data string `json:"data,omitempty"`
+	Text string `json:"text,omitempty"`
+}
+
+// GapEvent says that bytes fell out of the journal before this reader got them.
+type GapEvent struct {
+	Offset  int64 `json:"offset"`
+	Dropped int64 `json:"dropped"`
+}
+
+// ExitEvent is the data of the "exit" event.
+type ExitEvent struct {
+	ExitCode *int   `json:"exit_code,omitempty"`
+	Signal   string `json:"signal,omitempty"`
+	Offset   int64  `json:"offset"`
+	Error    string `json:"error,omitempty"`
+}
+
+// Error is the body of every error response: {"error": {...}}.
+type Error struct {
+	Error ErrorBody `json:"error"`
+}
+
+// ErrorBody carries a stable code and a human message.
+type ErrorBody struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// APIKey describes an API key (never its secret, except once on creation).
+type APIKey struct {
+	ID        string     `json:"id"`
+	Name      string     `json:"name"`
+	Prefix    string     `json:"prefix"`
+	Kind      string     `json:"kind"` // "space" or "e2b"
+	Admin     bool       `json:"admin"`
+	CreatedAt time.Time  `json:"created_at"`
+	RevokedAt *time.Time `json:"revoked_at,omitempty"`
+	// Secret is set only in the response that created the key.
+	Secret string `json:"secret,omitempty"`
+}
+
+// CreateAPIKeyRequest is the body of POST /v1/apikeys.
+type CreateAPIKeyRequest struct {
+	Name  string `json:"name"`
+	Kind  string `json:"kind,omitempty"`
+	Admin bool   `json:"admin,omitempty"`
+}
+
+// Node describes one host running the node role.
+type Node struct {
+	ID           string    `json:"id"`
+	Name         string    `json:"name"`
+	Runtime      string    `json:"runtime"`
+	RuntimeInfo  any       `json:"runtime_info,omitempty"`
+	DataPlaneURL string    `json:"data_plane_url"`
+	State        string    `json:"state"` // alive, dead
+	HeartbeatAt  time.Time `json:"heartbeat_at"`
+	Sandboxes    int       `json:"sandboxes"`
+}
+
+// Template describes a template release.
+type Template struct {
+	Name      string    `json:"name"`
+	Tags      []string  `json:"tags,omitempty"`
+	Digest    string    `json:"digest"`
+	SizeBytes int64     `json:"size_bytes,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+}

@@ -1,0 +1,206 @@
+// Package wire owns the host↔agent protocol: the JSON types of the agent's HTTP API and
+// the binary frame format of its output streams. It is shared by space-agent (server)
+// and the node role (client) and must stay free of heavy dependencies.
+//
+// Transport: plain HTTP/1.1 over any stream connection the runtime provides (a unix
+// socket for gVisor, vsock or a yamux stream over virtio-serial for VMs). Every request
+// is independent; long responses (output, watch) are streamed as frames.
+//
+// Endpoints (all paths under /v1):
+//
+//	GET    /v1/health                       → Health
+//	POST   /v1/identity                     Identity → 204
+//	POST   /v1/processes                    ProcessSpec → ProcessInfo (201)
+//	GET    /v1/processes                    → []ProcessInfo
+//	GET    /v1/processes/{pid}              → ProcessInfo
+//	POST   /v1/processes/{pid}/start        → 204 (starts a gated process; idempotent)
+//	GET    /v1/processes/{pid}/output?from=N&follow=1 → frame stream
+//	POST   /v1/processes/{pid}/stdin[?eof=1] body = bytes → 204
+//	POST   /v1/processes/{pid}/signal       Signal → 204
+//	POST   /v1/processes/{pid}/resize       Resize → 204
+//
+// Errors are JSON Error bodies with a meaningful HTTP status (400, 404, 409, 500).
+package wire
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+)
+
+// AgentSocketName is the file name of the agent's unix socket inside the runtime's
+// per-sandbox run directory (gVisor), and MountDir is where that directory appears
+// inside the sandbox.
+const (
+	AgentSocketName = "agent.sock"
+	RunMountDir     = "/run/space"
+	// AgentPath is where the agent binary is visible inside a sandbox.
+	AgentPath = "/.space/space-agent"
+)
+
+// Health is the answer of GET /v1/health.
+type Health struct {
+	Version string `json:"version"`
+	// BootID changes each time the agent process starts (not on restore).
+	BootID string `json:"boot_id"`
+	// Generation is the last identity generation applied (0 = none yet).
+	Generation int64     `json:"generation"`
+	Time       time.Time `json:"time"`
+}
+
+// Identity gives a (possibly restored or cloned) sandbox its identity: fresh entropy,
+// the host's clock and default environment. Generation increases with every restore.
+type Identity struct {
+	Generation int64 `json:"generation"`
+	// Seed is 32+ random bytes mixed into the kernel entropy pool.
+	Seed []byte `json:"seed"`
+	// UnixNano is the host's clock when the request was sent.
+	UnixNano int64             `json:"unix_nano"`
+	Env      map[string]string `json:"env,omitempty"`
+	Hostname string            `json:"hostname,omitempty"`
+}
+
+// ProcessSpec describes a process to start.
+type ProcessSpec struct {
+	// Argv is the program and its arguments. If Argv[0] has no slash it is looked up in
+	// PATH (of the process's environment).
+	Argv []string          `json:"argv"`
+	Env  map[string]string `json:"env,omitempty"`
+	Cwd  string            `json:"cwd,omitempty"`
+	// User is a user name from the sandbox's /etc/passwd; empty means root.
+	User string `json:"user,omitempty"`
+	// Stdin keeps stdin open (writes via /stdin); otherwise stdin is /dev/null.
+	Stdin bool  `json:"stdin,omitempty"`
+	PTY   *Size `json:"pty,omitempty"`
+	// TimeoutMs kills the process (SIGKILL) this long after it starts; 0 = never.
+	TimeoutMs int64 `json:"timeout_ms,omitempty"`
+	// Gated creates the process without running it: it gets its pid now and runs the
+	// program when /start is called. Output can be attached to before the first byte.
+	Gated bool `json:"gated,omitempty"`
+	// Tag is an opaque label kept with the process (e.g. an E2B tag).
+	Tag string `json:"tag,omitempty"`
+}
+
+// Size is a terminal size.
+type Size struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
+}
+
+// ProcessInfo describes a process known to the agent.
+type ProcessInfo struct {
+	PID       int               `json:"pid"`
+	Argv      []string          `json:"argv"`
+	Env       map[string]string `json:"env,omitempty"`
+	Cwd       string            `json:"cwd,omitempty"`
+	User      string            `json:"user,omitempty"`
+	Tag       string            `json:"tag,omitempty"`
+	State     string            `json:"state"` // created, running, exited
+	ExitCode  *int              `json:"exit_code,omitempty"`
+	Signal    string            `json:"signal,omitempty"`
+	PTY       bool              `json:"pty,omitempty"`
+	Stdin     bool              `json:"stdin,omitempty"`
+	StartedAt *time.Time        `json:"started_at,omitempty"`
+	EndedAt   *time.Time        `json:"ended_at,omitempty"`
+	// Written is the total number of output bytes produced so far (journal end offset).
+	Written int64 `json:"written"`
+	// Retained is the first offset still held in the journal.
+	Retained int64 `json:"retained"`
+}
+
+// Process states.
+const (
+	StateCreated = "created"
+	StateRunning = "running"
+	StateExited  = "exited"
+)
+
+// Signal is the body of /signal: a name like "SIGTERM" or "TERM", or a number.
+type Signal struct {
+	Signal string `json:"signal"`
+}
+
+// Resize is the body of /resize.
+type Resize = Size
+
+// Error is the body of an error response.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Frame types of an output stream.
+const (
+	FrameStdout    byte = 1
+	FrameStderr    byte = 2
+	FrameGap       byte = 3 // Offset = first offset available; payload = uint64 dropped bytes
+	FrameExit      byte = 4 // payload = JSON Exit
+	FrameHeartbeat byte = 5 // no payload; sent on idle streams
+	FrameStart     byte = 6 // payload = JSON Start (process started running)
+)
+
+// FrameHeaderSize is the size of a frame header: type (1), offset (8), length (4).
+const FrameHeaderSize = 13
+
+// MaxFramePayload bounds a frame's payload.
+const MaxFramePayload = 1 << 20
+
+// Frame is one unit of an output stream. Offset is the absolute journal offset of the
+// first payload byte (for stdout/stderr) or the stream position (other frames).
+type Frame struct {
+	Type    byte
+	Offset  int64
+	Payload []byte
+}
+
+// Exit is the payload of an exit frame.
+type Exit struct {
+	ExitCode *int   `json:"exit_code,omitempty"`
+	Signal   string `json:"signal,omitempty"`
+	Error    string `json:"error,omitempty"`
+}
+
+// WriteFrame writes one frame.
+func WriteFrame(w io.Writer, f Frame) error {
+	if len(f.Payload) > MaxFramePayload {
+		return fmt.Errorf("frame payload %d exceeds %d", len(f.Payload), MaxFramePayload)
+	}
+	var h [FrameHeaderSize]byte
+	h[0] = f.Type
+	binary.BigEndian.PutUint64(h[1:9], uint64(f.Offset))
+	binary.BigEndian.PutUint32(h[9:13], uint32(len(f.Payload)))
+	if _, err := w.Write(h[:]); err != nil {
+		return err
+	}
+	if len(f.Payload) > 0 {
+		if _, err := w.Write(f.Payload); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ReadFrame reads one frame. buf is reused for the payload when large enough.
+func ReadFrame(r io.Reader, buf []byte) (Frame, error) {
+	var h [FrameHeaderSize]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return Frame{}, err
+	}
+	n := binary.BigEndian.Uint32(h[9:13])
+	if n > MaxFramePayload {
+		return Frame{}, errors.New("wire: frame too large")
+	}
+	f := Frame{Type: h[0], Offset: int64(binary.BigEndian.Uint64(h[1:9]))}
+	if n > 0 {
+		if cap(buf) < int(n) {
+			buf = make([]byte, n)
+		}
+		f.Payload = buf[:n]
+		if _, err := io.ReadFull(r, f.Payload); err != nil {
+			return Frame{}, err
+		}
+	}
+	return f, nil
+}

@@ -1,0 +1,90 @@
+// Package runtime defines the contract between the node role and the isolation
+// technologies that run sandboxes (gVisor, QEMU microvm, Firecracker). Each runtime lives
+// in its own sub-package and passes the conformance suite in runtime/conformance.
+//
+// A runtime instance is identified by the sandbox id. The node owns storage (it hands the
+// runtime a prepared root filesystem) and the runtime owns processes, sockets and
+// runtime-specific state under Spec.StateDir. Everything a runtime creates for a sandbox
+// must be found again from the sandbox id alone after the node restarts (Adopt), and
+// removed by Destroy, even if Create failed half-way.
+package runtime
+
+import (
+	"context"
+	"errors"
+	"net"
+)
+
+// ErrNotFound is returned when the runtime has no instance with the given id.
+var ErrNotFound = errors.New("runtime: instance not found")
+
+// ErrUnsupported is returned for operations a runtime does not implement.
+var ErrUnsupported = errors.New("runtime: operation not supported")
+
+// Spec describes one sandbox instance to create.
+type Spec struct {
+	// ID is the sandbox id (lowercase alphanumerics).
+	ID string
+	// RootFS is the host path of the sandbox's writable root filesystem (a directory for
+	// gVisor, an image file for VM runtimes).
+	RootFS string
+	// StateDir is a host directory private to this instance where the runtime keeps its
+	// sockets, config and logs. It exists and is empty on Create.
+	StateDir string
+	// AgentPath is the host path of the space-agent binary to run as PID 1.
+	AgentPath string
+	// CPU is the number of vCPUs (or CPU quota in cores for gVisor).
+	CPU int
+	// MemoryMB bounds the sandbox's memory.
+	MemoryMB int
+	// Network enables networking; the default (false) means no network at all.
+	Network bool
+	// AgentEnv is passed to the agent process (not to user processes).
+	AgentEnv map[string]string
+}
+
+// Status is what the runtime observes about an instance.
+type Status string
+
+// Instance statuses.
+const (
+	StatusRunning Status = "running"
+	StatusPaused  Status = "paused"
+	StatusStopped Status = "stopped" // exists but not running (crashed or exited)
+)
+
+// Instance is one sandbox instance known to the runtime.
+type Instance struct {
+	ID     string
+	Status Status
+}
+
+// Info describes the runtime on this host.
+type Info struct {
+	Name    string            `json:"name"`
+	Version string            `json:"version"`
+	Details map[string]string `json:"details,omitempty"`
+}
+
+// Runtime is implemented by every isolation technology.
+type Runtime interface {
+	// Info reports the runtime's name and version.
+	Info(ctx context.Context) (Info, error)
+	// Create creates and starts an instance running the agent. It returns once the
+	// runtime has started it (not necessarily once the agent answers). On error
+	// everything it created is removed.
+	Create(ctx context.Context, spec Spec) error
+	// Dial opens a new stream connection to the instance's agent.
+	Dial(ctx context.Context, id string) (net.Conn, error)
+	// Status reports the instance's status, or ErrNotFound.
+	Status(ctx context.Context, id string) (Status, error)
+	// List reports every instance this runtime knows on the host (for adoption and
+	// orphan reclamation after a restart).
+	List(ctx context.Context) ([]Instance, error)
+	// Adopt re-attaches to an instance that survived a node restart. spec is the same
+	// spec Create received.
+	Adopt(ctx context.Context, spec Spec) error
+	// Destroy stops the instance and removes everything the runtime created for it.
+	// It succeeds if the instance does not exist.
+	Destroy(ctx context.Context, id string) error
+}
