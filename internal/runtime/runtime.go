@@ -39,6 +39,9 @@ type Spec struct {
 	MemoryMB int
 	// Network enables networking; the default (false) means no network at all.
 	Network bool
+	// NetNS is the path of a network namespace the node prepared for the instance
+	// (only with Network).
+	NetNS string
 	// AgentEnv is passed to the agent process (not to user processes).
 	AgentEnv map[string]string
 }
@@ -59,9 +62,21 @@ type Instance struct {
 	Status Status
 }
 
+// DiskFormat is how a runtime takes a sandbox's root filesystem.
+type DiskFormat string
+
+// Disk formats.
+const (
+	// DiskDir is a directory (a btrfs subvolume): gVisor.
+	DiskDir DiskFormat = "dir"
+	// DiskExt4 is an ext4 image file (reflinked per sandbox): VM runtimes.
+	DiskExt4 DiskFormat = "ext4"
+)
+
 // Info describes the runtime on this host.
 type Info struct {
 	Name    string            `json:"name"`
+	Disk    DiskFormat        `json:"disk"`
 	Version string            `json:"version"`
 	Details map[string]string `json:"details,omitempty"`
 }
@@ -87,4 +102,25 @@ type Runtime interface {
 	// Destroy stops the instance and removes everything the runtime created for it.
 	// It succeeds if the instance does not exist.
 	Destroy(ctx context.Context, id string) error
+}
+
+// Snapshotter is implemented by runtimes that can freeze instances and save them.
+//
+// The node coordinates the agent around these calls: before Checkpoint it asks the
+// agent to quiesce (close its transport), after Restore it hands the agent a new
+// identity (fresh entropy, clock) before user code continues. The disk belongs to the
+// node: it snapshots RootFS itself (btrfs) and passes the right one to Restore.
+type Snapshotter interface {
+	// Pause freezes the instance's CPUs; it stays resident.
+	Pause(ctx context.Context, id string) error
+	// Resume continues a paused instance.
+	Resume(ctx context.Context, id string) error
+	// Checkpoint writes the instance's memory and device state into dir (an empty
+	// directory on the node's btrfs store), fsyncs it, and stops the instance, freeing
+	// its resources (Destroy is still called afterwards to remove leftovers).
+	Checkpoint(ctx context.Context, id, dir string) error
+	// Restore starts an instance from a checkpoint in dir. spec.RootFS may be a copy of
+	// the disk the checkpoint was taken with (a clone); spec.ID may differ from the
+	// checkpointed instance's id. On error everything it created is removed.
+	Restore(ctx context.Context, spec Spec, dir string) error
 }

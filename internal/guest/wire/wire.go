@@ -18,8 +18,26 @@
 //	POST   /v1/processes/{pid}/stdin[?eof=1] body = bytes → 204
 //	POST   /v1/processes/{pid}/signal       Signal → 204
 //	POST   /v1/processes/{pid}/resize       Resize → 204
+//	POST   /v1/quiesce                      → 204, then the agent closes its listener and
+//	                                        every connection until <run dir>/resume holds an
+//	                                        Identity with a newer generation (see ResumeFileName)
 //
-// Errors are JSON Error bodies with a meaningful HTTP status (400, 404, 409, 500).
+// Files (paths are absolute, or relative to the home of `user`; `~` is that home):
+//
+//	GET    /v1/files/content?path=&user=&offset=&length= → raw bytes (Content-Length)
+//	PUT    /v1/files/content?path=&user=&mode=&append=1  body = bytes → EntryInfo
+//	GET    /v1/files/stat?path=&user=                    → EntryInfo (lstat: links not followed)
+//	GET    /v1/files/list?path=&user=&depth=             → []EntryInfo (depth 1 by default)
+//	POST   /v1/files/mkdir                  MkdirRequest → EntryInfo (201)
+//	POST   /v1/files/move                   MoveRequest → EntryInfo
+//	DELETE /v1/files?path=&user=&recursive=1             → 204
+//	GET    /v1/files/watch?path=&user=&recursive=1       → newline-delimited WatchEvent JSON;
+//	                                        the first line is a "start" event, sent once the
+//	                                        watch is in place; "heartbeat" lines when idle
+//
+// Errors are JSON Error bodies with a meaningful HTTP status: 400 bad path or arguments,
+// 403 permission denied, 404 not found, 409 conflict (exists, not empty, process exited),
+// 507 no space left, 500 anything else. Error.Code is one of the ErrCode constants.
 package wire
 
 import (
@@ -38,6 +56,14 @@ const (
 	RunMountDir     = "/run/space"
 	// AgentPath is where the agent binary is visible inside a sandbox.
 	AgentPath = "/.space/space-agent"
+	// ResumeFileName is the file, in the agent's run directory, that ends a quiesce: the
+	// host writes a JSON Identity there (write to a temporary name, then rename) with a
+	// generation newer than the agent's; the agent applies it, deletes the file and
+	// listens again.
+	ResumeFileName = "resume"
+	// FileSizeHeader carries the whole file's size on GET /v1/files/content (the body
+	// may be a range of it).
+	FileSizeHeader = "X-Space-File-Size"
 )
 
 // Health is the answer of GET /v1/health.
@@ -48,6 +74,9 @@ type Health struct {
 	// Generation is the last identity generation applied (0 = none yet).
 	Generation int64     `json:"generation"`
 	Time       time.Time `json:"time"`
+	// LastActivity is the time of the last process output or the last request other
+	// than /v1/health (for idle detection).
+	LastActivity time.Time `json:"last_activity"`
 }
 
 // Identity gives a (possibly restored or cloned) sandbox its identity: fresh entropy,
@@ -141,6 +170,20 @@ const (
 	FrameStart     byte = 6 // payload = JSON Start (process started running)
 )
 
+// Output stream rules (GET /v1/processes/{pid}/output?from=N&follow=1):
+//
+//   - A start frame comes first once the process runs (at once if it already started).
+//   - Stdout/stderr frames carry journal bytes; the first one starts exactly at N.
+//   - If N is older than the first retained byte, a gap frame comes first (Offset = first
+//     retained offset, payload = uint64 big-endian count of dropped bytes); a follower
+//     that falls behind the journal's start later gets another gap frame.
+//   - The exit frame comes after all output, once the process was reaped and its output
+//     pipes closed (or 200 ms after reaping, when descendants keep the pipes open; their
+//     later output is still journaled and readable by a new request).
+//   - N beyond the current end is rejected with 400 ErrCodeOffsetBeyondEnd.
+//   - follow=0 sends what exists (and the exit frame if the process has exited) and ends;
+//     follow=1 keeps going, with heartbeat frames on idle streams, until the exit frame.
+//
 // FrameHeaderSize is the size of a frame header: type (1), offset (8), length (4).
 const FrameHeaderSize = 13
 
@@ -159,7 +202,108 @@ type Frame struct {
 type Exit struct {
 	ExitCode *int   `json:"exit_code,omitempty"`
 	Signal   string `json:"signal,omitempty"`
-	Error    string `json:"error,omitempty"`
+	// Error explains an exit the program itself did not choose: the program could not
+	// be executed (exit code 127 not found, 126 other exec errors).
+	Error string `json:"error,omitempty"`
+	// TimedOut is set when the agent killed the process because TimeoutMs passed.
+	TimedOut bool `json:"timed_out,omitempty"`
+}
+
+// Start is the payload of a start frame.
+type Start struct {
+	PID int `json:"pid"`
+}
+
+// Error codes (Error.Code).
+const (
+	ErrCodeBadRequest       = "bad_request"
+	ErrCodeNotFound         = "not_found"
+	ErrCodePermission       = "permission_denied"
+	ErrCodeExists           = "exists"
+	ErrCodeNotEmpty         = "not_empty"
+	ErrCodeNotDir           = "not_a_directory"
+	ErrCodeIsDir            = "is_a_directory"
+	ErrCodeNoSpace          = "no_space"
+	ErrCodeConflict         = "conflict" // e.g. the process has exited or has no stdin
+	ErrCodeExecFailed       = "exec_failed"
+	ErrCodeOffsetBeyondEnd  = "offset_beyond_end"
+	ErrCodeStaleGeneration  = "stale_generation"
+	ErrCodeInternal         = "internal"
+	ErrCodeCrossDevice      = "cross_device"
+	ErrCodeUnknownUser      = "unknown_user"
+	ErrCodeUnknownSignal    = "unknown_signal"
+	ErrCodeNotPTY           = "not_a_pty"
+	ErrCodeProcessNotFound  = "process_not_found"
+	ErrCodeStdinUnavailable = "stdin_unavailable"
+)
+
+// File types (EntryInfo.Type).
+const (
+	FileTypeFile    = "file"
+	FileTypeDir     = "dir"
+	FileTypeSymlink = "symlink"
+	FileTypeOther   = "other"
+)
+
+// EntryInfo describes one file system entry (lstat: symbolic links are not followed).
+type EntryInfo struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+	Type string `json:"type"`
+	Size int64  `json:"size"`
+	// Mode holds the permission bits, including setuid, setgid and sticky (07777).
+	Mode uint32 `json:"mode"`
+	// Permissions is the ls(1) style mode string, e.g. "-rw-r--r--" or "drwxr-xr-x".
+	Permissions   string    `json:"permissions"`
+	Owner         string    `json:"owner"`
+	Group         string    `json:"group"`
+	UID           uint32    `json:"uid"`
+	GID           uint32    `json:"gid"`
+	ModifiedTime  time.Time `json:"modified_time"`
+	SymlinkTarget string    `json:"symlink_target,omitempty"`
+}
+
+// MkdirRequest is the body of POST /v1/files/mkdir. An existing directory is 409
+// ErrCodeExists; an existing non-directory is 409 ErrCodeNotDir.
+type MkdirRequest struct {
+	Path string `json:"path"`
+	User string `json:"user,omitempty"`
+	// Mode defaults to 0755.
+	Mode uint32 `json:"mode,omitempty"`
+	// Parents creates missing parent directories (owned by User).
+	Parents bool `json:"parents,omitempty"`
+}
+
+// MoveRequest is the body of POST /v1/files/move. Missing parents of To are created
+// (owned by User); an existing file at To is replaced.
+type MoveRequest struct {
+	From string `json:"from"`
+	To   string `json:"to"`
+	User string `json:"user,omitempty"`
+}
+
+// Watch event types (WatchEvent.Type). Create, write, remove, rename and chmod follow
+// inotify: a move out of a watched directory is "rename" (old name), a move into it is
+// "create" (new name). "overflow" means the kernel dropped events.
+const (
+	WatchStart     = "start"
+	WatchHeartbeat = "heartbeat"
+	WatchCreate    = "create"
+	WatchWrite     = "write"
+	WatchRemove    = "remove"
+	WatchRename    = "rename"
+	WatchChmod     = "chmod"
+	WatchOverflow  = "overflow"
+)
+
+// WatchEvent is one line of a /v1/files/watch stream.
+type WatchEvent struct {
+	Type string `json:"type"`
+	// Path is the absolute path of the entry the event is about.
+	Path string `json:"path,omitempty"`
+	// Name is Path relative to the watched directory.
+	Name  string `json:"name,omitempty"`
+	IsDir bool   `json:"is_dir,omitempty"`
 }
 
 // WriteFrame writes one frame.

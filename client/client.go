@@ -1,0 +1,248 @@
+// Package client is the Go client of space's HTTP API: control-plane calls with an API
+// key, and data-plane attach streams (SSE) with attachment tokens, including resuming a
+// stream from its last event id so no output is lost across disconnects.
+package client
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+)
+
+// Client talks to one space API endpoint.
+type Client struct {
+	BaseURL string
+	APIKey  string
+	HTTP    *http.Client
+}
+
+// New returns a client for baseURL (e.g. "http://127.0.0.1:7700").
+func New(baseURL, apiKey string) *Client {
+	return &Client{BaseURL: strings.TrimRight(baseURL, "/"), APIKey: apiKey, HTTP: &http.Client{}}
+}
+
+// Error is an error answer from the API.
+type Error struct {
+	Status  int
+	Code    string
+	Message string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("%s (%d %s)", e.Message, e.Status, e.Code) }
+
+// IsNotFound reports whether err is a 404 from the API.
+func IsNotFound(err error) bool {
+	e, ok := err.(*Error)
+	return ok && e.Status == http.StatusNotFound
+}
+
+func decodeError(resp *http.Response) error {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	var e api.Error
+	if json.Unmarshal(b, &e) == nil && e.Error.Message != "" {
+		return &Error{Status: resp.StatusCode, Code: e.Error.Code, Message: e.Error.Message}
+	}
+	return &Error{Status: resp.StatusCode, Code: http.StatusText(resp.StatusCode), Message: strings.TrimSpace(string(b))}
+}
+
+// do sends a request with the API key and decodes a JSON answer into out.
+func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr http.Header) error {
+	var body io.Reader
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return err
+		}
+		body = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.BaseURL+path, body)
+	if err != nil {
+		return err
+	}
+	for k, v := range hdr {
+		req.Header[k] = v
+	}
+	if in != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.APIKey)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 {
+		return decodeError(resp)
+	}
+	if out != nil {
+		return json.NewDecoder(resp.Body).Decode(out)
+	}
+	return nil
+}
+
+// CreateSandbox requests a sandbox. idempotencyKey may be empty.
+func (c *Client) CreateSandbox(ctx context.Context, req api.CreateSandboxRequest, idempotencyKey string) (*api.Sandbox, error) {
+	var h http.Header
+	if idempotencyKey != "" {
+		h = http.Header{"Idempotency-Key": {idempotencyKey}}
+	}
+	var sb api.Sandbox
+	return &sb, c.do(ctx, http.MethodPost, "/v1/sandboxes", req, &sb, h)
+}
+
+// GetSandbox returns a sandbox.
+func (c *Client) GetSandbox(ctx context.Context, id string) (*api.Sandbox, error) {
+	var sb api.Sandbox
+	return &sb, c.do(ctx, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(id), nil, &sb, nil)
+}
+
+// ListOptions filters ListSandboxes.
+type ListOptions struct {
+	States   []string
+	Metadata map[string]string
+}
+
+// ListSandboxes lists sandboxes.
+func (c *Client) ListSandboxes(ctx context.Context, o ListOptions) ([]api.Sandbox, error) {
+	q := url.Values{}
+	if len(o.States) > 0 {
+		q.Set("state", strings.Join(o.States, ","))
+	}
+	for k, v := range o.Metadata {
+		q.Add("metadata", k+"="+v)
+	}
+	var out api.SandboxList
+	path := "/v1/sandboxes"
+	if len(q) > 0 {
+		path += "?" + q.Encode()
+	}
+	return out.Sandboxes, c.do(ctx, http.MethodGet, path, nil, &out, nil)
+}
+
+// DeleteSandbox requests deletion and returns the operation.
+func (c *Client) DeleteSandbox(ctx context.Context, id string) (*api.Operation, error) {
+	var op api.Operation
+	return &op, c.do(ctx, http.MethodDelete, "/v1/sandboxes/"+url.PathEscape(id), nil, &op, nil)
+}
+
+// GetOperation returns an operation.
+func (c *Client) GetOperation(ctx context.Context, id string) (*api.Operation, error) {
+	var op api.Operation
+	return &op, c.do(ctx, http.MethodGet, "/v1/operations/"+url.PathEscape(id), nil, &op, nil)
+}
+
+// WaitOperation long-polls until the operation is done or ctx ends.
+func (c *Client) WaitOperation(ctx context.Context, id string) (*api.Operation, error) {
+	for {
+		var op api.Operation
+		err := c.do(ctx, http.MethodGet, "/v1/operations/"+url.PathEscape(id)+"/wait?timeout=30s", nil, &op, nil)
+		if err != nil {
+			return nil, err
+		}
+		if op.Done() {
+			return &op, nil
+		}
+		if ctx.Err() != nil {
+			return &op, ctx.Err()
+		}
+	}
+}
+
+// CreateAndWait creates a sandbox and waits until its create operation is done. A
+// failed create is returned as an error together with the sandbox.
+func (c *Client) CreateAndWait(ctx context.Context, req api.CreateSandboxRequest) (*api.Sandbox, error) {
+	sb, err := c.CreateSandbox(ctx, req, "")
+	if err != nil {
+		return nil, err
+	}
+	op, err := c.WaitOperation(ctx, sb.Operation.ID)
+	if err != nil {
+		return sb, err
+	}
+	if op.State == api.OpFailed {
+		return sb, fmt.Errorf("create sandbox %s failed: %s", sb.ID, op.Error)
+	}
+	return c.GetSandbox(ctx, sb.ID)
+}
+
+// CreateSession creates a command session.
+func (c *Client) CreateSession(ctx context.Context, sandboxID string, req api.CreateSessionRequest) (*api.CommandSession, error) {
+	var s api.CommandSession
+	return &s, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/sessions", req, &s, nil)
+}
+
+// ListProcesses lists a sandbox's processes.
+func (c *Client) ListProcesses(ctx context.Context, sandboxID string) ([]api.Process, error) {
+	var out struct {
+		Processes []api.Process `json:"processes"`
+	}
+	return out.Processes, c.do(ctx, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/processes", nil, &out, nil)
+}
+
+// GetProcess returns one process.
+func (c *Client) GetProcess(ctx context.Context, sandboxID string, pid int) (*api.Process, error) {
+	var p api.Process
+	return &p, c.do(ctx, http.MethodGet, fmt.Sprintf("/v1/sandboxes/%s/processes/%d", url.PathEscape(sandboxID), pid), nil, &p, nil)
+}
+
+// RevokeTokens revokes every attachment token of a sandbox.
+func (c *Client) RevokeTokens(ctx context.Context, sandboxID string) error {
+	return c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/revoke-tokens", nil, nil, nil)
+}
+
+// CreateAPIKey creates an API key (admin only).
+func (c *Client) CreateAPIKey(ctx context.Context, req api.CreateAPIKeyRequest) (*api.APIKey, error) {
+	var k api.APIKey
+	return &k, c.do(ctx, http.MethodPost, "/v1/apikeys", req, &k, nil)
+}
+
+// ListAPIKeys lists API keys (admin only).
+func (c *Client) ListAPIKeys(ctx context.Context) ([]api.APIKey, error) {
+	var out struct {
+		Keys []api.APIKey `json:"api_keys"`
+	}
+	return out.Keys, c.do(ctx, http.MethodGet, "/v1/apikeys", nil, &out, nil)
+}
+
+// RevokeAPIKey revokes a key by id or prefix (admin only).
+func (c *Client) RevokeAPIKey(ctx context.Context, id string) (*api.APIKey, error) {
+	var k api.APIKey
+	return &k, c.do(ctx, http.MethodDelete, "/v1/apikeys/"+url.PathEscape(id), nil, &k, nil)
+}
+
+// ListNodes lists nodes.
+func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
+	var out struct {
+		Nodes []api.Node `json:"nodes"`
+	}
+	return out.Nodes, c.do(ctx, http.MethodGet, "/v1/nodes", nil, &out, nil)
+}
+
+// ListTemplates lists template releases.
+func (c *Client) ListTemplates(ctx context.Context) ([]api.Template, error) {
+	var out struct {
+		Templates []api.Template `json:"templates"`
+	}
+	return out.Templates, c.do(ctx, http.MethodGet, "/v1/templates", nil, &out, nil)
+}
+
+// Health checks /healthz.
+func (c *Client) Health(ctx context.Context) error {
+	return c.do(ctx, http.MethodGet, "/healthz", nil, nil, nil)
+}
+
+// backoff returns the wait before reconnect attempt n.
+func backoff(n int) time.Duration {
+	d := 50 * time.Millisecond << min(n, 5)
+	return min(d, time.Second)
+}

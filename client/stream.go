@@ -1,0 +1,332 @@
+package client
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+)
+
+// Event is one Server-Sent Event.
+type Event struct {
+	ID   string
+	Name string
+	Data []byte
+}
+
+// Stream reads an attach stream.
+type Stream struct {
+	resp *http.Response
+	br   *bufio.Reader
+}
+
+// Attach opens the attach stream of a session, resuming after lastEventID when it is
+// not empty.
+func (c *Client) Attach(ctx context.Context, s *api.CommandSession, lastEventID string) (*Stream, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.AttachURL, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+s.Token)
+	req.Header.Set("Accept", "text/event-stream")
+	if lastEventID != "" {
+		req.Header.Set("Last-Event-ID", lastEventID)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		defer resp.Body.Close()
+		return nil, decodeError(resp)
+	}
+	return &Stream{resp: resp, br: bufio.NewReaderSize(resp.Body, 64<<10)}, nil
+}
+
+// Next returns the next event, skipping comments (heartbeats).
+func (s *Stream) Next() (Event, error) {
+	var ev Event
+	var data bytes.Buffer
+	seen := false
+	for {
+		line, err := s.br.ReadSlice('\n')
+		if err == bufio.ErrBufferFull {
+			// Long data line: collect it whole.
+			rest, err2 := s.br.ReadBytes('\n')
+			line = append(append([]byte{}, line...), rest...)
+			err = err2
+		}
+		if err != nil {
+			if err == io.EOF && seen {
+				return ev, io.ErrUnexpectedEOF
+			}
+			return ev, err
+		}
+		l := strings.TrimRight(string(line), "\r\n")
+		if l == "" {
+			if !seen {
+				continue
+			}
+			if ev.Name == "" {
+				ev.Name = "message"
+			}
+			ev.Data = bytes.TrimSuffix(data.Bytes(), []byte("\n"))
+			return ev, nil
+		}
+		if l[0] == ':' {
+			continue
+		}
+		seen = true
+		field, value, _ := strings.Cut(l, ":")
+		value = strings.TrimPrefix(value, " ")
+		switch field {
+		case "id":
+			ev.ID = value
+		case "event":
+			ev.Name = value
+		case "data":
+			data.WriteString(value)
+			data.WriteByte('\n')
+		}
+	}
+}
+
+// Close ends the stream.
+func (s *Stream) Close() error { return s.resp.Body.Close() }
+
+// Output receives a process's output.
+type Output struct {
+	Stdout io.Writer
+	Stderr io.Writer
+	// OnGap is told when bytes fell out of the journal before they were read.
+	OnGap func(api.GapEvent)
+	// OnStart is called on every (re)attach.
+	OnStart func(api.StartEvent)
+}
+
+// Follow reads a session's output until the process exits, reconnecting with the last
+// event id after a dropped connection (and re-creating the session if its token
+// expired), so no byte is lost or repeated.
+func (c *Client) Follow(ctx context.Context, sess *api.CommandSession, out Output) (*api.ExitEvent, error) {
+	lastID := ""
+	failures := 0
+	for {
+		st, err := c.Attach(ctx, sess, lastID)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			var ae *Error
+			if errors.As(err, &ae) && ae.Status == http.StatusUnauthorized && c.APIKey != "" {
+				// Token expired or revoked: ask for a new session on the same process.
+				ns, err2 := c.CreateSession(ctx, sess.SandboxID, api.CreateSessionRequest{PID: sess.PID})
+				if err2 != nil {
+					return nil, fmt.Errorf("re-attach: %w", err2)
+				}
+				sess = ns
+				continue
+			}
+			if errors.As(err, &ae) && ae.Status < 500 {
+				return nil, err
+			}
+			failures++
+			if failures > 60 {
+				return nil, err
+			}
+			sleepCtx(ctx, backoff(failures))
+			continue
+		}
+		exit, err := readUntilExit(st, &lastID, out)
+		st.Close()
+		if exit != nil {
+			return exit, nil
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		failures++
+		if failures > 60 {
+			return nil, fmt.Errorf("attach stream keeps failing: %w", err)
+		}
+		sleepCtx(ctx, backoff(failures))
+	}
+}
+
+func readUntilExit(st *Stream, lastID *string, out Output) (*api.ExitEvent, error) {
+	for {
+		ev, err := st.Next()
+		if err != nil {
+			return nil, err
+		}
+		switch ev.Name {
+		case api.EventStart:
+			if out.OnStart != nil {
+				var s api.StartEvent
+				_ = json.Unmarshal(ev.Data, &s)
+				out.OnStart(s)
+			}
+		case api.EventStdout, api.EventStderr:
+			var o api.OutputEvent
+			if err := json.Unmarshal(ev.Data, &o); err != nil {
+				return nil, fmt.Errorf("bad output event: %w", err)
+			}
+			b := []byte(o.Text)
+			if o.Data != "" {
+				if b, err = base64.StdEncoding.DecodeString(o.Data); err != nil {
+					return nil, fmt.Errorf("bad output data: %w", err)
+				}
+			}
+			w := out.Stdout
+			if ev.Name == api.EventStderr {
+				w = out.Stderr
+			}
+			if w != nil {
+				if _, err := w.Write(b); err != nil {
+					return nil, err
+				}
+			}
+		case api.EventGap:
+			if out.OnGap != nil {
+				var g api.GapEvent
+				_ = json.Unmarshal(ev.Data, &g)
+				out.OnGap(g)
+			}
+		case api.EventExit:
+			var x api.ExitEvent
+			if err := json.Unmarshal(ev.Data, &x); err != nil {
+				return nil, fmt.Errorf("bad exit event: %w", err)
+			}
+			return &x, nil
+		case api.EventError:
+			return nil, fmt.Errorf("stream error: %s", ev.Data)
+		}
+		if ev.ID != "" {
+			*lastID = ev.ID
+		}
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+// Exec runs a command in a sandbox, streams its output and returns its exit code
+// (128+n for a signal n, -1 if the exit status is unknown).
+func (c *Client) Exec(ctx context.Context, sandboxID string, req api.CreateSessionRequest, out Output) (int, error) {
+	sess, err := c.CreateSession(ctx, sandboxID, req)
+	if err != nil {
+		return -1, err
+	}
+	exit, err := c.Follow(ctx, sess, out)
+	if err != nil {
+		return -1, err
+	}
+	return ExitCode(exit), nil
+}
+
+// ExitCode turns an exit event into a shell-style exit code.
+func ExitCode(x *api.ExitEvent) int {
+	switch {
+	case x.ExitCode != nil:
+		return *x.ExitCode
+	case x.Signal != "":
+		if n, ok := signalNumbers[strings.TrimPrefix(x.Signal, "SIG")]; ok {
+			return 128 + n
+		}
+		return 128
+	default:
+		return -1
+	}
+}
+
+var signalNumbers = map[string]int{"HUP": 1, "INT": 2, "QUIT": 3, "ILL": 4, "TRAP": 5, "ABRT": 6, "BUS": 7, "FPE": 8,
+	"KILL": 9, "USR1": 10, "SEGV": 11, "USR2": 12, "PIPE": 13, "ALRM": 14, "TERM": 15}
+
+// dataPlane sends a small POST to a session's data-plane endpoint (stdin, signal, resize).
+func (c *Client) dataPlane(ctx context.Context, s *api.CommandSession, verb string, body io.Reader, ctype string) error {
+	u := strings.TrimSuffix(s.AttachURL, "/attach")
+	if i := strings.Index(u, "/attach?"); i >= 0 {
+		u = u[:i]
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u+"/"+verb, body)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+s.Token)
+	if ctype != "" {
+		req.Header.Set("Content-Type", ctype)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 {
+		return decodeError(resp)
+	}
+	return nil
+}
+
+// WriteStdin sends data to the process's stdin; eof closes stdin afterwards.
+func (c *Client) WriteStdin(ctx context.Context, s *api.CommandSession, data io.Reader, eof bool) error {
+	verb := "stdin"
+	if eof {
+		verb += "?eof=1"
+	}
+	return c.dataPlane(ctx, s, verb, data, "application/octet-stream")
+}
+
+// Resize changes the process's terminal size.
+func (c *Client) Resize(ctx context.Context, s *api.CommandSession, rows, cols int) error {
+	b, _ := json.Marshal(api.PTYSize{Rows: rows, Cols: cols})
+	return c.dataPlane(ctx, s, "resize", bytes.NewReader(b), "application/json")
+}
+
+// SignalSession sends a signal ("TERM", "SIGKILL", "9", …) to the session's process.
+func (c *Client) SignalSession(ctx context.Context, s *api.CommandSession, sig string) error {
+	b, _ := json.Marshal(map[string]string{"signal": sig})
+	return c.dataPlane(ctx, s, "signal", bytes.NewReader(b), "application/json")
+}
+
+// Signal sends a signal to a process by pid.
+func (c *Client) Signal(ctx context.Context, sandboxID string, pid int, sig string) error {
+	s, err := c.CreateSession(ctx, sandboxID, api.CreateSessionRequest{PID: pid, Rights: []string{api.RightSignal}})
+	if err != nil {
+		return err
+	}
+	return c.SignalSession(ctx, s, sig)
+}
+
+// Snapshot prints the output a process has produced so far without waiting for more.
+func (c *Client) Snapshot(ctx context.Context, sandboxID string, pid int, out Output) error {
+	s, err := c.CreateSession(ctx, sandboxID, api.CreateSessionRequest{PID: pid, Rights: []string{api.RightRead}})
+	if err != nil {
+		return err
+	}
+	s.AttachURL += "?follow=0"
+	st, err := c.Attach(ctx, s, "")
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	last := ""
+	_, err = readUntilExit(st, &last, out)
+	if err == io.EOF {
+		return nil
+	}
+	return err
+}

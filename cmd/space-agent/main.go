@@ -1,0 +1,91 @@
+// Command space-agent is the in-sandbox agent: PID 1 of every sandbox. It reads its
+// configuration from the environment and runs package agent until SIGTERM.
+//
+//	SPACE_AGENT_LISTEN         unix:/run/space/agent.sock (default), later vsock:PORT, serial:DEV
+//	SPACE_AGENT_RUN_DIR        where the host drops the resume file (default: the socket's directory)
+//	SPACE_AGENT_JOURNAL_BYTES  output journal bound per process, bytes (default 8388608)
+//	SPACE_AGENT_RETENTION      how long exited processes stay readable (Go duration, default 10m)
+//	SPACE_AGENT_MAX_EXITED     how many exited processes are retained (default 256)
+//	SPACE_AGENT_LOG_LEVEL      debug, info (default), warn, error
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/guest/agent"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	agent.MaybeRunGate() // must come first: gated processes re-execute this binary
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "space-agent:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	var level slog.Level
+	if s := os.Getenv("SPACE_AGENT_LOG_LEVEL"); s != "" {
+		if err := level.UnmarshalText([]byte(s)); err != nil {
+			return fmt.Errorf("SPACE_AGENT_LOG_LEVEL: %w", err)
+		}
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+
+	cfg := agent.Config{
+		Listen:  os.Getenv("SPACE_AGENT_LISTEN"),
+		RunDir:  os.Getenv("SPACE_AGENT_RUN_DIR"),
+		Version: version,
+		Logger:  log,
+	}
+	var err error
+	if cfg.JournalBytes, err = envInt("SPACE_AGENT_JOURNAL_BYTES"); err != nil {
+		return err
+	}
+	if cfg.MaxExited, err = envInt("SPACE_AGENT_MAX_EXITED"); err != nil {
+		return err
+	}
+	if s := os.Getenv("SPACE_AGENT_RETENTION"); s != "" {
+		if cfg.Retention, err = time.ParseDuration(s); err != nil {
+			return fmt.Errorf("SPACE_AGENT_RETENTION: %w", err)
+		}
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), unix.SIGTERM, unix.SIGINT)
+	defer stop()
+	reaper, err := agent.NewReaper(agent.ReaperConfig{Logger: log})
+	if err != nil {
+		return err
+	}
+	defer reaper.Close()
+	cfg.Reaper = reaper
+	a, err := agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	log.Info("space-agent starting", "version", version, "pid", os.Getpid())
+	return a.Run(ctx)
+}
+
+func envInt(name string) (int, error) {
+	s := os.Getenv(name)
+	if s == "" {
+		return 0, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("%s: bad number %q", name, s)
+	}
+	return n, nil
+}

@@ -1,0 +1,392 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/spf13/cobra"
+
+	"github.com/spacedev/space/internal/cli"
+	"github.com/spacedev/space/internal/controller"
+	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/node"
+	"github.com/spacedev/space/internal/pgmanaged"
+	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/storage"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
+	"github.com/spacedev/space/internal/token"
+)
+
+// serveConfig is everything space serve reads from flags and the environment.
+type serveConfig struct {
+	dataDir        string
+	databaseURL    string
+	listen         string
+	roles          []string
+	runtime        string
+	advertiseURL   string
+	nodeName       string
+	tokenTTL       time.Duration
+	defaultCPU     int
+	defaultMemory  int
+	maxCPU         int
+	maxMemory      int
+	mirror         string
+	storeSize      int64
+	journalBytes   int64
+	retention      time.Duration
+	logLevel       string
+	runscPlatform  string
+	agentReadyWait time.Duration
+}
+
+func serveCmd(env *cli.Env) *cobra.Command {
+	c := &serveConfig{}
+	var roles string
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Run the space server (api, controller and node roles)",
+		Long: `Run the space server. By default one process runs every role:
+
+  api         the HTTP API (control plane) on --listen
+  controller  the control loops: scheduling, TTLs, dead nodes (leader-elected)
+  node        this host's agent: runs sandboxes, serves their data plane
+
+Without --database-url, space creates and runs a private PostgreSQL cluster in
+<data-dir>/postgres (unix socket only) with the machine's initdb/postgres binaries.
+With --database-url, every api, controller and node process of a fleet shares that
+database.
+
+On first start space creates an admin API key, prints it once and writes it to
+<data-dir>/admin.key (mode 0600), where the CLI finds it.`,
+		Example: `  sudo space serve
+  space serve --data-dir /srv/space --listen 0.0.0.0:7700 --advertise-url http://node1:7700
+  space serve --roles node --database-url postgres://space@db/space --listen 0.0.0.0:7701`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c.dataDir = env.DataDir
+			c.roles = strings.Split(roles, ",")
+			for _, r := range c.roles {
+				if !slices.Contains([]string{"api", "controller", "node"}, r) {
+					return fmt.Errorf("--roles: unknown role %q (roles are api, controller, node)", r)
+				}
+			}
+			return serve(cmd.Context(), c)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
+	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
+	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
+	f.StringVar(&c.runtime, "runtime", "auto", "sandbox runtime: auto, gvisor (qemu and firecracker come with their runtimes)")
+	f.StringVar(&c.advertiseURL, "advertise-url", "", "URL clients use to reach this node's data plane (default: http://<listen>)")
+	f.StringVar(&c.nodeName, "node-name", "", "this node's name (default: the host name)")
+	f.DurationVar(&c.tokenTTL, "token-ttl", 15*time.Minute, "default lifetime of attachment tokens")
+	f.IntVar(&c.defaultCPU, "default-cpu", 1, "vCPUs of a sandbox that asks for none")
+	f.IntVar(&c.defaultMemory, "default-memory", 512, "memory (MiB) of a sandbox that asks for none")
+	f.IntVar(&c.maxCPU, "max-cpu", 8, "largest cpu a sandbox may ask for")
+	f.IntVar(&c.maxMemory, "max-memory", 16384, "largest memory (MiB) a sandbox may ask for")
+	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
+	f.Int64Var(&c.storeSize, "store-size", 64<<30, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
+	f.Int64Var(&c.journalBytes, "journal-bytes", 8<<20, "per-process output journal size in bytes")
+	f.DurationVar(&c.retention, "output-retention", 10*time.Minute, "how long an exited process's output stays readable")
+	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
+	f.StringVar(&c.runscPlatform, "runsc-platform", "ptrace", "gVisor platform: ptrace or kvm")
+	f.DurationVar(&c.agentReadyWait, "agent-timeout", 60*time.Second, "how long a new sandbox's agent may take to answer")
+	return cmd
+}
+
+func newLogger(level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l})), nil
+}
+
+func (c *serveConfig) has(role string) bool { return slices.Contains(c.roles, role) }
+
+func serve(ctx context.Context, c *serveConfig) error {
+	log, err := newLogger(c.logLevel)
+	if err != nil {
+		return err
+	}
+	dataDir, err := filepath.Abs(c.dataDir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dataDir, 0o711); err != nil {
+		return fmt.Errorf("data dir: %w", err)
+	}
+	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
+
+	dbURL := c.databaseURL
+	if dbURL == "" {
+		pg, err := pgmanaged.Start(ctx, pgmanaged.Config{Dir: filepath.Join(dataDir, "postgres"), Logger: log.With("component", "postgres")})
+		if err != nil {
+			return fmt.Errorf("start embedded PostgreSQL: %w", err)
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer cancel()
+			if err := pg.Stop(sctx); err != nil {
+				log.Error("stop embedded PostgreSQL", "err", err)
+			} else {
+				log.Info("embedded PostgreSQL stopped")
+			}
+		}()
+		dbURL = pg.URL()
+		log.Info("embedded PostgreSQL running", "dir", filepath.Join(dataDir, "postgres"))
+	}
+	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log})
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+
+	key, err := st.SigningKey(ctx, "attach-v1")
+	if err != nil {
+		return err
+	}
+	signer, err := token.NewSigner(key)
+	if err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	opMetrics := server.NewOperationMetrics(reg)
+
+	ln, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	defer ln.Close()
+
+	var wg sync.WaitGroup
+	errc := make(chan error, 8)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	run := func(name string, fn func(context.Context) error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := fn(ctx); err != nil && ctx.Err() == nil {
+				errc <- fmt.Errorf("%s: %w", name, err)
+			}
+		}()
+	}
+
+	mux := http.NewServeMux()
+	if c.has("api") {
+		if err := bootstrapAdminKey(ctx, st, dataDir, log); err != nil {
+			return err
+		}
+		a := server.NewAPI(server.Config{
+			Store: st, Signer: signer, Logger: log.With("component", "api"), Registry: reg,
+			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
+			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+		})
+		run("api", a.Run)
+		mux.Handle("/", a.Handler())
+	}
+	if c.has("controller") {
+		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller")})
+		run("controller", ctl.Run)
+	}
+	if c.has("node") {
+		n, dp, err := newNode(ctx, c, dataDir, st, signer, ln, log, opMetrics)
+		if err != nil {
+			return err
+		}
+		dpMux := http.NewServeMux()
+		dp.Register(dpMux)
+		mux.Handle("/v1/dp/", dpMux)
+		mux.Handle("/internal/", dpMux)
+		if !c.has("api") {
+			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "application/json")
+				_, _ = w.Write([]byte(`{"status":"ok"}` + "\n"))
+			})
+		}
+		run("node", n.Run)
+		run("data plane", dp.Run)
+	}
+
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			errc <- fmt.Errorf("http: %w", err)
+		}
+	}()
+	log.Info("space is serving", "listen", ln.Addr().String())
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down")
+	case runErr = <-errc:
+		log.Error("fatal", "err", runErr)
+	}
+	cancel()
+	sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer scancel()
+	_ = srv.Shutdown(sctx)
+	wg.Wait()
+	log.Info("space stopped (sandboxes keep running)")
+	return runErr
+}
+
+// bootstrapAdminKey creates the first admin key, prints it once and writes it to
+// <data-dir>/admin.key.
+func bootstrapAdminKey(ctx context.Context, st *store.Store, dataDir string, log *slog.Logger) error {
+	n, err := st.CountAdminKeys(ctx)
+	if err != nil {
+		return err
+	}
+	if n > 0 {
+		return nil
+	}
+	secret, prefix, err := store.NewKeySecret("space")
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(dataDir, "admin.key")
+	if err := os.WriteFile(path+".tmp", []byte(secret+"\n"), 0o600); err != nil {
+		return fmt.Errorf("write admin key: %w", err)
+	}
+	k := &store.APIKey{ID: ids.APIKey(), Name: "admin", Prefix: prefix, Kind: "space", Tenant: "default", Admin: true}
+	if err := st.CreateAPIKey(ctx, k, secret); err != nil {
+		os.Remove(path + ".tmp")
+		return err
+	}
+	if err := os.Rename(path+".tmp", path); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "\nCreated the admin API key (shown once; also saved to %s):\n\n    %s\n\n", path, secret)
+	log.Info("created admin API key", "id", k.ID, "file", path)
+	return nil
+}
+
+// agentBinary finds space-agent beside the space executable.
+func agentBinary() (string, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	exe, _ = filepath.EvalSymlinks(exe)
+	p := filepath.Join(filepath.Dir(exe), "space-agent")
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("space-agent not found beside %s: build both with `go build -o DIR ./cmd/...`", exe)
+	}
+	return p, nil
+}
+
+func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Store, signer *token.Signer, ln net.Listener,
+	log *slog.Logger, metrics *server.OperationMetrics) (*node.Node, *server.DataPlane, error) {
+	agent, err := agentBinary()
+	if err != nil {
+		return nil, nil, err
+	}
+	disk, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, Logger: log.With("component", "storage")})
+	if err != nil {
+		return nil, nil, fmt.Errorf("open btrfs store: %w", err)
+	}
+	rt, err := selectRuntime(c, dataDir, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	id, err := node.LoadOrCreateID(dataDir)
+	if err != nil {
+		return nil, nil, err
+	}
+	name := c.nodeName
+	if name == "" {
+		if name, err = os.Hostname(); err != nil {
+			return nil, nil, err
+		}
+	}
+	adv := c.advertiseURL
+	if adv == "" {
+		host, port, _ := net.SplitHostPort(ln.Addr().String())
+		if ip := net.ParseIP(host); ip == nil || ip.IsUnspecified() {
+			host = "127.0.0.1"
+		}
+		adv = "http://" + net.JoinHostPort(host, port)
+	}
+	n, err := node.New(node.Config{
+		ID: id, Name: name, DataDir: dataDir, AdvertiseURL: strings.TrimRight(adv, "/"),
+		Store: st, Runtime: rt, Storage: disk,
+		Builder:   &template.Builder{Store: disk, Logger: log.With("component", "template"), Mirror: c.mirror, CacheDir: filepath.Join(dataDir, "cache", "debootstrap")},
+		AgentPath: agent,
+		AgentEnv: map[string]string{
+			"SPACE_AGENT_JOURNAL_BYTES": strconv.FormatInt(c.journalBytes, 10),
+			"SPACE_AGENT_RETENTION":     c.retention.String(),
+		},
+		Logger:            log.With("component", "node"),
+		Metrics:           metrics,
+		AgentReadyTimeout: c.agentReadyWait,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	dp := server.NewDataPlane(server.DataPlaneConfig{Store: st, Signer: signer, Logger: log.With("component", "dataplane"), Node: n, NodeID: id})
+	return n, dp, nil
+}
+
+// selectRuntime picks the sandbox runtime and logs why.
+func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Runtime, error) {
+	switch c.runtime {
+	case "auto", "gvisor":
+	case "qemu", "firecracker":
+		return nil, fmt.Errorf("--runtime %s is not available in this build; use gvisor", c.runtime)
+	default:
+		return nil, fmt.Errorf("--runtime must be auto, gvisor, qemu or firecracker")
+	}
+	// runsc state lives on tmpfs (it does not survive a reboot, and neither do the
+	// sandboxes); one directory per data dir so that several servers on one host never
+	// see each other's sandboxes.
+	sum := sha256.Sum256([]byte(dataDir))
+	rt, err := gvisor.New(gvisor.Config{
+		RootDir:  filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6])),
+		Platform: c.runscPlatform,
+		Logger:   log.With("component", "gvisor"),
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("runtime selected", "runtime", "gvisor", "reason", reasonFor(c.runtime))
+	return rt, nil
+}
+
+func reasonFor(flag string) string {
+	if flag == "gvisor" {
+		return "requested with --runtime gvisor"
+	}
+	return "auto: gVisor runs on any Linux host (microVM runtimes are not built in yet)"
+}

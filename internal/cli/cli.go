@@ -1,0 +1,144 @@
+// Package cli owns space's client commands (sandbox, exec, op, apikey, node, template,
+// …): argument parsing, output formatting (text tables or -o json) and exit codes. The
+// server command and environment lookups live in cmd/space, which hands an Env in.
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/spacedev/space/client"
+)
+
+// Env is what the CLI learns from its environment.
+type Env struct {
+	// URL is the API endpoint (SPACE_URL).
+	URL string
+	// APIKey is the API key (SPACE_API_KEY); empty means read DataDir/admin.key.
+	APIKey string
+	// DataDir is the local server's data directory (for the admin.key fallback).
+	DataDir string
+	Stdin   io.Reader
+	Stdout  io.Writer
+	Stderr  io.Writer
+}
+
+// ExitError carries a process exit code through cobra.
+type ExitError struct{ Code int }
+
+func (e *ExitError) Error() string { return fmt.Sprintf("exit status %d", e.Code) }
+
+// app holds the parsed global flags.
+type app struct {
+	env    *Env
+	url    string
+	apiKey string
+	output string
+}
+
+// AddCommands adds the client commands and global flags to root.
+func AddCommands(root *cobra.Command, env *Env) {
+	a := &app{env: env}
+	pf := root.PersistentFlags()
+	pf.StringVar(&a.url, "url", env.URL, "space API URL (env SPACE_URL)")
+	pf.StringVar(&a.apiKey, "api-key", env.APIKey, "API key (env SPACE_API_KEY; default: the local server's <data-dir>/admin.key)")
+	pf.StringVarP(&a.output, "output", "o", "text", "output format: text or json")
+	root.AddCommand(
+		a.sandboxCmd(),
+		a.execCmd(),
+		a.opCmd(),
+		a.apikeyCmd(),
+		a.nodeCmd(),
+		a.templateCmd(),
+		a.benchCmd(),
+	)
+	for _, c := range a.dataPlaneCmds() {
+		root.AddCommand(c)
+	}
+}
+
+// client returns an API client with the resolved key.
+func (a *app) client() (*client.Client, error) {
+	key := a.apiKey
+	if key == "" {
+		p := filepath.Join(a.env.DataDir, "admin.key")
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return nil, fmt.Errorf("no API key: set SPACE_API_KEY or --api-key (could not read %s: %v)", p, errors.Unwrap(err))
+		}
+		key = strings.TrimSpace(string(b))
+	}
+	return client.New(a.url, key), nil
+}
+
+func (a *app) json() bool { return a.output == "json" }
+
+func (a *app) checkOutput() error {
+	if a.output != "text" && a.output != "json" {
+		return fmt.Errorf("--output must be text or json, not %q", a.output)
+	}
+	return nil
+}
+
+// print writes v as indented JSON.
+func (a *app) printJSON(v any) error {
+	enc := json.NewEncoder(a.env.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func (a *app) table(header ...string) *tabwriter.Writer {
+	tw := tabwriter.NewWriter(a.env.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(header, "\t"))
+	return tw
+}
+
+func ago(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	d := time.Since(t).Round(time.Second)
+	switch {
+	case d < time.Minute:
+		return d.String() + " ago"
+	case d < time.Hour:
+		return fmt.Sprintf("%dm ago", int(d.Minutes()))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh ago", int(d.Hours()))
+	default:
+		return fmt.Sprintf("%dd ago", int(d.Hours()/24))
+	}
+}
+
+// parseKV parses repeated KEY=VALUE flags.
+func parseKV(flag string, vals []string) (map[string]string, error) {
+	if len(vals) == 0 {
+		return nil, nil
+	}
+	m := map[string]string{}
+	for _, v := range vals {
+		k, val, ok := strings.Cut(v, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("--%s %q must look like KEY=VALUE", flag, v)
+		}
+		m[k] = val
+	}
+	return m, nil
+}
+
+func cmdContext(cmd *cobra.Command) context.Context {
+	if ctx := cmd.Context(); ctx != nil {
+		return ctx
+	}
+	return context.Background()
+}

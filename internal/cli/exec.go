@@ -1,0 +1,307 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+func (a *app) execCmd() *cobra.Command {
+	var req api.CreateSessionRequest
+	var env []string
+	var interactive, tty bool
+	cmd := &cobra.Command{
+		Use:   "exec SANDBOX [flags] -- COMMAND [ARG...]",
+		Short: "Run a command in a sandbox and stream its output",
+		Long: `Run a command in a sandbox. Its stdout and stderr stream to this terminal's stdout
+and stderr, and space exits with the command's exit code (128+N when it died of
+signal N). A dropped connection is resumed from the last byte received.
+
+With -i, this terminal's stdin is sent to the command; with -t it runs on a
+pseudo-terminal (raw mode, resized with the terminal).`,
+		Example: `  space exec $id -- python3 -c 'print(6*7)'
+  space exec $id --cwd /tmp --env DEBUG=1 -- bash -c 'echo $DEBUG; pwd'
+  space exec -it $id -- bash`,
+		Args: cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if cmd.ArgsLenAtDash() != 1 {
+				return fmt.Errorf("put the command after --, like: space exec SANDBOX -- COMMAND")
+			}
+			var err error
+			if req.Env, err = parseKV("env", env); err != nil {
+				return err
+			}
+			req.Argv = args[1:]
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			if interactive || tty {
+				return a.interactive(cmd, c, args[0], req, tty)
+			}
+			code, err := c.Exec(cmdContext(cmd), args[0], req, client.Output{Stdout: a.env.Stdout, Stderr: a.env.Stderr,
+				OnGap: func(g api.GapEvent) {
+					fmt.Fprintf(a.env.Stderr, "space: %d bytes of output were dropped (journal overflow)\n", g.Dropped)
+				}})
+			if err != nil {
+				return err
+			}
+			if code != 0 {
+				return &ExitError{Code: code}
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringArrayVarP(&env, "env", "e", nil, "environment variable KEY=VALUE (repeatable)")
+	f.StringVarP(&req.Cwd, "cwd", "w", "", "working directory (default: the user's home)")
+	f.StringVarP(&req.User, "user", "u", "", "run as this user: root (default) or user")
+	f.StringVar(&req.Timeout, "timeout", "", "kill the command after this long (e.g. 30s)")
+	f.BoolVarP(&interactive, "interactive", "i", false, "send stdin to the command")
+	f.BoolVarP(&tty, "tty", "t", false, "run on a pseudo-terminal")
+	return cmd
+}
+
+func (a *app) opCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "op", Aliases: []string{"operation", "operations"}, Short: "Inspect and wait for operations"}
+	show := func(op *api.Operation) error {
+		if a.json() {
+			return a.printJSON(op)
+		}
+		tw := a.table("ID", "KIND", "SANDBOX", "STATE", "MESSAGE", "ERROR")
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", op.ID, op.Kind, op.SandboxID, op.State, op.Message, op.Error)
+		return tw.Flush()
+	}
+	get := &cobra.Command{
+		Use:   "get OPERATION",
+		Short: "Show an operation",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			op, err := c.GetOperation(cmdContext(cmd), args[0])
+			if err != nil {
+				return err
+			}
+			return show(op)
+		},
+	}
+	wait := &cobra.Command{
+		Use:   "wait OPERATION",
+		Short: "Wait until an operation is done; exit 1 if it failed",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			op, err := c.WaitOperation(cmdContext(cmd), args[0])
+			if err != nil {
+				return err
+			}
+			if err := show(op); err != nil {
+				return err
+			}
+			if op.State == api.OpFailed {
+				return &ExitError{Code: 1}
+			}
+			return nil
+		},
+	}
+	cmd.AddCommand(get, wait)
+	return cmd
+}
+
+func (a *app) apikeyCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "apikey", Aliases: []string{"apikeys"}, Short: "Manage API keys (admin key required)"}
+	var admin, e2b bool
+	create := &cobra.Command{
+		Use:   "create NAME",
+		Short: "Create an API key and print its secret (shown only once)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			req := api.CreateAPIKeyRequest{Name: args[0], Admin: admin, Kind: "space"}
+			if e2b {
+				req.Kind = "e2b"
+			}
+			k, err := c.CreateAPIKey(cmdContext(cmd), req)
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(k)
+			}
+			fmt.Fprintln(a.env.Stdout, k.Secret)
+			return nil
+		},
+	}
+	create.Flags().BoolVar(&admin, "admin", false, "the key may manage API keys and see every tenant's sandboxes")
+	create.Flags().BoolVar(&e2b, "e2b", false, "make an E2B-format key (e2b_…) for the E2B-compatible API")
+	list := &cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List API keys",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			keys, err := c.ListAPIKeys(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(keys)
+			}
+			tw := a.table("ID", "NAME", "PREFIX", "KIND", "ADMIN", "CREATED", "REVOKED")
+			for _, k := range keys {
+				revoked := "-"
+				if k.RevokedAt != nil {
+					revoked = ago(*k.RevokedAt)
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s…\t%s\t%v\t%s\t%s\n", k.ID, k.Name, k.Prefix, k.Kind, k.Admin, ago(k.CreatedAt), revoked)
+			}
+			return tw.Flush()
+		},
+	}
+	revoke := &cobra.Command{
+		Use:   "revoke KEY-ID",
+		Short: "Revoke an API key (by id or prefix)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			k, err := c.RevokeAPIKey(cmdContext(cmd), args[0])
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(k)
+			}
+			fmt.Fprintln(a.env.Stdout, k.ID)
+			return nil
+		},
+	}
+	cmd.AddCommand(create, list, revoke)
+	return cmd
+}
+
+func (a *app) nodeCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "node", Aliases: []string{"nodes"}, Short: "Inspect nodes"}
+	cmd.AddCommand(&cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List nodes with their runtime",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			nodes, err := c.ListNodes(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(nodes)
+			}
+			tw := a.table("NAME", "STATE", "RUNTIME", "DETAILS", "SANDBOXES", "HEARTBEAT", "DATA PLANE")
+			for _, n := range nodes {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\n", n.Name, n.State, n.Runtime, details(n.RuntimeInfo), n.Sandboxes, ago(n.HeartbeatAt), n.DataPlaneURL)
+			}
+			return tw.Flush()
+		},
+	})
+	return cmd
+}
+
+func details(v any) string {
+	m, ok := v.(map[string]any)
+	if !ok {
+		return ""
+	}
+	var parts []string
+	for _, k := range []string{"version", "platform", "kvm", "reason"} {
+		if s, ok := m[k]; ok {
+			parts = append(parts, fmt.Sprintf("%s=%v", k, s))
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+func (a *app) templateCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "template", Aliases: []string{"templates"}, Short: "Inspect templates"}
+	cmd.AddCommand(&cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List template releases and their tags",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			list, err := c.ListTemplates(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(list)
+			}
+			tw := a.table("NAME", "TAGS", "DIGEST", "SIZE", "CREATED")
+			for _, t := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", t.Name, strings.Join(t.Tags, ","), t.Digest, humanBytes(t.SizeBytes), ago(t.CreatedAt))
+			}
+			return tw.Flush()
+		},
+	})
+	return cmd
+}
+
+func humanBytes(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return strconv.FormatInt(n, 10) + " B"
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+var _ = os.Stdin

@@ -1,0 +1,228 @@
+package cli
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+func (a *app) sandboxCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes"}
+	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm())
+	return cmd
+}
+
+func (a *app) sandboxCreate() *cobra.Command {
+	var req api.CreateSandboxRequest
+	var env, meta []string
+	var wait bool
+	var idem string
+	cmd := &cobra.Command{
+		Use:   "create",
+		Short: "Create a sandbox and print its id",
+		Long: `Create a sandbox. The new sandbox's id is printed alone on stdout (the full
+sandbox as JSON with -o json). Without --wait the command returns as soon as the
+request is recorded; with --wait it waits until the sandbox runs (or failed).
+
+The first sandbox from the builtin "base" template builds that template (Debian
+bookworm via debootstrap, about a minute); later ones start in well under a second.`,
+		Example: `  space sandbox create --wait
+  id=$(space sandbox create --template base --memory 1024 --env FOO=bar --metadata owner=alice --ttl 2h --wait)`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			var err error
+			if req.Env, err = parseKV("env", env); err != nil {
+				return err
+			}
+			if req.Metadata, err = parseKV("metadata", meta); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			ctx := cmdContext(cmd)
+			sb, err := c.CreateSandbox(ctx, req, idem)
+			if err != nil {
+				return err
+			}
+			if wait {
+				op, err := c.WaitOperation(ctx, sb.Operation.ID)
+				if err != nil {
+					return err
+				}
+				if op.State == api.OpFailed {
+					return fmt.Errorf("sandbox %s failed to start: %s", sb.ID, op.Error)
+				}
+				opv := sb.Operation
+				if sb, err = c.GetSandbox(ctx, sb.ID); err != nil {
+					return err
+				}
+				sb.Operation = op
+				_ = opv
+			}
+			if a.json() {
+				return a.printJSON(sb)
+			}
+			fmt.Fprintln(a.env.Stdout, sb.ID)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVarP(&req.Template, "template", "t", "base", "template reference: name, name:tag or name@sha256:…")
+	f.IntVar(&req.CPU, "cpu", 0, "vCPUs (default: the server's default)")
+	f.IntVar(&req.MemoryMB, "memory", 0, "memory in MiB (default: the server's default)")
+	f.StringArrayVarP(&env, "env", "e", nil, "environment variable KEY=VALUE for every process (repeatable)")
+	f.StringArrayVarP(&meta, "metadata", "m", nil, "metadata KEY=VALUE (repeatable)")
+	f.StringVar(&req.TTL, "ttl", "", "delete the sandbox after this long (e.g. 30m, 2h)")
+	f.StringVar(&req.Runtime, "runtime", "", "ask for a runtime: gvisor, qemu or firecracker")
+	f.BoolVarP(&wait, "wait", "w", false, "wait until the sandbox is running")
+	f.StringVar(&idem, "idempotency-key", "", "retry-safe key: a retried create with the same key returns the same sandbox")
+	return cmd
+}
+
+func (a *app) sandboxList() *cobra.Command {
+	var states, meta []string
+	cmd := &cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List sandboxes",
+		Example: "  space sandbox list --state running --metadata owner=alice",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			md, err := parseKV("metadata", meta)
+			if err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			list, err := c.ListSandboxes(cmdContext(cmd), client.ListOptions{States: states, Metadata: md})
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				if list == nil {
+					list = []api.Sandbox{}
+				}
+				return a.printJSON(list)
+			}
+			tw := a.table("ID", "STATE", "TEMPLATE", "CPU", "MEMORY", "NODE", "CREATED")
+			for _, s := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%dMiB\t%s\t%s\n", s.ID, s.State, s.Template, s.CPU, s.MemoryMB, s.Node, ago(s.CreatedAt))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringArrayVar(&states, "state", nil, "only sandboxes in this state (repeatable)")
+	cmd.Flags().StringArrayVarP(&meta, "metadata", "m", nil, "only sandboxes whose metadata has KEY=VALUE (repeatable)")
+	return cmd
+}
+
+func (a *app) sandboxGet() *cobra.Command {
+	return &cobra.Command{
+		Use:   "get SANDBOX",
+		Short: "Show a sandbox",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			sb, err := c.GetSandbox(cmdContext(cmd), args[0])
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(sb)
+			}
+			tw := a.table("FIELD", "VALUE")
+			row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
+			row("id", sb.ID)
+			row("state", sb.State)
+			row("desired state", sb.DesiredState)
+			row("template", sb.Template)
+			row("template digest", sb.TemplateDigest)
+			row("cpu", fmt.Sprint(sb.CPU))
+			row("memory", fmt.Sprintf("%d MiB", sb.MemoryMB))
+			row("runtime", sb.Runtime)
+			row("node", sb.Node)
+			row("start path", sb.StartPath)
+			row("created", sb.CreatedAt.Format(time.RFC3339))
+			if sb.ExpiresAt != nil {
+				row("expires", sb.ExpiresAt.Format(time.RFC3339))
+			}
+			for k, v := range sb.Metadata {
+				row("metadata."+k, v)
+			}
+			if sb.Error != "" {
+				row("error", sb.Error)
+			}
+			return tw.Flush()
+		},
+	}
+}
+
+func (a *app) sandboxRm() *cobra.Command {
+	var wait bool
+	cmd := &cobra.Command{
+		Use:     "rm SANDBOX...",
+		Aliases: []string{"delete"},
+		Short:   "Delete sandboxes",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.checkOutput(); err != nil {
+				return err
+			}
+			c, err := a.client()
+			if err != nil {
+				return err
+			}
+			ctx := cmdContext(cmd)
+			var ops []*api.Operation
+			var failed []string
+			for _, id := range args {
+				op, err := c.DeleteSandbox(ctx, id)
+				if err != nil {
+					failed = append(failed, fmt.Sprintf("%s: %v", id, err))
+					continue
+				}
+				if wait {
+					if op, err = c.WaitOperation(ctx, op.ID); err != nil {
+						return err
+					}
+				}
+				ops = append(ops, op)
+				if !a.json() {
+					fmt.Fprintln(a.env.Stdout, id)
+				}
+			}
+			if a.json() {
+				if err := a.printJSON(ops); err != nil {
+					return err
+				}
+			}
+			if len(failed) > 0 {
+				return fmt.Errorf("%s", strings.Join(failed, "; "))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVarP(&wait, "wait", "w", false, "wait until each sandbox is deleted")
+	return cmd
+}

@@ -1,0 +1,291 @@
+// Package controller owns space's cluster-wide control loops: scheduling pending
+// sandboxes onto nodes, marking nodes dead after missed heartbeats, deleting sandboxes
+// whose TTL ended, and purging old records. One controller is leader at a time, elected
+// through a PostgreSQL advisory lock held on a dedicated connection; losing the
+// connection loses leadership, and another replica takes over.
+package controller
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sort"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/store"
+)
+
+// leaderLockKey is the advisory lock that elects the controller leader.
+const leaderLockKey = 0x5ace0001
+
+// Config configures the controller.
+type Config struct {
+	Store  *store.Store
+	Logger *slog.Logger
+	// NodeTimeout is how long a node may miss heartbeats before it is marked dead.
+	NodeTimeout time.Duration
+	// Resync is the period of the full scheduling pass (the safety net behind
+	// notifications).
+	Resync time.Duration
+	// Retention is how long deleted sandboxes and finished operations are kept.
+	Retention time.Duration
+}
+
+// Controller runs the control loops.
+type Controller struct {
+	cfg  Config
+	st   *store.Store
+	log  *slog.Logger
+	kick chan struct{}
+}
+
+// New returns a controller.
+func New(cfg Config) *Controller {
+	if cfg.NodeTimeout == 0 {
+		cfg.NodeTimeout = 15 * time.Second
+	}
+	if cfg.Resync == 0 {
+		cfg.Resync = 5 * time.Second
+	}
+	if cfg.Retention == 0 {
+		cfg.Retention = 24 * time.Hour
+	}
+	return &Controller{cfg: cfg, st: cfg.Store, log: cfg.Logger, kick: make(chan struct{}, 1)}
+}
+
+// Run campaigns for leadership and runs the loops while leader, until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	go func() {
+		_ = c.st.Listen(ctx, c.log, func(_, _ string) { c.wake() }, store.ChannelController)
+	}()
+	for ctx.Err() == nil {
+		conn, err := c.campaign(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			c.log.Warn("controller election", "err", err)
+			sleep(ctx, 2*time.Second)
+			continue
+		}
+		if conn == nil {
+			sleep(ctx, 2*time.Second)
+			continue
+		}
+		c.log.Info("controller: leader")
+		c.lead(ctx, conn)
+		conn.Close(context.WithoutCancel(ctx))
+		c.log.Info("controller: no longer leader")
+	}
+	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+func (c *Controller) wake() {
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+// campaign returns a connection holding the leader lock, or nil if another replica
+// leads.
+func (c *Controller) campaign(ctx context.Context) (*pgx.Conn, error) {
+	conn, err := c.st.Connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var ok bool
+	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, leaderLockKey).Scan(&ok); err != nil {
+		conn.Close(ctx)
+		return nil, err
+	}
+	if !ok {
+		conn.Close(ctx)
+		return nil, nil
+	}
+	return conn, nil
+}
+
+func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
+	resync := time.NewTicker(c.cfg.Resync)
+	defer resync.Stop()
+	ttl := time.NewTicker(time.Second)
+	defer ttl.Stop()
+	purge := time.NewTicker(10 * time.Minute)
+	defer purge.Stop()
+	c.pass(ctx)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-c.kick:
+			c.schedule(ctx)
+		case <-ttl.C:
+			c.expire(ctx)
+		case <-resync.C:
+			// Leadership lives as long as the lock's connection.
+			if err := conn.Ping(ctx); err != nil {
+				c.log.Warn("controller lost its lock connection", "err", err)
+				return
+			}
+			c.pass(ctx)
+		case <-purge.C:
+			c.purge(ctx)
+		}
+	}
+}
+
+func (c *Controller) pass(ctx context.Context) {
+	c.markDead(ctx)
+	c.schedule(ctx)
+	c.expire(ctx)
+}
+
+func (c *Controller) markDead(ctx context.Context) {
+	dead, err := c.st.MarkDeadNodes(ctx, time.Now().Add(-c.cfg.NodeTimeout))
+	if err != nil {
+		c.log.Warn("mark dead nodes", "err", err)
+		return
+	}
+	for _, id := range dead {
+		c.log.Warn("node missed its heartbeats; marked dead", "node", id)
+	}
+}
+
+// schedule places pending sandboxes on nodes.
+func (c *Controller) schedule(ctx context.Context) {
+	pending, err := c.st.PendingSandboxes(ctx, 500)
+	if err != nil {
+		c.log.Warn("list pending sandboxes", "err", err)
+		return
+	}
+	if len(pending) == 0 {
+		return
+	}
+	nodes, err := c.st.ListNodes(ctx)
+	if err != nil {
+		c.log.Warn("list nodes", "err", err)
+		return
+	}
+	load := map[string]int{}
+	for _, n := range nodes {
+		load[n.ID] = n.Sandboxes
+	}
+	for _, sb := range pending {
+		if sb.DesiredState == api.StateDeleted {
+			c.finishUnscheduledDelete(ctx, sb)
+			continue
+		}
+		n, why := Pick(nodes, load, sb.Spec.Runtime)
+		if n == nil {
+			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "waiting for a node: "+why)
+			continue
+		}
+		ok, err := c.st.AssignNode(ctx, sb.ID, n.ID, n.Runtime)
+		if err != nil {
+			c.log.Warn("assign node", "sandbox", sb.ID, "err", err)
+			continue
+		}
+		if ok {
+			load[n.ID]++
+			c.log.Info("scheduled sandbox", "sandbox", sb.ID, "node", n.Name)
+			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "scheduled on node "+n.Name)
+		}
+	}
+}
+
+// Pick chooses the alive node with the fewest sandboxes that offers runtime (any when
+// empty). It returns nil and the reason when none fits.
+func Pick(nodes []*store.Node, load map[string]int, runtime string) (*store.Node, string) {
+	var fit []*store.Node
+	alive := 0
+	for _, n := range nodes {
+		if n.State != "alive" {
+			continue
+		}
+		alive++
+		if runtime != "" && n.Runtime != runtime {
+			continue
+		}
+		fit = append(fit, n)
+	}
+	if len(fit) == 0 {
+		if alive == 0 {
+			return nil, "no node is alive"
+		}
+		return nil, fmt.Sprintf("no alive node offers runtime %q", runtime)
+	}
+	sort.SliceStable(fit, func(i, j int) bool { return load[fit[i].ID] < load[fit[j].ID] })
+	return fit[0], ""
+}
+
+func (c *Controller) finishUnscheduledDelete(ctx context.Context, sb *store.Sandbox) {
+	ok, err := c.st.FinishUnassigned(ctx, sb.ID, sb.Generation)
+	if err != nil || !ok {
+		return
+	}
+	ops, err := c.st.OpenOperations(ctx, sb.ID)
+	if err != nil {
+		return
+	}
+	for _, op := range ops {
+		if op.Kind == api.OpDelete {
+			_ = c.st.UpdateOperation(ctx, op.ID, api.OpSucceeded, "deleted", "")
+		} else {
+			_ = c.st.UpdateOperation(ctx, op.ID, api.OpFailed, "superseded", "the sandbox was deleted before it started")
+		}
+	}
+}
+
+// expire deletes sandboxes whose TTL ended.
+func (c *Controller) expire(ctx context.Context) {
+	list, err := c.st.ExpiredSandboxes(ctx, time.Now(), 100)
+	if err != nil {
+		c.log.Warn("list expired sandboxes", "err", err)
+		return
+	}
+	for _, sb := range list {
+		op := &store.Operation{ID: ids.Operation(), Kind: api.OpDelete, Message: "ttl expired"}
+		err := c.st.InTx(ctx, func(tx *store.Tx) error {
+			cur, err := tx.GetSandboxForUpdate(ctx, sb.ID)
+			if err != nil {
+				return err
+			}
+			if cur.DesiredState == api.StateDeleted || cur.DeletedAt != nil {
+				return nil
+			}
+			return tx.SetDesiredState(ctx, cur, api.StateDeleted, op)
+		})
+		if err != nil {
+			c.log.Warn("expire sandbox", "sandbox", sb.ID, "err", err)
+			continue
+		}
+		c.log.Info("sandbox ttl expired; deleting", "sandbox", sb.ID, "op", op.ID)
+	}
+}
+
+func (c *Controller) purge(ctx context.Context) {
+	before := time.Now().Add(-c.cfg.Retention)
+	if n, err := c.st.PurgeDeleted(ctx, before); err == nil && n > 0 {
+		c.log.Info("purged deleted sandboxes", "count", n)
+	}
+	if _, err := c.st.PurgeOperations(ctx, before); err != nil {
+		c.log.Warn("purge operations", "err", err)
+	}
+	if err := c.st.PurgeIdempotency(ctx, time.Now().Add(-24*time.Hour)); err != nil {
+		c.log.Warn("purge idempotency keys", "err", err)
+	}
+}

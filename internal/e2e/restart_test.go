@@ -1,0 +1,146 @@
+package e2e
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+var execCommand = exec.Command
+
+// runscPid returns the pid of a runsc container's sandbox process.
+func (s *srv) runscPid(t testing.TB, id string) int {
+	t.Helper()
+	out, err := exec.Command("runsc", "--root", s.RunscRoot(), "state", id).Output()
+	if err != nil {
+		t.Fatalf("runsc state %s: %v", id, err)
+	}
+	var st struct {
+		Pid    int    `json:"pid"`
+		Status string `json:"status"`
+	}
+	if err := json.Unmarshal(out, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Pid
+}
+
+// TestKillRestartAdopts kills space serve while a sandbox runs a long command: after a
+// restart the sandbox is still running (the same instance, adopted), the command kept
+// running, and new commands run.
+func TestKillRestartAdopts(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	pid := s.runscPid(t, sb.ID)
+
+	sess, err := s.C.CreateSession(ctx(t, time.Minute), sb.ID, api.CreateSessionRequest{
+		Command: "i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := s.C.Attach(ctx(t, time.Minute), sess, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Next(); err != nil { // start event: the process is running
+		t.Fatal(err)
+	}
+	st.Close()
+
+	s.Kill()
+	s.Restart()
+
+	got, err := s.C.GetSandbox(ctx(t, time.Minute), sb.ID)
+	if err != nil || got.State != api.StateRunning {
+		t.Fatalf("after restart: %+v %v", got, err)
+	}
+	if p := s.runscPid(t, sb.ID); p != pid {
+		t.Fatalf("sandbox was recreated (runsc pid %d, was %d), not adopted", p, pid)
+	}
+	out, _, code := s.exec(t, sb.ID, "python3", "-c", "print(6*7)")
+	if code != 0 || out != "42\n" {
+		t.Fatalf("exec after restart: %d %q", code, out)
+	}
+	if !strings.Contains(s.Log(), "adopted sandbox") {
+		t.Fatal("the restarted server did not report adopting the sandbox")
+	}
+	p, err := s.C.GetProcess(ctx(t, time.Minute), sb.ID, sess.PID)
+	if err != nil || p.State != api.ProcRunning {
+		t.Fatalf("long command after restart: %+v %v", p, err)
+	}
+}
+
+// TestKillDuringCreate kills space serve while a sandbox is being created: after a
+// restart the create finishes (it is resumed from the start) and nothing is left over
+// from the interrupted attempt.
+func TestKillDuringCreate(t *testing.T) {
+	s := start(t, options{})
+	sb, err := s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Kill once the runtime instance is being set up.
+	waitFor(t, time.Minute, "the runtime instance to be started", func() bool {
+		_, err := os.Stat(filepath.Join(s.dataDir, "runtime", sb.ID, "config.json"))
+		return err == nil
+	})
+	s.Kill()
+	s.Restart()
+	op, err := s.C.WaitOperation(ctx(t, 3*time.Minute), sb.Operation.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op.State != api.OpSucceeded {
+		t.Fatalf("create after restart: %+v", op)
+	}
+	if ids := s.runscIDs(); len(ids) != 1 || ids[0] != sb.ID {
+		t.Fatalf("runsc containers after resumed create: %v", ids)
+	}
+	out, _, code := s.exec(t, sb.ID, "python3", "-c", "print(6*7)")
+	if code != 0 || out != "42\n" {
+		t.Fatalf("exec: %d %q", code, out)
+	}
+	// Delete cleans everything, including anything the interrupted attempt made.
+	op2, err := s.C.DeleteSandbox(ctx(t, time.Minute), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op2, err = s.C.WaitOperation(ctx(t, 2*time.Minute), op2.ID); err != nil || op2.State != api.OpSucceeded {
+		t.Fatalf("delete: %+v %v", op2, err)
+	}
+	assertGone(t, s, sb.ID)
+}
+
+// TestEmbeddedPostgres runs the server on its own private PostgreSQL: first start
+// creates it, SIGTERM stops it, and a restart finds the data again.
+func TestEmbeddedPostgres(t *testing.T) {
+	s := start(t, options{embedded: true})
+	sb := s.create(t, api.CreateSandboxRequest{Metadata: map[string]string{"keep": "me"}})
+	sock, err := filepath.Glob(filepath.Join(s.dataDir, "postgres", "run", ".s.PGSQL.*"))
+	if err != nil || len(sock) == 0 {
+		t.Fatalf("no unix socket for the private PostgreSQL: %v", err)
+	}
+	s.Stop()
+	if _, err := os.Stat(filepath.Join(s.dataDir, "postgres", "data", "postmaster.pid")); !os.IsNotExist(err) {
+		t.Fatalf("PostgreSQL still running after SIGTERM (postmaster.pid: %v)", err)
+	}
+	s.Restart()
+	list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{Metadata: map[string]string{"keep": "me"}})
+	if err != nil || len(list) != 1 || list[0].ID != sb.ID || list[0].State != api.StateRunning {
+		t.Fatalf("after restart: %+v %v", list, err)
+	}
+	if strings.Contains(s.Log(), "Created the admin API key") {
+		t.Fatal("the restarted server created another admin key")
+	}
+	out, _, code := s.exec(t, sb.ID, "echo", "still here")
+	if code != 0 || out != "still here\n" {
+		t.Fatalf("exec: %d %q", code, out)
+	}
+}

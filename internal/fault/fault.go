@@ -1,0 +1,90 @@
+// Package fault defines the kinds of failure space's components report (not found,
+// conflict, invalid input, …). Components wrap errors with a Kind; the HTTP layer
+// (internal/server) maps kinds to status codes in exactly one place.
+package fault
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Kind classifies an error for callers and for the HTTP status mapping.
+type Kind int
+
+// Kinds of failure.
+const (
+	Internal Kind = iota
+	NotFound
+	Conflict     // the resource's state forbids the request (409)
+	Invalid      // malformed or semantically invalid input (400)
+	Unauthorized // missing or bad credentials (401)
+	Forbidden    // credentials valid but not allowed (403)
+	TooLarge     // request body too large (413)
+	Unavailable  // a dependency is temporarily unavailable (503)
+	Unprocessable
+	Timeout
+	Gone
+	InsufficientStorage
+)
+
+var names = map[Kind]string{
+	Internal:            "internal",
+	NotFound:            "not_found",
+	Conflict:            "conflict",
+	Invalid:             "invalid_argument",
+	Unauthorized:        "unauthorized",
+	Forbidden:           "forbidden",
+	TooLarge:            "too_large",
+	Unavailable:         "unavailable",
+	Unprocessable:       "unprocessable",
+	Timeout:             "timeout",
+	Gone:                "gone",
+	InsufficientStorage: "insufficient_storage",
+}
+
+// String returns the stable code used in API error bodies.
+func (k Kind) String() string { return names[k] }
+
+// Error is an error with a Kind and a message meant for API clients.
+type Error struct {
+	Kind Kind
+	Msg  string
+	Err  error
+}
+
+func (e *Error) Error() string {
+	if e.Err != nil && e.Msg != "" {
+		return e.Msg + ": " + e.Err.Error()
+	}
+	if e.Err != nil {
+		return e.Err.Error()
+	}
+	return e.Msg
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// New returns an error of kind k with a formatted message.
+func New(k Kind, format string, args ...any) error {
+	return &Error{Kind: k, Msg: fmt.Sprintf(format, args...)}
+}
+
+// Wrap gives err the kind k, keeping err's message.
+func Wrap(k Kind, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &Error{Kind: k, Err: err}
+}
+
+// KindOf reports the kind of the outermost *Error in err's chain (Internal if none).
+func KindOf(err error) Kind {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Kind
+	}
+	return Internal
+}
+
+// Is reports whether err has kind k.
+func Is(err error, k Kind) bool { return err != nil && KindOf(err) == k }

@@ -1,0 +1,366 @@
+// Package agent is space-agent, the program that runs as PID 1 inside every sandbox. It
+// owns the processes started in the sandbox (start, gate, reap, signal, stdin, PTY,
+// timeout), their bounded output journals, file access (read, write, list, stat, mkdir,
+// move, delete, watch), the sandbox identity (entropy, clock, hostname, default
+// environment) and the quiesce/resume seam that checkpoints need. It serves the HTTP
+// protocol defined in package wire.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spacedev/space/internal/guest/wire"
+)
+
+// Config configures an Agent. Zero values take the documented defaults.
+type Config struct {
+	// Listen is where the agent serves: "unix:/path/agent.sock". "vsock:PORT" and
+	// "serial:/dev/vportNpM" (yamux over a virtio-serial port) are reserved for VM
+	// runtimes and not implemented yet.
+	Listen string
+	// RunDir is the directory in which the host drops the resume file after a quiesce
+	// (wire.ResumeFileName). Default: the directory of a unix socket, else
+	// wire.RunMountDir.
+	RunDir string
+	// JournalBytes bounds each process's output journal. Default 8 MiB.
+	JournalBytes int
+	// Retention is how long an exited process (and its output) stays readable. Default
+	// 10 minutes.
+	Retention time.Duration
+	// MaxExited caps the number of exited processes retained. Default 256.
+	MaxExited int
+	// HeartbeatInterval is the idle time after which output and watch streams get a
+	// heartbeat. Default 15 s.
+	HeartbeatInterval time.Duration
+	// StopGrace is how long children get between SIGTERM and SIGKILL when the agent
+	// stops. Default 5 s.
+	StopGrace time.Duration
+	// EtcDir holds the passwd and group files users are resolved from. Default "/etc".
+	EtcDir string
+	// Version is reported by /v1/health.
+	Version string
+	// Reaper collects exited children; exactly one must exist per OS process (see
+	// NewReaper). Required.
+	Reaper *Reaper
+	Logger *slog.Logger
+}
+
+const (
+	defaultJournalBytes = 8 << 20
+	defaultRetention    = 10 * time.Minute
+	defaultMaxExited    = 256
+	defaultHeartbeat    = 15 * time.Second
+	defaultStopGrace    = 5 * time.Second
+	resumePoll          = 2 * time.Millisecond
+)
+
+// Agent serves the agent protocol and supervises the sandbox's processes.
+type Agent struct {
+	cfg     Config
+	log     *slog.Logger
+	reaper  *Reaper
+	users   *userDB
+	bootID  string
+	handler http.Handler
+
+	lastActivity atomic.Int64 // unix nanoseconds
+
+	idMu       sync.Mutex
+	generation int64
+	defaultEnv map[string]string
+
+	procMu sync.Mutex
+	procs  map[int]*process
+	seq    uint64
+
+	quiesce chan struct{}
+}
+
+// New checks cfg and returns an agent that serves nothing until Run.
+func New(cfg Config) (*Agent, error) {
+	if cfg.Reaper == nil {
+		return nil, errors.New("agent: Config.Reaper is required")
+	}
+	if cfg.Listen == "" {
+		cfg.Listen = "unix:" + filepath.Join(wire.RunMountDir, wire.AgentSocketName)
+	}
+	ls, err := parseListen(cfg.Listen)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.RunDir == "" {
+		cfg.RunDir = wire.RunMountDir
+		if ls.network == "unix" {
+			cfg.RunDir = filepath.Dir(ls.address)
+		}
+	}
+	if cfg.JournalBytes <= 0 {
+		cfg.JournalBytes = defaultJournalBytes
+	}
+	if cfg.Retention <= 0 {
+		cfg.Retention = defaultRetention
+	}
+	if cfg.MaxExited <= 0 {
+		cfg.MaxExited = defaultMaxExited
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = defaultHeartbeat
+	}
+	if cfg.StopGrace <= 0 {
+		cfg.StopGrace = defaultStopGrace
+	}
+	if cfg.EtcDir == "" {
+		cfg.EtcDir = "/etc"
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	var id [16]byte
+	_, _ = rand.Read(id[:]) // crypto/rand.Read never fails on Linux
+	a := &Agent{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		reaper:  cfg.Reaper,
+		users:   newUserDB(cfg.EtcDir),
+		bootID:  hex.EncodeToString(id[:]),
+		procs:   make(map[int]*process),
+		quiesce: make(chan struct{}, 1),
+	}
+	a.touch()
+	a.handler = a.routes()
+	return a, nil
+}
+
+// Handler returns the agent's HTTP handler (Run serves it; tests may mount it
+// elsewhere, without the quiesce loop).
+func (a *Agent) Handler() http.Handler { return a.handler }
+
+// Run serves until ctx is done, then terminates every process it started (SIGTERM,
+// SIGKILL after StopGrace) and returns. A quiesce request stops serving (listener and
+// connections closed) until the resume file appears; processes keep running.
+func (a *Agent) Run(ctx context.Context) error {
+	defer a.terminateAll()
+	janitorDone := make(chan struct{})
+	jctx, stopJanitor := context.WithCancel(ctx)
+	go func() {
+		defer close(janitorDone)
+		a.janitor(jctx)
+	}()
+	defer func() {
+		stopJanitor()
+		<-janitorDone
+	}()
+	for {
+		quiesced, err := a.serveOnce(ctx)
+		if err != nil || !quiesced {
+			return err
+		}
+		a.log.Info("quiesced: listener closed, waiting for resume file", "dir", a.cfg.RunDir)
+		if err := a.waitResume(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+	}
+}
+
+// serveOnce listens and serves until ctx is done (false, nil), a quiesce request
+// (true, nil) or a listener failure.
+func (a *Agent) serveOnce(ctx context.Context) (quiesced bool, err error) {
+	ln, err := listen(ctx, a.cfg.Listen)
+	if err != nil {
+		return false, err
+	}
+	a.log.Info("agent listening", "listen", a.cfg.Listen, "boot_id", a.bootID)
+	srv := &http.Server{
+		Handler:           a.handler,
+		ReadHeaderTimeout: 30 * time.Second,
+		ErrorLog:          slog.NewLogLogger(a.log.Handler(), slog.LevelDebug),
+	}
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ln) }()
+	select {
+	case <-ctx.Done():
+		_ = srv.Close()
+		<-serveErr
+		return false, nil
+	case err := <-serveErr:
+		return false, fmt.Errorf("serve %s: %w", a.cfg.Listen, err)
+	case <-a.quiesce:
+		// Close, not Shutdown: streaming responses never finish on their own, and a
+		// checkpoint needs every host connection gone now.
+		_ = srv.Close()
+		<-serveErr
+		return true, nil
+	}
+}
+
+// waitResume polls the resume file until it holds a newer identity, applies it and
+// removes the file.
+func (a *Agent) waitResume(ctx context.Context) error {
+	path := filepath.Join(a.cfg.RunDir, wire.ResumeFileName)
+	t := time.NewTicker(resumePoll)
+	defer t.Stop()
+	var lastBad string
+	for {
+		data, err := os.ReadFile(path)
+		if err == nil {
+			var id wire.Identity
+			switch err := json.Unmarshal(data, &id); {
+			case err != nil:
+				// Possibly written in place and still incomplete; try again.
+				if msg := err.Error(); msg != lastBad {
+					a.log.Warn("resume file unreadable, waiting", "err", err)
+					lastBad = msg
+				}
+			case id.Generation <= a.currentGeneration():
+				if msg := fmt.Sprint("stale ", id.Generation); msg != lastBad {
+					a.log.Warn("resume file has a stale generation, waiting", "generation", id.Generation)
+					lastBad = msg
+				}
+			default:
+				if err := a.applyIdentity(id); err != nil {
+					return fmt.Errorf("resume: %w", err)
+				}
+				if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+					a.log.Warn("remove resume file", "err", err)
+				}
+				a.log.Info("resumed", "generation", id.Generation)
+				return nil
+			}
+		} else if !errors.Is(err, os.ErrNotExist) {
+			if msg := err.Error(); msg != lastBad {
+				a.log.Warn("read resume file", "err", err)
+				lastBad = msg
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+func (a *Agent) touch() { a.lastActivity.Store(time.Now().UnixNano()) }
+
+func (a *Agent) health() wire.Health {
+	a.idMu.Lock()
+	gen := a.generation
+	a.idMu.Unlock()
+	return wire.Health{
+		Version:      a.cfg.Version,
+		BootID:       a.bootID,
+		Generation:   gen,
+		Time:         time.Now(),
+		LastActivity: time.Unix(0, a.lastActivity.Load()),
+	}
+}
+
+// janitor forgets exited processes past their retention.
+func (a *Agent) janitor(ctx context.Context) {
+	every := min(max(a.cfg.Retention/4, 10*time.Millisecond), 30*time.Second)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.prune()
+		}
+	}
+}
+
+// prune drops exited processes older than Retention, and the oldest exited ones beyond
+// MaxExited.
+func (a *Agent) prune() {
+	now := time.Now()
+	a.procMu.Lock()
+	defer a.procMu.Unlock()
+	var exited []*process
+	for pid, p := range a.procs {
+		ended, done := p.endedTime()
+		if !done {
+			continue
+		}
+		if now.Sub(ended) >= a.cfg.Retention {
+			delete(a.procs, pid)
+			continue
+		}
+		exited = append(exited, p)
+	}
+	if len(exited) > a.cfg.MaxExited {
+		sort.Slice(exited, func(i, j int) bool {
+			ei, _ := exited[i].endedTime()
+			ej, _ := exited[j].endedTime()
+			return ei.Before(ej)
+		})
+		for _, p := range exited[:len(exited)-a.cfg.MaxExited] {
+			delete(a.procs, p.pid)
+		}
+	}
+}
+
+// terminateAll stops every live process: gates are closed, groups get SIGTERM, then
+// SIGKILL after StopGrace; it returns once all are reaped (or a last deadline passes).
+func (a *Agent) terminateAll() {
+	a.procMu.Lock()
+	var live []*process
+	for _, p := range a.procs {
+		live = append(live, p)
+	}
+	a.procMu.Unlock()
+	var waiting []*process
+	for _, p := range live {
+		if p.terminate() {
+			waiting = append(waiting, p)
+		}
+	}
+	if len(waiting) == 0 {
+		return
+	}
+	a.log.Info("stopping processes", "count", len(waiting))
+	grace := time.NewTimer(a.cfg.StopGrace)
+	defer grace.Stop()
+	var last <-chan time.Time // set once SIGKILL was sent
+	for _, p := range waiting {
+		if last == nil {
+			select {
+			case <-p.reapedCh:
+				continue
+			case <-grace.C:
+				for _, q := range waiting {
+					q.kill()
+				}
+				last = time.After(2 * time.Second)
+			}
+		}
+		select {
+		case <-p.reapedCh:
+		case <-last:
+			a.log.Warn("processes not reaped after SIGKILL")
+			return
+		}
+	}
+}
+
+func (a *Agent) currentGeneration() int64 {
+	a.idMu.Lock()
+	defer a.idMu.Unlock()
+	return a.generation
+}

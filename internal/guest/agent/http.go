@@ -1,0 +1,405 @@
+package agent
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"sort"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/guest/wire"
+)
+
+// apiError is an error with its HTTP status and wire error code.
+type apiError struct {
+	status int
+	code   string
+	msg    string
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+func badRequest(format string, args ...any) error {
+	return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeBadRequest, msg: fmt.Sprintf(format, args...)}
+}
+
+func conflict(format string, args ...any) error {
+	return &apiError{status: http.StatusConflict, code: wire.ErrCodeConflict, msg: fmt.Sprintf(format, args...)}
+}
+
+// classify is the one mapping from errors to HTTP status and wire code.
+func classify(err error) (int, string) {
+	var ae *apiError
+	switch {
+	case errors.As(err, &ae):
+		return ae.status, ae.code
+	case errors.Is(err, errUnknownUser):
+		return http.StatusBadRequest, wire.ErrCodeUnknownUser
+	case errors.Is(err, unix.ENOTEMPTY):
+		return http.StatusConflict, wire.ErrCodeNotEmpty
+	case errors.Is(err, fs.ErrExist):
+		return http.StatusConflict, wire.ErrCodeExists
+	case errors.Is(err, fs.ErrNotExist):
+		return http.StatusNotFound, wire.ErrCodeNotFound
+	case errors.Is(err, unix.ENOTDIR):
+		return http.StatusBadRequest, wire.ErrCodeNotDir
+	case errors.Is(err, unix.EISDIR):
+		return http.StatusBadRequest, wire.ErrCodeIsDir
+	case errors.Is(err, unix.ENOSPC), errors.Is(err, unix.EDQUOT):
+		return http.StatusInsufficientStorage, wire.ErrCodeNoSpace
+	case errors.Is(err, fs.ErrPermission), errors.Is(err, unix.EROFS):
+		return http.StatusForbidden, wire.ErrCodePermission
+	case errors.Is(err, unix.EXDEV):
+		return http.StatusBadRequest, wire.ErrCodeCrossDevice
+	case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENAMETOOLONG), errors.Is(err, unix.ELOOP):
+		return http.StatusBadRequest, wire.ErrCodeBadRequest
+	}
+	return http.StatusInternalServerError, wire.ErrCodeInternal
+}
+
+func (a *Agent) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	status, code := classify(err)
+	if status >= 500 {
+		a.log.Warn("request failed", "method", r.Method, "path", r.URL.Path, "err", err)
+	}
+	writeJSON(w, status, wire.Error{Code: code, Message: err.Error()})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func decodeJSON(r *http.Request, v any) error {
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(v); err != nil {
+		return badRequest("bad request body: %v", err)
+	}
+	return nil
+}
+
+// handle adapts a handler that returns an error (written as a JSON error when nothing
+// was written yet).
+func (a *Agent) handle(h func(w http.ResponseWriter, r *http.Request) error) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if err := h(w, r); err != nil {
+			a.writeError(w, r, err)
+		}
+	}
+}
+
+func (a *Agent) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/health", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, a.health())
+	})
+	mux.HandleFunc("POST /v1/identity", a.handle(a.handleIdentity))
+	mux.HandleFunc("POST /v1/quiesce", a.handleQuiesce)
+	mux.HandleFunc("POST /v1/processes", a.handle(a.handleStartProcess))
+	mux.HandleFunc("GET /v1/processes", a.handle(a.handleListProcesses))
+	mux.HandleFunc("GET /v1/processes/{pid}", a.handle(a.handleGetProcess))
+	mux.HandleFunc("POST /v1/processes/{pid}/start", a.handle(a.handleStart))
+	mux.HandleFunc("GET /v1/processes/{pid}/output", a.handle(a.handleOutput))
+	mux.HandleFunc("POST /v1/processes/{pid}/stdin", a.handle(a.handleStdin))
+	mux.HandleFunc("POST /v1/processes/{pid}/signal", a.handle(a.handleSignal))
+	mux.HandleFunc("POST /v1/processes/{pid}/resize", a.handle(a.handleResize))
+	mux.HandleFunc("GET /v1/files/content", a.handle(a.handleReadFile))
+	mux.HandleFunc("PUT /v1/files/content", a.handle(a.handleWriteFile))
+	mux.HandleFunc("GET /v1/files/stat", a.handle(a.handleStat))
+	mux.HandleFunc("GET /v1/files/list", a.handle(a.handleList))
+	mux.HandleFunc("POST /v1/files/mkdir", a.handle(a.handleMkdir))
+	mux.HandleFunc("POST /v1/files/move", a.handle(a.handleMove))
+	mux.HandleFunc("DELETE /v1/files", a.handle(a.handleRemove))
+	mux.HandleFunc("GET /v1/files/watch", a.handle(a.handleWatch))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/health" {
+			a.touch()
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+func (a *Agent) handleQuiesce(w http.ResponseWriter, r *http.Request) {
+	w.WriteHeader(http.StatusNoContent)
+	_ = http.NewResponseController(w).Flush()
+	select {
+	case a.quiesce <- struct{}{}:
+	default:
+	}
+}
+
+func (a *Agent) handleIdentity(w http.ResponseWriter, r *http.Request) error {
+	var id wire.Identity
+	if err := decodeJSON(r, &id); err != nil {
+		return err
+	}
+	if err := a.applyIdentity(id); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (a *Agent) handleStartProcess(w http.ResponseWriter, r *http.Request) error {
+	var spec wire.ProcessSpec
+	if err := decodeJSON(r, &spec); err != nil {
+		return err
+	}
+	p, err := a.startProcess(spec)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, p.info())
+	return nil
+}
+
+func (a *Agent) handleListProcesses(w http.ResponseWriter, r *http.Request) error {
+	a.procMu.Lock()
+	ps := make([]*process, 0, len(a.procs))
+	for _, p := range a.procs {
+		ps = append(ps, p)
+	}
+	a.procMu.Unlock()
+	sort.Slice(ps, func(i, j int) bool { return ps[i].seq < ps[j].seq })
+	out := make([]wire.ProcessInfo, 0, len(ps))
+	for _, p := range ps {
+		out = append(out, p.info())
+	}
+	writeJSON(w, http.StatusOK, out)
+	return nil
+}
+
+func (a *Agent) lookupProcess(r *http.Request) (*process, error) {
+	s := r.PathValue("pid")
+	pid, err := strconv.Atoi(s)
+	if err != nil || pid <= 0 {
+		return nil, badRequest("bad pid %q", s)
+	}
+	a.procMu.Lock()
+	p := a.procs[pid]
+	a.procMu.Unlock()
+	if p == nil {
+		return nil, &apiError{status: http.StatusNotFound, code: wire.ErrCodeProcessNotFound, msg: fmt.Sprintf("no process %d", pid)}
+	}
+	return p, nil
+}
+
+func (a *Agent) handleGetProcess(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, p.info())
+	return nil
+}
+
+func (a *Agent) handleStart(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	if err := p.start(); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (a *Agent) handleStdin(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	if err := p.writeStdin(r.Context(), r.Body, queryBool(r, "eof")); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (a *Agent) handleSignal(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	var body wire.Signal
+	if err := decodeJSON(r, &body); err != nil {
+		return err
+	}
+	sig, err := parseSignal(body.Signal)
+	if err != nil {
+		return err
+	}
+	if err := p.signal(sig); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (a *Agent) handleResize(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	var size wire.Resize
+	if err := decodeJSON(r, &size); err != nil {
+		return err
+	}
+	if err := p.resize(size); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func queryBool(r *http.Request, name string) bool {
+	switch r.URL.Query().Get(name) {
+	case "1", "true", "yes":
+		return true
+	}
+	return false
+}
+
+func queryInt(r *http.Request, name string, def int64) (int64, error) {
+	s := r.URL.Query().Get(name)
+	if s == "" {
+		return def, nil
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 {
+		return 0, badRequest("bad %s %q", name, s)
+	}
+	return n, nil
+}
+
+const (
+	outputReadBuf = 128 << 10
+	// flushEvery bounds how much is written between flushes while catching up.
+	flushEvery = 1 << 20
+)
+
+// handleOutput streams the journal as frames; see the rules in package wire.
+func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
+	p, err := a.lookupProcess(r)
+	if err != nil {
+		return err
+	}
+	from, err := queryInt(r, "from", 0)
+	if err != nil {
+		return err
+	}
+	follow := queryBool(r, "follow")
+	if _, end := p.journal.bounds(); from > end {
+		return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeOffsetBeyondEnd,
+			msg: fmt.Sprintf("offset %d beyond end %d", from, end)}
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	// Headers go out now: a client attaching to a gated process must not wait for the
+	// first frame to learn that the stream is open.
+	if err := rc.Flush(); err != nil {
+		return nil
+	}
+	ctx := r.Context()
+
+	pos := from
+	sentStart := false
+	buf := make([]byte, outputReadBuf)
+	hb := time.NewTimer(a.cfg.HeartbeatInterval)
+	defer hb.Stop()
+	for {
+		changed := p.journal.changed()
+		wrote := 0
+		if !sentStart && p.hasStarted() {
+			payload, _ := json.Marshal(wire.Start{PID: p.pid})
+			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
+				return nil
+			}
+			sentStart = true
+			wrote++
+		}
+		caughtUp := false
+		// Output exists only once the program runs, so nothing is read before the start
+		// frame went out.
+		for sentStart && wrote < flushEvery {
+			stream, n, gap := p.journal.readAt(pos, buf)
+			if gap > 0 {
+				var payload [8]byte
+				binary.BigEndian.PutUint64(payload[:], uint64(gap))
+				if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
+					return nil
+				}
+				pos += gap
+				wrote++
+				continue
+			}
+			if n == 0 {
+				caughtUp = true
+				break
+			}
+			if err := wire.WriteFrame(w, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
+				return nil
+			}
+			pos += int64(n)
+			wrote += n
+		}
+		if !sentStart {
+			caughtUp = true
+		}
+		if caughtUp {
+			if exit, done := p.exitInfo(); done {
+				if _, end := p.journal.bounds(); pos >= end {
+					payload, _ := json.Marshal(exit)
+					if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
+						return nil
+					}
+					_ = rc.Flush()
+					return nil
+				}
+				continue // output arrived meanwhile: send it first
+			}
+			if !follow {
+				_ = rc.Flush()
+				return nil
+			}
+		}
+		if wrote > 0 {
+			if err := rc.Flush(); err != nil {
+				return nil
+			}
+			hb.Reset(a.cfg.HeartbeatInterval)
+			if !caughtUp {
+				continue
+			}
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return nil
+		case <-hb.C:
+			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
+				return nil
+			}
+			if err := rc.Flush(); err != nil {
+				return nil
+			}
+			hb.Reset(a.cfg.HeartbeatInterval)
+		}
+	}
+}
+
+func (p *process) hasStarted() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.startedAt.IsZero()
+}

@@ -1,0 +1,87 @@
+package agent
+
+import (
+	"encoding/binary"
+	"fmt"
+	"maps"
+	"net/http"
+	"os"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/guest/wire"
+)
+
+// clockSkew is the difference from the host's clock that makes the agent set the clock.
+const clockSkew = 50 * time.Millisecond
+
+// applyIdentity gives the sandbox its identity. Entropy and clock failures are logged,
+// not returned: gVisor refuses some of them and the sandbox stays usable. An older
+// generation than the current one is refused; the same one is applied again.
+func (a *Agent) applyIdentity(id wire.Identity) error {
+	a.idMu.Lock()
+	defer a.idMu.Unlock()
+	if id.Generation < a.generation {
+		return &apiError{status: http.StatusConflict, code: wire.ErrCodeStaleGeneration,
+			msg: fmt.Sprintf("generation %d is older than %d", id.Generation, a.generation)}
+	}
+	if len(id.Seed) > 0 {
+		if err := addEntropy(id.Seed); err != nil {
+			a.log.Warn("reseed entropy pool", "err", err)
+		}
+	}
+	if id.UnixNano != 0 {
+		host := time.Unix(0, id.UnixNano)
+		if d := time.Since(host); d > clockSkew || d < -clockSkew {
+			ts := unix.NsecToTimespec(id.UnixNano)
+			if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+				a.log.Warn("set clock", "skew", d, "err", err)
+			} else {
+				a.log.Info("clock set", "skew", d)
+			}
+		}
+	}
+	if id.Hostname != "" {
+		if cur, err := os.Hostname(); err != nil || cur != id.Hostname {
+			if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
+				a.log.Warn("set hostname", "hostname", id.Hostname, "err", err)
+			}
+		}
+	}
+	a.defaultEnv = maps.Clone(id.Env)
+	a.generation = id.Generation
+	return nil
+}
+
+// addEntropy mixes seed into the kernel pool and credits it (RNDADDENTROPY); where
+// that is refused it writes to /dev/urandom, which mixes without crediting.
+func addEntropy(seed []byte) error {
+	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("open /dev/urandom: %w", err)
+	}
+	defer f.Close()
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	info := make([]byte, 8+(len(seed)+3)/4*4)
+	binary.NativeEndian.PutUint32(info[0:4], uint32(len(seed)*8))
+	binary.NativeEndian.PutUint32(info[4:8], uint32(len(seed)))
+	copy(info[8:], seed)
+	ioctlErr := ioctlPtr(int(f.Fd()), unix.RNDADDENTROPY, unsafe.Pointer(&info[0]))
+	if ioctlErr == nil {
+		return nil
+	}
+	if _, err := f.Write(seed); err != nil {
+		return fmt.Errorf("RNDADDENTROPY: %v; write /dev/urandom: %w", ioctlErr, err)
+	}
+	return nil
+}
+
+func ioctlPtr(fd int, req uint, arg unsafe.Pointer) error {
+	_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), uintptr(req), uintptr(arg))
+	if errno != 0 {
+		return errno
+	}
+	return nil
+}

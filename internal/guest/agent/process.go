@@ -1,0 +1,649 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/guest/wire"
+)
+
+const (
+	defaultPATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	// outputGrace is how long after reaping the exit frame waits for the output pipes
+	// to close; descendants may keep them open indefinitely.
+	outputGrace = 200 * time.Millisecond
+	pumpBuf     = 64 << 10
+)
+
+// process is one program started by the agent.
+type process struct {
+	a       *Agent
+	pid     int
+	seq     uint64
+	spec    wire.ProcessSpec
+	user    string
+	cwd     string
+	journal *journal
+	// reapedCh is closed once the process has been reaped.
+	reapedCh chan struct{}
+
+	mu          sync.Mutex
+	state       string
+	startedAt   time.Time
+	endedAt     time.Time
+	exit        wire.Exit
+	reaped      bool
+	openOutputs int  // output pumps still reading
+	statusOpen  bool // exec status pipe of a gate not yet at EOF
+	graceOver   bool
+	done        bool
+	timedOut    bool
+	gate        *os.File // write end of the gate pipe until started
+	stdin       *os.File // pipe write end, or the PTY master
+	stdinClosed bool
+	ptm         *os.File // PTY master
+	timer       *time.Timer
+
+	stdinMu sync.Mutex // serializes stdin writers
+}
+
+// startProcess creates a process from spec. Any failure undoes what was set up.
+func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
+	if len(spec.Argv) == 0 || spec.Argv[0] == "" {
+		return nil, badRequest("argv is empty")
+	}
+	if spec.PTY != nil && (spec.PTY.Rows == 0 || spec.PTY.Cols == 0) {
+		return nil, badRequest("pty size must be non-zero")
+	}
+	if spec.TimeoutMs < 0 {
+		return nil, badRequest("timeout_ms is negative")
+	}
+	acct, err := a.users.lookup(spec.User)
+	if err != nil {
+		return nil, err
+	}
+	cred, err := credentialFor(acct)
+	if err != nil {
+		return nil, err
+	}
+	env, err := a.processEnv(acct, spec)
+	if err != nil {
+		return nil, err
+	}
+	cwd, err := processCwd(acct, spec.Cwd)
+	if err != nil {
+		return nil, err
+	}
+
+	path, argv := "/proc/self/exe", append([]string{gateArg0}, spec.Argv...)
+	if !spec.Gated {
+		path, err = lookPath(spec.Argv[0], lookupEnv(env, "PATH"), cwd)
+		if err != nil {
+			return nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()}
+		}
+		argv = spec.Argv
+	}
+
+	p := &process{
+		a:        a,
+		spec:     spec,
+		user:     acct.Name,
+		cwd:      cwd,
+		reapedCh: make(chan struct{}),
+		state:    wire.StateCreated,
+	}
+	p.journal = newJournal(a.cfg.JournalBytes, a.touch)
+
+	// parentFiles are ours after the start; childFiles are closed after the start.
+	var parentFiles, childFiles []*os.File
+	closeAll := func(fs []*os.File) {
+		for _, f := range fs {
+			f.Close()
+		}
+	}
+	fail := func(err error) (*process, error) {
+		closeAll(childFiles)
+		closeAll(parentFiles)
+		return nil, err
+	}
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
+	var files []*os.File
+	var outputs []*os.File
+	if spec.PTY != nil {
+		ptm, pts, err := pty.Open()
+		if err != nil {
+			return fail(fmt.Errorf("open pty: %w", err))
+		}
+		parentFiles = append(parentFiles, ptm)
+		childFiles = append(childFiles, pts)
+		if err := pty.Setsize(ptm, &pty.Winsize{Rows: spec.PTY.Rows, Cols: spec.PTY.Cols}); err != nil {
+			return fail(fmt.Errorf("set pty size: %w", err))
+		}
+		if cred != nil {
+			// The terminal belongs to the user, as login(1) would do it.
+			if err := pts.Chown(int(cred.Uid), int(cred.Gid)); err != nil {
+				return fail(fmt.Errorf("chown pty: %w", err))
+			}
+		}
+		files = []*os.File{pts, pts, pts}
+		sys.Setctty, sys.Ctty = true, 0
+		p.ptm, p.stdin = ptm, ptm
+		outputs = []*os.File{ptm}
+	} else {
+		var stdin *os.File
+		if spec.Stdin {
+			r, w, err := os.Pipe()
+			if err != nil {
+				return fail(fmt.Errorf("stdin pipe: %w", err))
+			}
+			parentFiles = append(parentFiles, w)
+			childFiles = append(childFiles, r)
+			stdin, p.stdin = r, w
+		} else {
+			devnull, err := os.Open(os.DevNull)
+			if err != nil {
+				return fail(fmt.Errorf("open %s: %w", os.DevNull, err))
+			}
+			childFiles = append(childFiles, devnull)
+			stdin = devnull
+		}
+		or, ow, err := os.Pipe()
+		if err != nil {
+			return fail(fmt.Errorf("stdout pipe: %w", err))
+		}
+		parentFiles = append(parentFiles, or)
+		childFiles = append(childFiles, ow)
+		er, ew, err := os.Pipe()
+		if err != nil {
+			return fail(fmt.Errorf("stderr pipe: %w", err))
+		}
+		parentFiles = append(parentFiles, er)
+		childFiles = append(childFiles, ew)
+		files = []*os.File{stdin, ow, ew}
+		outputs = []*os.File{or, er}
+	}
+	var statusR *os.File
+	if spec.Gated {
+		gr, gw, err := os.Pipe()
+		if err != nil {
+			return fail(fmt.Errorf("gate pipe: %w", err))
+		}
+		parentFiles = append(parentFiles, gw)
+		childFiles = append(childFiles, gr)
+		sr, sw, err := os.Pipe()
+		if err != nil {
+			return fail(fmt.Errorf("status pipe: %w", err))
+		}
+		parentFiles = append(parentFiles, sr)
+		childFiles = append(childFiles, sw)
+		files = append(files, gr, sw) // fds 3 (gateFD) and 4 (statusFD)
+		p.gate, statusR = gw, sr
+		p.statusOpen = true
+	}
+
+	envList := make([]string, 0, len(env))
+	for k, v := range env {
+		envList = append(envList, k+"="+v)
+	}
+	sort.Strings(envList)
+	attr := &os.ProcAttr{Dir: cwd, Env: envList, Files: files, Sys: sys}
+	pid, err := a.reaper.spawn(func() (int, error) {
+		proc, err := os.StartProcess(path, argv, attr)
+		if err != nil {
+			return 0, err
+		}
+		pid := proc.Pid
+		_ = proc.Release() // the reaper collects it; signals go to the process group
+		return pid, nil
+	}, p.onExit)
+	if err != nil {
+		return fail(&apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()})
+	}
+	closeAll(childFiles)
+	p.pid = pid
+
+	p.mu.Lock()
+	p.openOutputs = len(outputs)
+	if !spec.Gated {
+		p.markRunningLocked()
+	}
+	p.mu.Unlock()
+	for i, f := range outputs {
+		stream := wire.FrameStdout
+		if i == 1 {
+			stream = wire.FrameStderr
+		}
+		go p.pump(f, stream)
+	}
+	if statusR != nil {
+		go p.readStatus(statusR)
+	}
+
+	a.procMu.Lock()
+	a.seq++
+	p.seq = a.seq
+	a.procs[pid] = p
+	a.procMu.Unlock()
+	a.prune() // keep MaxExited even between janitor runs
+	a.log.Debug("process started", "pid", pid, "argv", spec.Argv, "user", acct.Name, "gated", spec.Gated)
+	return p, nil
+}
+
+// credentialFor returns the credential to run as acct, or nil to run as the agent's
+// own user.
+func credentialFor(acct account) (*syscall.Credential, error) {
+	euid := os.Geteuid()
+	if euid != 0 {
+		if uint32(euid) != acct.UID {
+			return nil, badRequest("cannot run as %s: the agent is not root", acct.Name)
+		}
+		return nil, nil
+	}
+	return &syscall.Credential{Uid: acct.UID, Gid: acct.GID, Groups: acct.Groups}, nil
+}
+
+// processEnv merges, lowest first: PATH/HOME/USER/LOGNAME (and TERM for a PTY), the
+// identity's default environment, the spec's environment.
+func (a *Agent) processEnv(acct account, spec wire.ProcessSpec) (map[string]string, error) {
+	env := map[string]string{
+		"PATH":    defaultPATH,
+		"HOME":    acct.Home,
+		"USER":    acct.Name,
+		"LOGNAME": acct.Name,
+	}
+	if spec.PTY != nil {
+		env["TERM"] = "xterm-256color"
+	}
+	a.idMu.Lock()
+	for k, v := range a.defaultEnv {
+		env[k] = v
+	}
+	a.idMu.Unlock()
+	for k, v := range spec.Env {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(v, "\x00") {
+			return nil, badRequest("bad environment variable %q", k)
+		}
+		env[k] = v
+	}
+	return env, nil
+}
+
+func lookupEnv(env map[string]string, k string) string { return env[k] }
+
+// processCwd resolves the working directory: relative paths and "~" against the
+// user's home; empty means home, or / when home does not exist.
+func processCwd(acct account, cwd string) (string, error) {
+	if cwd == "" {
+		if fi, err := os.Stat(acct.Home); err == nil && fi.IsDir() {
+			return acct.Home, nil
+		}
+		return "/", nil
+	}
+	p, err := resolvePath(acct, cwd)
+	if err != nil {
+		return "", err
+	}
+	fi, err := os.Stat(p)
+	if err != nil {
+		return "", badRequest("cwd %s: %v", p, errors.Unwrap(err))
+	}
+	if !fi.IsDir() {
+		return "", badRequest("cwd %s: not a directory", p)
+	}
+	return p, nil
+}
+
+// lookPath finds file like execvp(3) does, in pathEnv (not the agent's own PATH).
+// exec.LookPath would consult the agent's environment, hence this small copy.
+func lookPath(file, pathEnv, cwd string) (string, error) {
+	if strings.Contains(file, "/") {
+		p := file
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(cwd, p)
+		}
+		if err := checkExecutable(p); err != nil {
+			return "", fmt.Errorf("exec %s: %w", file, err)
+		}
+		return p, nil
+	}
+	for _, dir := range filepath.SplitList(pathEnv) {
+		if dir == "" {
+			dir = "."
+		}
+		if !filepath.IsAbs(dir) {
+			dir = filepath.Join(cwd, dir)
+		}
+		p := filepath.Join(dir, file)
+		if checkExecutable(p) == nil {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("exec %s: executable file not found in PATH", file)
+}
+
+func checkExecutable(p string) error {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return errors.Unwrap(err)
+	}
+	if fi.IsDir() || fi.Mode()&0o111 == 0 {
+		return fs.ErrPermission
+	}
+	return nil
+}
+
+// markRunningLocked records the start of the program and arms the timeout.
+func (p *process) markRunningLocked() {
+	p.state = wire.StateRunning
+	p.startedAt = time.Now()
+	if p.spec.TimeoutMs > 0 {
+		p.timer = time.AfterFunc(time.Duration(p.spec.TimeoutMs)*time.Millisecond, p.timeout)
+	}
+	p.journal.wake()
+}
+
+func (p *process) timeout() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.reaped {
+		return
+	}
+	p.timedOut = true
+	_ = unix.Kill(-p.pid, unix.SIGKILL)
+}
+
+// start releases a gated process. It is idempotent.
+func (p *process) start() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.reaped {
+		return conflict("process %d has exited", p.pid)
+	}
+	if p.gate == nil {
+		return nil
+	}
+	_, err := p.gate.Write([]byte{1})
+	p.gate.Close()
+	p.gate = nil
+	if err != nil {
+		return conflict("process %d: start: %v", p.pid, err)
+	}
+	p.markRunningLocked()
+	return nil
+}
+
+// pump drains one output of the process into the journal at full speed.
+func (p *process) pump(f *os.File, stream byte) {
+	buf := make([]byte, pumpBuf)
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			p.journal.append(stream, buf[:n])
+		}
+		if err != nil {
+			// EOF for pipes; EIO for a PTY master once the terminal is gone.
+			break
+		}
+	}
+	f.Close()
+	p.mu.Lock()
+	p.openOutputs--
+	if f == p.ptm {
+		p.stdin, p.ptm = nil, nil
+	}
+	p.checkDoneLocked()
+	p.mu.Unlock()
+}
+
+// readStatus reads a gate's exec status pipe: bytes are an exec error, plain EOF
+// means the program runs.
+func (p *process) readStatus(f *os.File) {
+	msg, _ := io.ReadAll(io.LimitReader(f, 4096))
+	f.Close()
+	p.mu.Lock()
+	p.statusOpen = false
+	if len(msg) > 0 {
+		p.exit.Error = string(msg)
+	}
+	p.checkDoneLocked()
+	p.mu.Unlock()
+}
+
+// onExit is the reaper's callback.
+func (p *process) onExit(reap func() unix.WaitStatus) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ws := reap()
+	p.reaped = true
+	p.endedAt = time.Now()
+	close(p.reapedCh)
+	switch {
+	case ws.Exited():
+		code := ws.ExitStatus()
+		p.exit.ExitCode = &code
+	case ws.Signaled():
+		p.exit.Signal = unix.SignalName(ws.Signal())
+	}
+	if p.timer != nil {
+		p.timer.Stop()
+	}
+	if p.gate != nil {
+		p.gate.Close()
+		p.gate = nil
+	}
+	if p.openOutputs > 0 {
+		time.AfterFunc(outputGrace, func() {
+			p.mu.Lock()
+			p.graceOver = true
+			p.checkDoneLocked()
+			p.mu.Unlock()
+		})
+	}
+	p.checkDoneLocked()
+	p.a.log.Debug("process exited", "pid", p.pid, "status", int(ws))
+}
+
+// checkDoneLocked moves the process to exited once its exit status, its exec status
+// and its output are all known.
+func (p *process) checkDoneLocked() {
+	if p.done || !p.reaped || p.statusOpen || (p.openOutputs > 0 && !p.graceOver) {
+		return
+	}
+	p.done = true
+	p.state = wire.StateExited
+	p.exit.TimedOut = p.timedOut
+	if p.stdin != nil && p.stdin != p.ptm && !p.stdinClosed {
+		p.stdin.Close()
+	}
+	p.stdinClosed = true
+	p.journal.wake()
+}
+
+func (p *process) endedTime() (time.Time, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.endedAt, p.done
+}
+
+func (p *process) info() wire.ProcessInfo {
+	first, end := p.journal.bounds()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pi := wire.ProcessInfo{
+		PID:      p.pid,
+		Argv:     p.spec.Argv,
+		Env:      p.spec.Env,
+		Cwd:      p.cwd,
+		User:     p.user,
+		Tag:      p.spec.Tag,
+		State:    p.state,
+		PTY:      p.spec.PTY != nil,
+		Stdin:    p.spec.Stdin || p.spec.PTY != nil,
+		Written:  end,
+		Retained: first,
+	}
+	if !p.startedAt.IsZero() {
+		t := p.startedAt
+		pi.StartedAt = &t
+	}
+	if p.done {
+		t := p.endedAt
+		pi.EndedAt = &t
+		pi.ExitCode = p.exit.ExitCode
+		pi.Signal = p.exit.Signal
+	}
+	return pi
+}
+
+// exitInfo returns the exit payload once the process is done.
+func (p *process) exitInfo() (wire.Exit, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.exit, p.done
+}
+
+func (p *process) signal(sig unix.Signal) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.reaped {
+		return conflict("process %d has exited", p.pid)
+	}
+	// Every process leads its own session and group: signal the whole group, like a
+	// terminal does, so that children of a shell get it too.
+	if err := unix.Kill(-p.pid, sig); err != nil {
+		return fmt.Errorf("signal %d: %w", p.pid, err)
+	}
+	return nil
+}
+
+func (p *process) resize(size wire.Size) error {
+	if size.Rows == 0 || size.Cols == 0 {
+		return badRequest("rows and cols must be non-zero")
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.spec.PTY == nil {
+		return &apiError{status: http.StatusConflict, code: wire.ErrCodeNotPTY, msg: fmt.Sprintf("process %d has no terminal", p.pid)}
+	}
+	if p.reaped || p.ptm == nil {
+		return conflict("process %d has exited", p.pid)
+	}
+	if err := pty.Setsize(p.ptm, &pty.Winsize{Rows: size.Rows, Cols: size.Cols}); err != nil {
+		return fmt.Errorf("resize %d: %w", p.pid, err)
+	}
+	return nil
+}
+
+// writeStdin copies r into the process's stdin; eof closes it afterwards (for a PTY
+// it sends the terminal's end-of-file character, ^D, instead: closing the master would
+// hang up the terminal).
+func (p *process) writeStdin(ctx context.Context, r io.Reader, eof bool) error {
+	p.stdinMu.Lock()
+	defer p.stdinMu.Unlock()
+	p.mu.Lock()
+	f := p.stdin
+	usable := f != nil && !p.stdinClosed && !p.reaped
+	p.mu.Unlock()
+	if !usable {
+		return &apiError{status: http.StatusConflict, code: wire.ErrCodeStdinUnavailable, msg: fmt.Sprintf("process %d has no open stdin", p.pid)}
+	}
+	isPTY := p.spec.PTY != nil
+	// A process that does not read its stdin must not pin this request forever.
+	_ = f.SetWriteDeadline(time.Time{})
+	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Now()) })
+	defer func() {
+		if stop() {
+			return
+		}
+		_ = f.SetWriteDeadline(time.Time{})
+	}()
+	if _, err := io.Copy(writerOnly{f}, r); err != nil {
+		return p.stdinError(err)
+	}
+	if !eof {
+		return nil
+	}
+	if isPTY {
+		if _, err := f.Write([]byte{4}); err != nil {
+			return p.stdinError(err)
+		}
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.stdinClosed {
+		p.stdinClosed = true
+		f.Close()
+	}
+	return nil
+}
+
+func (p *process) stdinError(err error) error {
+	if errors.Is(err, unix.EPIPE) || errors.Is(err, os.ErrClosed) || errors.Is(err, unix.EIO) {
+		return &apiError{status: http.StatusConflict, code: wire.ErrCodeStdinUnavailable, msg: fmt.Sprintf("process %d: stdin closed", p.pid)}
+	}
+	return fmt.Errorf("write stdin of %d: %w", p.pid, err)
+}
+
+// writerOnly hides os.File's ReadFrom so io.Copy uses a plain buffer loop (ReadFrom
+// would try splice/sendfile paths that do not honour write deadlines on every kernel).
+type writerOnly struct{ io.Writer }
+
+// terminate starts stopping the process for agent shutdown; false if it is already
+// reaped.
+func (p *process) terminate() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.reaped {
+		return false
+	}
+	if p.gate != nil {
+		// A gate that reads EOF exits without running the program.
+		p.gate.Close()
+		p.gate = nil
+	}
+	_ = unix.Kill(-p.pid, unix.SIGTERM)
+	return true
+}
+
+func (p *process) kill() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.reaped {
+		_ = unix.Kill(-p.pid, unix.SIGKILL)
+	}
+}
+
+// parseSignal accepts "SIGTERM", "TERM", "term" or a number.
+func parseSignal(s string) (unix.Signal, error) {
+	s = strings.TrimSpace(s)
+	if n, err := strconv.Atoi(s); err == nil {
+		if n <= 0 || n > 64 {
+			return 0, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeUnknownSignal, msg: fmt.Sprintf("unknown signal %q", s)}
+		}
+		return unix.Signal(n), nil
+	}
+	name := strings.ToUpper(s)
+	if !strings.HasPrefix(name, "SIG") {
+		name = "SIG" + name
+	}
+	if sig := unix.SignalNum(name); sig != 0 {
+		return sig, nil
+	}
+	return 0, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeUnknownSignal, msg: fmt.Sprintf("unknown signal %q", s)}
+}

@@ -1,0 +1,241 @@
+package gvisor
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/runtime"
+)
+
+// Files the runtime creates in an instance's StateDir; Destroy removes exactly these.
+const (
+	configFile = "config.json" // the OCI bundle config (StateDir is the bundle)
+	logFile    = "runsc.log"   // stdio of `runsc run` and of the agent
+	runDir     = "run"         // bind-mounted at wire.RunMountDir; holds the agent socket
+)
+
+// agentListenEnv tells the agent where to listen.
+const agentListenEnv = "SPACE_AGENT_LISTEN"
+
+// ociVersion is the OCI runtime-spec version we claim: the config uses only 1.0 fields,
+// and Debian's runsc implements 1.0.2.
+const ociVersion = "1.0.2"
+
+// cpuPeriod is the CFS period (µs) the CPU quota is expressed in: the kernel default.
+const cpuPeriod = 100_000
+
+// defaultCaps is the capability set of the agent (and the upper bound of everything it
+// starts): Docker's default set minus CAP_NET_RAW. `runsc spec` only grants AUDIT_WRITE,
+// KILL and NET_BIND_SERVICE, which does not let the agent switch to the sandbox user
+// (SETUID/SETGID) or hand files to it (CHOWN, FOWNER, DAC_OVERRIDE). The capabilities are
+// those of gVisor's user-space kernel, not of the host.
+var defaultCaps = []string{
+	"CAP_AUDIT_WRITE",
+	"CAP_CHOWN",
+	"CAP_DAC_OVERRIDE",
+	"CAP_FOWNER",
+	"CAP_FSETID",
+	"CAP_KILL",
+	"CAP_MKNOD",
+	"CAP_NET_BIND_SERVICE",
+	"CAP_SETFCAP",
+	"CAP_SETGID",
+	"CAP_SETPCAP",
+	"CAP_SETUID",
+	"CAP_SYS_CHROOT",
+}
+
+// bundleOptions are the inputs of the OCI config that do not come from the Spec.
+type bundleOptions struct {
+	// CgroupsPath is linux.cgroupsPath, e.g. /space/<id>.
+	CgroupsPath string
+	// NetNS is the path of a network namespace to join; empty means a new one.
+	NetNS string
+}
+
+// bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
+// RootFS, the agent binary and the run dir bind-mounted in, cgroup limits from the Spec.
+func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
+	env := map[string]string{
+		"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+		"HOME": "/root",
+	}
+	for k, v := range spec.AgentEnv {
+		env[k] = v
+	}
+	env[agentListenEnv] = "unix:" + path.Join(wire.RunMountDir, wire.AgentSocketName)
+	envList := make([]string, 0, len(env))
+	for k, v := range env {
+		envList = append(envList, k+"="+v)
+	}
+	slices.Sort(envList)
+
+	caps := slices.Clone(defaultCaps)
+	s := &specs.Spec{
+		Version: ociVersion,
+		Process: &specs.Process{
+			User: specs.User{UID: 0, GID: 0},
+			Args: []string{wire.AgentPath},
+			Env:  envList,
+			Cwd:  "/",
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding:  caps,
+				Effective: caps,
+				Permitted: caps,
+			},
+			Rlimits: []specs.POSIXRlimit{
+				{Type: "RLIMIT_NOFILE", Hard: 65536, Soft: 65536},
+			},
+		},
+		Root:     &specs.Root{Path: spec.RootFS, Readonly: false},
+		Hostname: spec.ID,
+		Mounts: []specs.Mount{
+			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755"}},
+			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+			// gVisor mounts a tmpfs at /tmp anyway when the image's /tmp is empty; saying
+			// so makes /tmp the same whatever the template holds there.
+			{Destination: "/tmp", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev", "mode=1777"}},
+			{Destination: wire.AgentPath, Type: "bind", Source: spec.AgentPath, Options: []string{"rbind", "ro", "nosuid", "nodev"}},
+			{Destination: wire.RunMountDir, Type: "bind", Source: filepath.Join(spec.StateDir, runDir), Options: []string{"rbind", "rw", "nosuid", "nodev", "noexec"}},
+		},
+		Linux: &specs.Linux{
+			CgroupsPath: opts.CgroupsPath,
+			Resources:   resources(spec),
+			Namespaces: []specs.LinuxNamespace{
+				{Type: specs.PIDNamespace},
+				{Type: specs.NetworkNamespace, Path: opts.NetNS},
+				{Type: specs.IPCNamespace},
+				{Type: specs.UTSNamespace},
+				{Type: specs.MountNamespace},
+			},
+		},
+	}
+	return s
+}
+
+// marshalSpec encodes an OCI config the way it is written to disk.
+func marshalSpec(s *specs.Spec) ([]byte, error) {
+	data, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("encode bundle config: %w", err)
+	}
+	return append(data, '\n'), nil
+}
+
+// writeBundle writes config.json into the StateDir.
+func writeBundle(stateDir string, oci *specs.Spec) error {
+	data, err := marshalSpec(oci)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(stateDir, configFile), data, 0o600); err != nil {
+		return fmt.Errorf("write bundle config: %w", err)
+	}
+	return nil
+}
+
+// resources turns the Spec's CPU and memory into cgroup limits (nil when unlimited).
+func resources(spec runtime.Spec) *specs.LinuxResources {
+	if spec.CPU <= 0 && spec.MemoryMB <= 0 {
+		return nil
+	}
+	res := &specs.LinuxResources{}
+	if spec.MemoryMB > 0 {
+		limit := int64(spec.MemoryMB) << 20
+		res.Memory = &specs.LinuxMemory{Limit: &limit}
+	}
+	if spec.CPU > 0 {
+		quota, period := int64(spec.CPU)*cpuPeriod, uint64(cpuPeriod)
+		res.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
+	}
+	return res
+}
+
+// makeMountPoints creates the destinations of the config's mounts in the rootfs where
+// missing (runsc would create them too, but then a failed Create could not tell them from
+// the template's), and returns the paths it created, relative and in creation order, so
+// that a failed Create removes them again. It works through os.Root so that symlinks left
+// in the rootfs by an earlier run of the sandbox cannot make it create anything outside.
+func makeMountPoints(rootfs string, mounts []specs.Mount) (created []string, err error) {
+	root, err := os.OpenRoot(rootfs)
+	if err != nil {
+		return nil, fmt.Errorf("open rootfs: %w", err)
+	}
+	defer root.Close()
+	defer func() {
+		if err != nil {
+			removeMountPoints(rootfs, created)
+			created = nil
+		}
+	}()
+	for _, m := range mounts {
+		// A bind mount of a file needs a file to mount on; everything else a directory.
+		fileTarget := false
+		if m.Type == "bind" {
+			fi, err := os.Stat(m.Source)
+			if err != nil {
+				return created, fmt.Errorf("mount source: %w", err)
+			}
+			fileTarget = !fi.IsDir()
+		}
+		parts := strings.Split(strings.Trim(path.Clean(m.Destination), "/"), "/")
+		for i := range parts {
+			name := strings.Join(parts[:i+1], "/")
+			made, err := makeMountPoint(root, name, !fileTarget || i < len(parts)-1)
+			if err != nil {
+				return created, fmt.Errorf("create mount point /%s in rootfs: %w", name, err)
+			}
+			if made {
+				created = append(created, name)
+			}
+		}
+	}
+	return created, nil
+}
+
+// makeMountPoint creates name (a directory or an empty file) unless something is there.
+func makeMountPoint(root *os.Root, name string, dir bool) (bool, error) {
+	if _, err := root.Lstat(name); err == nil {
+		return false, nil
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return false, err
+	}
+	if dir {
+		if err := root.Mkdir(name, 0o755); err != nil {
+			return false, err
+		}
+		return true, nil
+	}
+	f, err := root.OpenFile(name, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o755)
+	if err != nil {
+		return false, err
+	}
+	return true, f.Close()
+}
+
+// removeMountPoints removes what makeMountPoints created, newest first. Best effort: it
+// only removes empty directories and the empty placeholder file.
+func removeMountPoints(rootfs string, created []string) {
+	if len(created) == 0 {
+		return
+	}
+	root, err := os.OpenRoot(rootfs)
+	if err != nil {
+		return
+	}
+	defer root.Close()
+	for _, name := range slices.Backward(created) {
+		_ = root.Remove(name)
+	}
+}

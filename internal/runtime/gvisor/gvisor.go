@@ -1,0 +1,465 @@
+// Package gvisor implements runtime.Runtime with gVisor's runsc. Each sandbox is one runsc
+// container whose PID 1 is the space agent; the agent listens on a unix socket in a host
+// directory (<StateDir>/run) bind-mounted into the sandbox at wire.RunMountDir.
+//
+// The package owns the OCI bundle it writes into the instance's StateDir, every runsc
+// invocation, runsc's root dir (Config.RootDir) and a small per-instance record kept under
+// it, through which an instance is found again from its id alone after a node restart.
+// Checkpoint/restore is not implemented: runsc cannot checkpoint a sandbox that holds a
+// bound host socket, so it needs the agent's cooperation first.
+package gvisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/runtime"
+)
+
+// Config configures the gVisor runtime.
+type Config struct {
+	// RunscPath is the runsc binary; empty means "runsc" looked up on PATH.
+	RunscPath string
+	// RootDir is runsc's --root state directory, private to this runtime. The default,
+	// /run/space/runsc, is on tmpfs: runsc containers do not survive a host reboot and
+	// neither should their state.
+	RootDir string
+	// Platform is runsc's --platform (default ptrace, which works everywhere).
+	Platform string
+	// CgroupParent is the cgroup under which each sandbox gets its own (<parent>/<id>);
+	// default /space. A relative path is taken relative to runsc's own cgroups. Hosts where
+	// runsc may not manage cgroups can pass --ignore-cgroups in ExtraFlags (and lose the
+	// CPU and memory limits).
+	CgroupParent string
+	// ExtraFlags are global runsc flags added to every invocation (e.g. --debug-log=DIR/).
+	ExtraFlags []string
+	// CommandTimeout bounds each runsc invocation (default 30s).
+	CommandTimeout time.Duration
+	// Logger receives a debug record of every runsc invocation (default: discard).
+	Logger *slog.Logger
+}
+
+// Defaults of Config.
+const (
+	DefaultRootDir        = "/run/space/runsc"
+	DefaultPlatform       = "ptrace"
+	DefaultCgroupParent   = "/space"
+	DefaultCommandTimeout = 30 * time.Second
+)
+
+// cleanupTimeout bounds the undo of a failed Create. It is long because the sandbox's
+// processes are reaped by whoever inherited them, which can take seconds.
+const cleanupTimeout = 30 * time.Second
+
+// procsGrace is how long Destroy lets runsc stop the sandbox's host processes before
+// killing leftovers itself; procsTimeout is how long it waits for them in total.
+const (
+	procsGrace   = 5 * time.Second
+	procsTimeout = 15 * time.Second
+)
+
+// Runtime runs sandboxes with runsc. It is safe for concurrent use; it keeps no state in
+// memory, so a new Runtime over the same RootDir sees every instance of an old one.
+type Runtime struct {
+	cfg Config
+	log *slog.Logger
+}
+
+var _ runtime.Runtime = (*Runtime)(nil)
+
+// New checks the configuration, finds runsc and creates the root dir.
+func New(cfg Config) (*Runtime, error) {
+	if cfg.RunscPath == "" {
+		p, err := exec.LookPath("runsc")
+		if err != nil {
+			return nil, fmt.Errorf("gvisor: runsc not found on PATH (install it with `apt-get install runsc`): %w", err)
+		}
+		cfg.RunscPath = p
+	} else if _, err := os.Stat(cfg.RunscPath); err != nil {
+		return nil, fmt.Errorf("gvisor: runsc: %w", err)
+	}
+	if cfg.RootDir == "" {
+		cfg.RootDir = DefaultRootDir
+	}
+	if !filepath.IsAbs(cfg.RootDir) {
+		return nil, fmt.Errorf("gvisor: root dir %q is not absolute", cfg.RootDir)
+	}
+	cfg.RootDir = filepath.Clean(cfg.RootDir)
+	if cfg.Platform == "" {
+		cfg.Platform = DefaultPlatform
+	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = DefaultCgroupParent
+	}
+	if cfg.CommandTimeout <= 0 {
+		cfg.CommandTimeout = DefaultCommandTimeout
+	}
+	cfg.ExtraFlags = slices.Clone(cfg.ExtraFlags)
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
+		return nil, fmt.Errorf("gvisor: create root dir: %w", err)
+	}
+	return &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor")}, nil
+}
+
+// Info reports runsc's version and the platform in use.
+func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
+	out, err := r.exec(ctx, []string{"--version"})
+	if err != nil {
+		return runtime.Info{}, fmt.Errorf("gvisor info: %w", err)
+	}
+	first, _, _ := strings.Cut(string(out), "\n")
+	version := strings.TrimSpace(strings.TrimPrefix(first, "runsc version"))
+	return runtime.Info{
+		Name:    "gvisor",
+		Disk:    runtime.DiskDir,
+		Version: version,
+		Details: map[string]string{"platform": r.cfg.Platform},
+	}, nil
+}
+
+// Create writes the instance's OCI bundle into spec.StateDir and starts the sandbox
+// detached, in its own session, so that it outlives the calling process. On error it
+// removes everything it created.
+func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
+	if err := validateSpec(spec); err != nil {
+		return fmt.Errorf("gvisor create: %w", err)
+	}
+	if spec.Network {
+		// runsc's netstack needs a network namespace prepared for the sandbox (it refuses
+		// the host's), and runtime.Spec cannot name one yet.
+		return fmt.Errorf("gvisor create %s: network: %w", spec.ID, runtime.ErrUnsupported)
+	}
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir}); err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
+		}
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	// Until runsc is known not to have this id, undoing means dropping the record only.
+	owned := false
+	var mountPoints []string
+	defer func() {
+		if err == nil {
+			return
+		}
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		defer cancel()
+		var uerr error
+		if owned {
+			uerr = r.destroy(cctx, spec.ID, spec.StateDir)
+		} else {
+			uerr = r.removeRecord(spec.ID)
+		}
+		removeMountPoints(spec.RootFS, mountPoints)
+		if uerr != nil {
+			r.log.ErrorContext(cctx, "undo failed create", "id", spec.ID, "err", uerr)
+			err = errors.Join(err, fmt.Errorf("undo: %w", uerr))
+		}
+	}()
+
+	if _, err := r.state(ctx, spec.ID); err == nil {
+		return fmt.Errorf("gvisor create %s: runsc already has a container with this id", spec.ID)
+	} else if !errors.Is(err, runtime.ErrNotFound) {
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	owned = true
+
+	if err := os.Mkdir(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID)})
+	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	if err := writeBundle(spec.StateDir, oci); err != nil {
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	if err := r.run(ctx, spec); err != nil {
+		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	}
+	return nil
+}
+
+// cgroupsPath is the instance's linux.cgroupsPath; runsc creates the cgroup (v1 or v2)
+// and removes it on delete.
+func (r *Runtime) cgroupsPath(id string) string {
+	return filepath.Join(r.cfg.CgroupParent, id)
+}
+
+// run starts the container with `runsc run -detach`. runsc and the sandbox it leaves
+// behind get their own session (no terminal signal reaches them) and write their stdio,
+// which includes the agent's, to runsc.log in the StateDir.
+func (r *Runtime) run(ctx context.Context, spec runtime.Spec) error {
+	logPath := filepath.Join(spec.StateDir, logFile)
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return fmt.Errorf("open runsc log: %w", err)
+	}
+	defer logf.Close()
+	args := []string{
+		"--network=none", "--overlay2=none", "--host-uds=create",
+		"run", "-detach", "-bundle", spec.StateDir, spec.ID,
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
+	defer cancel()
+	full := r.args(args...)
+	cmd := exec.CommandContext(ctx, r.cfg.RunscPath, full...)
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	start := time.Now()
+	err = cmd.Run()
+	r.logRun(ctx, full, start, err)
+	if err != nil {
+		return runscError(full, err, tail(logPath, 2048))
+	}
+	return nil
+}
+
+// tail returns the last n bytes of a file (best effort, for error messages).
+func tail(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Size() > n {
+		if _, err := f.Seek(-n, io.SeekEnd); err != nil {
+			return ""
+		}
+	}
+	b := make([]byte, n)
+	k, _ := f.Read(b)
+	return string(b[:k])
+}
+
+// Dial connects to the agent's unix socket in the instance's run dir.
+func (r *Runtime) Dial(ctx context.Context, id string) (net.Conn, error) {
+	if !validID(id) {
+		return nil, fmt.Errorf("gvisor dial: invalid id %q", id)
+	}
+	dir, err := r.stateDir(ctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+	}
+	conn, err := dialUnix(ctx, filepath.Join(dir, runDir, wire.AgentSocketName))
+	if err != nil {
+		return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+	}
+	return conn, nil
+}
+
+// dialUnix connects to a unix socket, also when its path is too long for sockaddr_un:
+// then it connects through /proc/self/fd/N/NAME, N being an O_PATH descriptor of the
+// socket's directory (the kernel resolves the path, only the short one is in the address).
+func dialUnix(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	if len(path) < len(unix.RawSockaddrUnix{}.Path) {
+		return d.DialContext(ctx, "unix", path)
+	}
+	fd, err := unix.Open(filepath.Dir(path), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: filepath.Dir(path), Err: err}
+	}
+	defer unix.Close(fd)
+	return d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d/%s", fd, filepath.Base(path)))
+}
+
+// stateDir finds an instance's StateDir: from its record, else from runsc's bundle path.
+func (r *Runtime) stateDir(ctx context.Context, id string) (string, error) {
+	rec, err := r.readRecord(id)
+	if err == nil {
+		return rec.StateDir, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return "", err
+	}
+	st, err := r.state(ctx, id)
+	if err != nil {
+		return "", err
+	}
+	return st.Bundle, nil
+}
+
+// Status reports runsc's view of the instance. An instance that runsc does not know but
+// that has a record (a Create or Destroy interrupted half-way) is reported stopped, so
+// that the node reclaims it with Destroy.
+func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error) {
+	if !validID(id) {
+		return "", fmt.Errorf("gvisor status: invalid id %q", id)
+	}
+	st, err := r.state(ctx, id)
+	if errors.Is(err, runtime.ErrNotFound) {
+		if _, rerr := r.readRecord(id); rerr == nil {
+			return runtime.StatusStopped, nil
+		}
+		return "", fmt.Errorf("gvisor status %s: %w", id, runtime.ErrNotFound)
+	}
+	if err != nil {
+		return "", fmt.Errorf("gvisor status %s: %w", id, err)
+	}
+	return status(st.Status), nil
+}
+
+// List reports every container under the root dir, plus the instances that only have a
+// record (reported stopped, see Status), sorted by id.
+func (r *Runtime) List(ctx context.Context) ([]runtime.Instance, error) {
+	all, err := r.list(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("gvisor list: %w", err)
+	}
+	ids, err := r.recordIDs()
+	if err != nil {
+		return nil, fmt.Errorf("gvisor list: %w", err)
+	}
+	seen := map[string]bool{}
+	var out []runtime.Instance
+	for _, c := range all {
+		seen[c.ID] = true
+		out = append(out, runtime.Instance{ID: c.ID, Status: status(c.Status)})
+	}
+	for _, id := range ids {
+		if !seen[id] {
+			out = append(out, runtime.Instance{ID: id, Status: runtime.StatusStopped})
+		}
+	}
+	slices.SortFunc(out, func(a, b runtime.Instance) int { return strings.Compare(a.ID, b.ID) })
+	return out, nil
+}
+
+// Adopt checks that the instance survived (runsc runs it from spec.StateDir) and restores
+// its record if it was lost.
+func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
+	if !validID(spec.ID) {
+		return fmt.Errorf("gvisor adopt: invalid id %q", spec.ID)
+	}
+	st, err := r.state(ctx, spec.ID)
+	if err != nil {
+		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+	}
+	if s := status(st.Status); s != runtime.StatusRunning {
+		return fmt.Errorf("gvisor adopt %s: instance is %s, not running", spec.ID, s)
+	}
+	if filepath.Clean(st.Bundle) != filepath.Clean(spec.StateDir) {
+		return fmt.Errorf("gvisor adopt %s: runsc runs it from %s, not %s", spec.ID, st.Bundle, spec.StateDir)
+	}
+	rec, err := r.readRecord(spec.ID)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		if err := r.claimRecord(record{ID: spec.ID, StateDir: st.Bundle}); err != nil && !errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+		}
+	case err != nil:
+		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+	case filepath.Clean(rec.StateDir) != filepath.Clean(spec.StateDir):
+		return fmt.Errorf("gvisor adopt %s: recorded state dir %s, not %s", spec.ID, rec.StateDir, spec.StateDir)
+	}
+	return nil
+}
+
+// Destroy kills and deletes the container, waits until its host processes are gone and
+// removes the files Create made in the StateDir and the record. It succeeds when the
+// instance does not exist. It never touches the RootFS.
+func (r *Runtime) Destroy(ctx context.Context, id string) error {
+	if !validID(id) {
+		return fmt.Errorf("gvisor destroy: invalid id %q", id)
+	}
+	dir, err := r.stateDir(ctx, id)
+	if err != nil && !errors.Is(err, runtime.ErrNotFound) {
+		// A corrupt record or a failing runsc: still tear down what can be found by id.
+		r.log.WarnContext(ctx, "destroy: state dir unknown", "id", id, "err", err)
+	}
+	if err := r.destroy(ctx, id, dir); err != nil {
+		return fmt.Errorf("gvisor destroy %s: %w", id, err)
+	}
+	return nil
+}
+
+// destroy tears down the instance; stateDir may be empty when unknown.
+func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
+	if _, err := r.runsc(ctx, "kill", id, "KILL"); err != nil {
+		r.log.DebugContext(ctx, "kill failed (not running?)", "id", id, "err", err)
+	}
+	// delete -force succeeds when runsc has no such container.
+	_, delErr := r.runsc(ctx, "delete", "-force", id)
+	wctx, cancel := context.WithTimeout(ctx, procsTimeout)
+	defer cancel()
+	if err := r.waitHostProcsGone(wctx, id, stateDir, procsGrace); err != nil {
+		return errors.Join(delErr, err)
+	}
+	if delErr != nil {
+		// runsc gives up waiting for the sandbox after a few seconds; now it is gone.
+		if _, err := r.runsc(ctx, "delete", "-force", id); err != nil {
+			return err
+		}
+	}
+	if stateDir != "" {
+		var errs []error
+		for _, name := range []string{configFile, logFile, runDir} {
+			if err := os.RemoveAll(filepath.Join(stateDir, name)); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if err := errors.Join(errs...); err != nil {
+			return fmt.Errorf("clean state dir: %w", err)
+		}
+	}
+	return r.removeRecord(id)
+}
+
+// validID reports whether id is a sandbox id: lowercase alphanumerics.
+func validID(id string) bool {
+	if id == "" || len(id) > 128 {
+		return false
+	}
+	for _, c := range id {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			return false
+		}
+	}
+	return true
+}
+
+func validateSpec(spec runtime.Spec) error {
+	if !validID(spec.ID) {
+		return fmt.Errorf("invalid id %q (want lowercase alphanumerics)", spec.ID)
+	}
+	for name, p := range map[string]string{"root fs": spec.RootFS, "state dir": spec.StateDir, "agent": spec.AgentPath} {
+		if !filepath.IsAbs(p) {
+			return fmt.Errorf("%s path %q is not absolute", name, p)
+		}
+	}
+	if fi, err := os.Stat(spec.StateDir); err != nil {
+		return fmt.Errorf("state dir: %w", err)
+	} else if !fi.IsDir() {
+		return fmt.Errorf("state dir %s is not a directory", spec.StateDir)
+	}
+	if fi, err := os.Stat(spec.AgentPath); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	} else if !fi.Mode().IsRegular() {
+		return fmt.Errorf("agent %s is not a regular file", spec.AgentPath)
+	}
+	if spec.CPU < 0 || spec.MemoryMB < 0 {
+		return fmt.Errorf("negative cpu (%d) or memory (%d)", spec.CPU, spec.MemoryMB)
+	}
+	return nil
+}

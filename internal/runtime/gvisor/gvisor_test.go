@@ -1,0 +1,570 @@
+package gvisor
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/runtime"
+)
+
+// testAgent is the path of the test agent binary built by TestMain ("" when the runsc
+// tests are skipped).
+var testAgent string
+
+// skipReason says why the tests that need runsc cannot run here.
+var skipReason string
+
+func TestMain(m *testing.M) {
+	os.Exit(testMain(m))
+}
+
+func testMain(m *testing.M) int {
+	switch _, err := exec.LookPath("runsc"); {
+	case os.Geteuid() != 0:
+		skipReason = "runsc tests need root"
+	case err != nil:
+		skipReason = "runsc not installed (apt-get install runsc)"
+	}
+	if skipReason == "" && os.Getenv(helperSpecEnv) == "" {
+		dir, err := os.MkdirTemp("", "gvisor-testagent-")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer os.RemoveAll(dir)
+		testAgent = filepath.Join(dir, "testagent")
+		cmd := exec.Command("go", "build", "-o", testAgent, "./testdata/testagent")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "build test agent: %v\n%s", err, out)
+			return 1
+		}
+	}
+	return m.Run()
+}
+
+func needRunsc(t *testing.T) {
+	t.Helper()
+	if skipReason != "" {
+		t.Skip(skipReason)
+	}
+}
+
+// testLogger sends the runtime's logs (runsc invocations at debug) to the test log.
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) {
+	w.t.Helper()
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}
+
+func newTestRuntime(t *testing.T, rootDir string) *Runtime {
+	t.Helper()
+	rt, err := New(Config{RootDir: rootDir, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rt
+}
+
+func newID(t *testing.T) string {
+	b := make([]byte, 6)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return "t" + hex.EncodeToString(b)
+}
+
+func testSpec(t *testing.T, id string) runtime.Spec {
+	return runtime.Spec{
+		ID:        id,
+		RootFS:    t.TempDir(),
+		StateDir:  t.TempDir(),
+		AgentPath: testAgent,
+		CPU:       1,
+		MemoryMB:  256,
+	}
+}
+
+// agentClient is an HTTP client whose connections are rt.Dial(id).
+func agentClient(t *testing.T, rt *Runtime, id string) *http.Client {
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return rt.Dial(ctx, id)
+		},
+	}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
+}
+
+func get(t *testing.T, c *http.Client, path string) []byte {
+	t.Helper()
+	resp, err := c.Get("http://agent" + path)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %d %v %s", path, resp.StatusCode, err, body)
+	}
+	return body
+}
+
+// waitHealthy polls the agent's health endpoint until it answers.
+func waitHealthy(t *testing.T, c *http.Client) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		resp, err := c.Get("http://agent/v1/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+			err = fmt.Errorf("status %d", resp.StatusCode)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent not healthy: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond) // poll interval, not a readiness guess
+	}
+}
+
+// assertNothingLeft checks that nothing of the instance remains: no runsc container, no
+// host process, no record, no file in the StateDir, no cgroup.
+func assertNothingLeft(t *testing.T, rt *Runtime, spec runtime.Spec) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := rt.Status(ctx, spec.ID); !errors.Is(err, runtime.ErrNotFound) {
+		t.Errorf("Status after destroy: %v, want ErrNotFound", err)
+	}
+	list, err := rt.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.ContainsFunc(list, func(i runtime.Instance) bool { return i.ID == spec.ID }) {
+		t.Errorf("List still has %s: %v", spec.ID, list)
+	}
+	out, err := exec.Command("runsc", "--root="+rt.cfg.RootDir, "list", "-format=json").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := strings.TrimSpace(string(out)); s != "[]" && s != "null" {
+		t.Errorf("runsc list: %s", s)
+	}
+	if pids := procsMentioning(t, rt.cfg.RootDir, spec.StateDir); len(pids) > 0 {
+		t.Errorf("processes left: %v", pids)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(rt.cfg.RootDir, recordsDir)); len(entries) > 0 {
+		t.Errorf("records left: %v", entries)
+	}
+	if entries, err := os.ReadDir(spec.StateDir); err != nil || len(entries) > 0 {
+		t.Errorf("state dir: %v %v", entries, err)
+	}
+	for _, dir := range cgroupDirs(spec.ID) {
+		if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("cgroup %s: %v", dir, err)
+		}
+	}
+}
+
+// procsMentioning lists the processes whose command line contains one of the strings,
+// read independently of the package's own /proc scan.
+func procsMentioning(t *testing.T, s ...string) []string {
+	t.Helper()
+	matches, err := filepath.Glob("/proc/[0-9]*/cmdline")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found []string
+	for _, m := range matches {
+		b, err := os.ReadFile(m)
+		if err != nil {
+			continue
+		}
+		cmd := string(bytes.ReplaceAll(b, []byte{0}, []byte{' '}))
+		for _, x := range s {
+			if strings.Contains(cmd, x) {
+				found = append(found, filepath.Base(filepath.Dir(m))+": "+cmd)
+				break
+			}
+		}
+	}
+	return found
+}
+
+// cgroupDirs are the host cgroup directories of an instance under the default parent.
+func cgroupDirs(id string) []string {
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil { // v2
+		return []string{filepath.Join("/sys/fs/cgroup", DefaultCgroupParent, id)}
+	}
+	return []string{
+		filepath.Join("/sys/fs/cgroup/memory", DefaultCgroupParent, id),
+		filepath.Join("/sys/fs/cgroup/cpu", DefaultCgroupParent, id),
+	}
+}
+
+func readTrim(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func TestLifecycle(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rootDir := filepath.Join(t.TempDir(), "runsc")
+	rt := newTestRuntime(t, rootDir)
+	id := newID(t)
+	spec := testSpec(t, id)
+	// A StateDir too long for a unix socket address makes Dial take its long-path route.
+	spec.StateDir = filepath.Join(spec.StateDir, strings.Repeat("s", 100))
+	if err := os.Mkdir(spec.StateDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	spec.AgentEnv = map[string]string{"SPACE_TEST": "hello"}
+
+	if err := rt.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), id); err != nil {
+			t.Error(err)
+		}
+	})
+	c := agentClient(t, rt, id)
+	waitHealthy(t, c)
+
+	t.Run("health", func(t *testing.T) {
+		var h struct{ Version string }
+		if err := json.Unmarshal(get(t, c, "/v1/health"), &h); err != nil || h.Version != "test" {
+			t.Fatalf("health: %+v %v", h, err)
+		}
+	})
+	t.Run("memory limit", func(t *testing.T) {
+		// gVisor sizes its memory to the cgroup limit: MemTotal is the limit.
+		meminfo := string(get(t, c, "/meminfo"))
+		if !strings.Contains(meminfo, fmt.Sprintf("MemTotal: %d kB", spec.MemoryMB*1024)) &&
+			!strings.Contains(strings.Join(strings.Fields(meminfo), " "), fmt.Sprintf("MemTotal: %d kB", spec.MemoryMB*1024)) {
+			t.Errorf("meminfo does not show %d MiB:\n%s", spec.MemoryMB, meminfo)
+		}
+	})
+	t.Run("host cgroup limits", func(t *testing.T) {
+		dirs := cgroupDirs(id)
+		if len(dirs) == 1 { // v2
+			if got := readTrim(t, filepath.Join(dirs[0], "memory.max")); got != fmt.Sprint(spec.MemoryMB<<20) {
+				t.Errorf("memory.max = %s", got)
+			}
+			if got := readTrim(t, filepath.Join(dirs[0], "cpu.max")); got != "100000 100000" {
+				t.Errorf("cpu.max = %s", got)
+			}
+			return
+		}
+		if got := readTrim(t, filepath.Join(dirs[0], "memory.limit_in_bytes")); got != fmt.Sprint(spec.MemoryMB<<20) {
+			t.Errorf("memory.limit_in_bytes = %s", got)
+		}
+		if got := readTrim(t, filepath.Join(dirs[1], "cpu.cfs_quota_us")); got != "100000" {
+			t.Errorf("cpu.cfs_quota_us = %s", got)
+		}
+	})
+	t.Run("no network", func(t *testing.T) {
+		var devs []string
+		if err := json.Unmarshal(get(t, c, "/netdevs"), &devs); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(devs, []string{"lo"}) {
+			t.Errorf("interfaces %v, want only lo", devs)
+		}
+	})
+	t.Run("agent env", func(t *testing.T) {
+		var env []string
+		if err := json.Unmarshal(get(t, c, "/env"), &env); err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{"SPACE_TEST=hello", "SPACE_AGENT_LISTEN=unix:/run/space/agent.sock"} {
+			if !slices.Contains(env, want) {
+				t.Errorf("env %v lacks %s", env, want)
+			}
+		}
+	})
+	t.Run("writes reach the rootfs", func(t *testing.T) {
+		resp, err := c.Post("http://agent/write?path=/hello", "text/plain", strings.NewReader("hi"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("write: %s", resp.Status)
+		}
+		if got, err := os.ReadFile(filepath.Join(spec.RootFS, "hello")); err != nil || string(got) != "hi" {
+			t.Errorf("rootfs/hello = %q, %v", got, err)
+		}
+	})
+	t.Run("status and list", func(t *testing.T) {
+		if st, err := rt.Status(ctx, id); err != nil || st != runtime.StatusRunning {
+			t.Errorf("Status = %v, %v", st, err)
+		}
+		list, err := rt.List(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(list, runtime.Instance{ID: id, Status: runtime.StatusRunning}) {
+			t.Errorf("List = %v", list)
+		}
+	})
+	t.Run("info", func(t *testing.T) {
+		info, err := rt.Info(ctx)
+		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != "ptrace" {
+			t.Errorf("Info = %+v, %v", info, err)
+		}
+	})
+	t.Run("create again fails and keeps the instance", func(t *testing.T) {
+		if err := rt.Create(ctx, spec); err == nil {
+			t.Fatal("second Create succeeded")
+		}
+		waitHealthy(t, c)
+	})
+	t.Run("adopt after restart", func(t *testing.T) {
+		fresh := newTestRuntime(t, rootDir) // a new node process: nothing in memory
+		if err := fresh.Adopt(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		wrong := spec
+		wrong.StateDir = t.TempDir()
+		if err := fresh.Adopt(ctx, wrong); err == nil {
+			t.Error("Adopt with another state dir succeeded")
+		}
+		fc := agentClient(t, fresh, id)
+		get(t, fc, "/v1/health")
+	})
+	t.Run("stopped", func(t *testing.T) {
+		if out, err := exec.Command("runsc", "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
+			t.Fatalf("runsc kill: %v %s", err, out)
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			st, err := rt.Status(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st == runtime.StatusStopped {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("status %s after kill", st)
+			}
+			time.Sleep(20 * time.Millisecond) // poll interval
+		}
+		if err := rt.Adopt(ctx, spec); err == nil {
+			t.Error("Adopt of a stopped instance succeeded")
+		}
+	})
+
+	if err := rt.Destroy(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, spec)
+	if got, err := os.ReadFile(filepath.Join(spec.RootFS, "hello")); err != nil || string(got) != "hi" {
+		t.Errorf("Destroy touched the rootfs: %q, %v", got, err)
+	}
+	if err := rt.Destroy(ctx, id); err != nil {
+		t.Errorf("second Destroy: %v", err)
+	}
+	if _, err := rt.Dial(ctx, id); err == nil {
+		t.Error("Dial after Destroy succeeded")
+	}
+}
+
+func TestCreateFailureLeavesNothing(t *testing.T) {
+	needRunsc(t)
+	for _, tc := range []struct {
+		name   string
+		modify func(t *testing.T, s *runtime.Spec)
+		is     error
+	}{
+		{"missing rootfs", func(t *testing.T, s *runtime.Spec) {
+			s.RootFS = filepath.Join(t.TempDir(), "nope")
+		}, nil},
+		{"agent not executable by runsc", func(t *testing.T, s *runtime.Spec) {
+			s.AgentPath = filepath.Join(t.TempDir(), "agent")
+			if err := os.WriteFile(s.AgentPath, []byte("not a program"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}, nil},
+		{"network", func(t *testing.T, s *runtime.Spec) { s.Network = true }, runtime.ErrUnsupported},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+			spec := testSpec(t, newID(t))
+			tc.modify(t, &spec)
+			err := rt.Create(context.Background(), spec)
+			if err == nil {
+				t.Cleanup(func() { rt.Destroy(context.Background(), spec.ID) })
+				t.Fatal("Create succeeded")
+			}
+			t.Logf("Create: %v", err)
+			if tc.is != nil && !errors.Is(err, tc.is) {
+				t.Errorf("error %v is not %v", err, tc.is)
+			}
+			assertNothingLeft(t, rt, spec)
+			if entries, err := os.ReadDir(spec.RootFS); err == nil && len(entries) > 0 {
+				t.Errorf("rootfs not restored: %v", entries)
+			}
+		})
+	}
+}
+
+func TestUnknownInstance(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+	if err := rt.Destroy(ctx, "nosuchid"); err != nil {
+		t.Errorf("Destroy: %v", err)
+	}
+	if _, err := rt.Status(ctx, "nosuchid"); !errors.Is(err, runtime.ErrNotFound) {
+		t.Errorf("Status: %v", err)
+	}
+	if _, err := rt.Dial(ctx, "nosuchid"); !errors.Is(err, runtime.ErrNotFound) {
+		t.Errorf("Dial: %v", err)
+	}
+	if err := rt.Adopt(ctx, runtime.Spec{ID: "nosuchid", StateDir: t.TempDir()}); !errors.Is(err, runtime.ErrNotFound) {
+		t.Errorf("Adopt: %v", err)
+	}
+	if _, err := rt.Status(ctx, "../x"); err == nil {
+		t.Error("Status accepted an invalid id")
+	}
+}
+
+// TestInterruptedCreate: a node that died during Create leaves a record and files but no
+// container; the instance shows as stopped and Destroy reclaims it.
+func TestInterruptedCreate(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+	spec := testSpec(t, newID(t))
+	if err := rt.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeBundle(spec.StateDir, bundleSpec(spec, bundleOptions{})); err != nil {
+		t.Fatal(err)
+	}
+	list, err := rt.List(ctx)
+	if err != nil || !slices.Equal(list, []runtime.Instance{{ID: spec.ID, Status: runtime.StatusStopped}}) {
+		t.Errorf("List = %v, %v", list, err)
+	}
+	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusStopped {
+		t.Errorf("Status = %v, %v", st, err)
+	}
+	if err := rt.Destroy(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, spec)
+}
+
+// Environment of the helper process of TestSurvivesCreator.
+const (
+	helperSpecEnv = "GVISOR_TEST_HELPER_SPEC"
+	helperRootEnv = "GVISOR_TEST_HELPER_ROOT"
+)
+
+// TestHelperCreate is not a test on its own: TestSurvivesCreator runs it in a child
+// process that creates a sandbox and exits.
+func TestHelperCreate(t *testing.T) {
+	raw := os.Getenv(helperSpecEnv)
+	if raw == "" {
+		t.Skip("helper process of TestSurvivesCreator")
+	}
+	var spec runtime.Spec
+	if err := json.Unmarshal([]byte(raw), &spec); err != nil {
+		t.Fatal(err)
+	}
+	rt := newTestRuntime(t, os.Getenv(helperRootEnv))
+	if err := rt.Create(context.Background(), spec); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSurvivesCreator: a sandbox outlives the process that created it (a node restart),
+// runs in a session of its own, and a new Runtime adopts it and reaches its agent.
+func TestSurvivesCreator(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rootDir := filepath.Join(t.TempDir(), "runsc")
+	spec := testSpec(t, newID(t))
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := newTestRuntime(t, rootDir)
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCreate$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), helperSpecEnv+"="+string(raw), helperRootEnv+"="+rootDir)
+	// Output returns only once every holder of the pipes is gone: a sandbox that kept
+	// the creator's stdio would hang here.
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("creator process: %v\n%s", err, out)
+	}
+
+	if err := rt.Adopt(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	waitHealthy(t, agentClient(t, rt, spec.ID))
+	st, err := rt.state(ctx, spec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sid, err := unix.Getsid(st.PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if own, _ := unix.Getsid(0); sid == own {
+		t.Errorf("sandbox %d is in our session %d", st.PID, sid)
+	}
+
+	if err := rt.Destroy(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, spec)
+}
+
+func TestNewWithoutRunsc(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	_, err := New(Config{RootDir: t.TempDir()})
+	if err == nil || !strings.Contains(err.Error(), "apt-get install runsc") {
+		t.Errorf("New without runsc: %v", err)
+	}
+}

@@ -1,0 +1,242 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacedev/space/api"
+)
+
+// Operation is a row of the operations table.
+type Operation struct {
+	ID               string
+	Kind             string
+	SandboxID        string
+	Tenant           string
+	TargetGeneration int64
+	State            string
+	Message          string
+	Error            string
+	Params           map[string]any
+	CreatedAt        time.Time
+	UpdatedAt        time.Time
+	DoneAt           *time.Time
+}
+
+// API converts the row to its wire form.
+func (o *Operation) API() *api.Operation {
+	return &api.Operation{
+		ID: o.ID, Kind: o.Kind, SandboxID: o.SandboxID, State: o.State, Message: o.Message,
+		Error: o.Error, CreatedAt: o.CreatedAt, UpdatedAt: o.UpdatedAt, DoneAt: o.DoneAt,
+	}
+}
+
+const opCols = `id, kind, coalesce(sandbox_id,''), tenant, target_generation, state, message, error, params,
+	created_at, updated_at, done_at`
+
+func scanOp(row pgx.Row) (*Operation, error) {
+	var o Operation
+	var params []byte
+	if err := row.Scan(&o.ID, &o.Kind, &o.SandboxID, &o.Tenant, &o.TargetGeneration, &o.State, &o.Message,
+		&o.Error, &params, &o.CreatedAt, &o.UpdatedAt, &o.DoneAt); err != nil {
+		return nil, err
+	}
+	if len(params) > 0 {
+		if err := json.Unmarshal(params, &o.Params); err != nil {
+			return nil, fmt.Errorf("decode operation params: %w", err)
+		}
+	}
+	return &o, nil
+}
+
+// InsertOperation inserts op (ID, Kind, SandboxID, Tenant, TargetGeneration, State,
+// Message, Params) and fills its timestamps.
+func (t *Tx) InsertOperation(ctx context.Context, op *Operation) error {
+	if op.State == "" {
+		op.State = api.OpPending
+	}
+	params, err := json.Marshal(op.Params)
+	if err != nil {
+		return err
+	}
+	var sb any
+	if op.SandboxID != "" {
+		sb = op.SandboxID
+	}
+	row := t.tx.QueryRow(ctx, `INSERT INTO operations (id, kind, sandbox_id, tenant, target_generation, state, message, params)
+		VALUES ($1,$2,$3,$4,$5,$6,$7,$8) RETURNING `+opCols,
+		op.ID, op.Kind, sb, op.Tenant, op.TargetGeneration, op.State, op.Message, params)
+	got, err := scanOp(row)
+	if err != nil {
+		return fmt.Errorf("insert operation: %w", err)
+	}
+	*op = *got
+	return nil
+}
+
+// CreateOperation inserts a standalone operation (e.g. a template build).
+func (s *Store) CreateOperation(ctx context.Context, op *Operation) error {
+	return s.InTx(ctx, func(tx *Tx) error {
+		if err := tx.InsertOperation(ctx, op); err != nil {
+			return err
+		}
+		return tx.Notify(ctx, ChannelOperations, op.ID)
+	})
+}
+
+// GetOperation returns an operation by id.
+func (s *Store) GetOperation(ctx context.Context, id string) (*Operation, error) {
+	o, err := scanOp(s.pool.QueryRow(ctx, `SELECT `+opCols+` FROM operations WHERE id=$1`, id))
+	if err != nil {
+		return nil, notFound(err, "operation", id)
+	}
+	return o, nil
+}
+
+// OpenOperations lists the unfinished operations of a sandbox, oldest first.
+func (s *Store) OpenOperations(ctx context.Context, sandboxID string) ([]*Operation, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+opCols+` FROM operations WHERE sandbox_id=$1 AND done_at IS NULL ORDER BY created_at`, sandboxID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []*Operation
+	for rows.Next() {
+		o, err := scanOp(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, o)
+	}
+	return out, rows.Err()
+}
+
+// OpenOperationsOfKind lists unfinished operations of one kind (e.g. template builds).
+func (s *Store) OpenOperationsOfKind(ctx context.Context, kind string) ([]*Operation, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+opCols+` FROM operations WHERE kind=$1 AND done_at IS NULL ORDER BY created_at`, kind)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []*Operation
+	for rows.Next() {
+		o, err := scanOp(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, o)
+	}
+	return out, rows.Err()
+}
+
+// UpdateOperation sets an operation's state and message; a terminal state also sets
+// done_at and the error. Finished operations are never changed again.
+func (s *Store) UpdateOperation(ctx context.Context, id, state, message, errMsg string) error {
+	_, err := s.pool.Exec(ctx, `UPDATE operations SET state=$2, message=$3, error=$4, updated_at=now(),
+		done_at = CASE WHEN $2 IN ('succeeded','failed') THEN now() ELSE NULL END
+		WHERE id=$1 AND done_at IS NULL`, id, state, message, errMsg)
+	if err != nil {
+		return fmt.Errorf("update operation: %w", err)
+	}
+	_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelOperations, id)
+	return err
+}
+
+// ProgressSandboxOperations sets the message (and running state) of a sandbox's open
+// operations up to a generation.
+func (s *Store) ProgressSandboxOperations(ctx context.Context, sandboxID string, upTo int64, message string) error {
+	return s.finishOps(ctx, sandboxID, upTo, api.OpRunning, message, "")
+}
+
+// FinishSandboxOperations completes every open operation of the sandbox whose target
+// generation is at most upTo.
+func (s *Store) FinishSandboxOperations(ctx context.Context, sandboxID string, upTo int64, state, errMsg string) error {
+	msg := "done"
+	if state == api.OpFailed {
+		msg = "failed"
+	}
+	return s.finishOps(ctx, sandboxID, upTo, state, msg, errMsg)
+}
+
+func (s *Store) finishOps(ctx context.Context, sandboxID string, upTo int64, state, message, errMsg string) error {
+	rows, err := s.pool.Query(ctx, `UPDATE operations SET state=$3, message=$4, error=$5, updated_at=now(),
+		done_at = CASE WHEN $3 IN ('succeeded','failed') THEN now() ELSE NULL END
+		WHERE sandbox_id=$1 AND target_generation <= $2 AND done_at IS NULL RETURNING id`,
+		sandboxID, upTo, state, message, errMsg)
+	if err != nil {
+		return fmt.Errorf("finish operations: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return err
+	}
+	for _, id := range ids {
+		if _, err := s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelOperations, id); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// AppendOperationLog adds a line to an operation's log (build output, progress).
+func (s *Store) AppendOperationLog(ctx context.Context, opID, line string) error {
+	_, err := s.pool.Exec(ctx, `WITH l AS (INSERT INTO operation_log (op_id, line) VALUES ($1, $2))
+		UPDATE operations SET updated_at=now() WHERE id=$1`, opID, line)
+	if err != nil {
+		return err
+	}
+	_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelOperations, opID)
+	return err
+}
+
+// LogLine is one line of an operation log.
+type LogLine struct {
+	Seq  int64     `json:"seq"`
+	At   time.Time `json:"at"`
+	Line string    `json:"line"`
+}
+
+// OperationLog returns log lines after seq.
+func (s *Store) OperationLog(ctx context.Context, opID string, after int64, limit int) ([]LogLine, error) {
+	rows, err := s.pool.Query(ctx, `SELECT seq, at, line FROM operation_log WHERE op_id=$1 AND seq > $2 ORDER BY seq LIMIT $3`, opID, after, limit)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (LogLine, error) {
+		var l LogLine
+		err := r.Scan(&l.Seq, &l.At, &l.Line)
+		return l, err
+	})
+}
+
+// PurgeOperations removes finished operations older than before that no longer
+// belong to a sandbox row's latest intent.
+func (s *Store) PurgeOperations(ctx context.Context, before time.Time) (int64, error) {
+	tag, err := s.pool.Exec(ctx, `DELETE FROM operations WHERE done_at < $1`, before)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+// SandboxOperations lists a sandbox's operations, newest first.
+func (s *Store) SandboxOperations(ctx context.Context, sandboxID string, limit int) ([]*Operation, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+opCols+` FROM operations WHERE sandbox_id=$1 ORDER BY created_at DESC LIMIT $2`, sandboxID, limit)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []*Operation
+	for rows.Next() {
+		o, err := scanOp(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, o)
+	}
+	return out, rows.Err()
+}

@@ -1,0 +1,380 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+)
+
+// SandboxSpec is the part of a sandbox's desired state that the node needs to run it.
+type SandboxSpec struct {
+	CPU      int               `json:"cpu"`
+	MemoryMB int               `json:"memory_mb"`
+	Env      map[string]string `json:"env,omitempty"`
+	Runtime  string            `json:"runtime,omitempty"`
+	Network  bool              `json:"network,omitempty"`
+}
+
+// Sandbox is a row of the sandboxes table.
+type Sandbox struct {
+	ID                 string
+	Tenant             string
+	TemplateRef        string
+	TemplateDigest     string
+	Spec               SandboxSpec
+	Metadata           map[string]string
+	DesiredState       string
+	State              string
+	Generation         int64
+	ObservedGeneration int64
+	NodeID             string
+	Runtime            string
+	StartPath          string
+	Error              string
+	TokenEpoch         int64
+	CreatedAt          time.Time
+	UpdatedAt          time.Time
+	ExpiresAt          *time.Time
+	DeletedAt          *time.Time
+}
+
+// API converts the row to its wire form.
+func (s *Sandbox) API() api.Sandbox {
+	return api.Sandbox{
+		ID:             s.ID,
+		Template:       s.TemplateRef,
+		TemplateDigest: s.TemplateDigest,
+		State:          s.State,
+		DesiredState:   s.DesiredState,
+		CPU:            s.Spec.CPU,
+		MemoryMB:       s.Spec.MemoryMB,
+		Env:            s.Spec.Env,
+		Metadata:       s.Metadata,
+		Runtime:        s.Runtime,
+		Node:           s.NodeID,
+		StartPath:      s.StartPath,
+		Error:          s.Error,
+		CreatedAt:      s.CreatedAt,
+		UpdatedAt:      s.UpdatedAt,
+		ExpiresAt:      s.ExpiresAt,
+	}
+}
+
+const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spec, metadata, desired_state, state,
+	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
+	created_at, updated_at, expires_at, deleted_at`
+
+func scanSandbox(row pgx.Row) (*Sandbox, error) {
+	var s Sandbox
+	var spec, meta []byte
+	err := row.Scan(&s.ID, &s.Tenant, &s.TemplateRef, &s.TemplateDigest, &spec, &meta, &s.DesiredState, &s.State,
+		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
+		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt)
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(spec, &s.Spec); err != nil {
+		return nil, fmt.Errorf("decode sandbox spec: %w", err)
+	}
+	if err := json.Unmarshal(meta, &s.Metadata); err != nil {
+		return nil, fmt.Errorf("decode sandbox metadata: %w", err)
+	}
+	return &s, nil
+}
+
+func collectSandboxes(rows pgx.Rows) ([]*Sandbox, error) {
+	defer rows.Close()
+	var out []*Sandbox
+	for rows.Next() {
+		s, err := scanSandbox(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
+// CreateSandbox inserts a new sandbox together with its create operation and wakes the
+// controller, all in tx.
+func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error {
+	spec, err := json.Marshal(s.Spec)
+	if err != nil {
+		return err
+	}
+	meta, err := json.Marshal(nonNil(s.Metadata))
+	if err != nil {
+		return err
+	}
+	var digest any
+	if s.TemplateDigest != "" {
+		digest = s.TemplateDigest
+	}
+	row := t.tx.QueryRow(ctx, `INSERT INTO sandboxes (id, tenant, template_ref, template_digest, spec, metadata,
+		desired_state, state, expires_at) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9)
+		RETURNING `+sandboxCols,
+		s.ID, s.Tenant, s.TemplateRef, digest, spec, meta, s.DesiredState, s.State, s.ExpiresAt)
+	got, err := scanSandbox(row)
+	if err != nil {
+		return fmt.Errorf("insert sandbox: %w", err)
+	}
+	*s = *got
+	op.SandboxID = s.ID
+	op.TargetGeneration = s.Generation
+	if err := t.InsertOperation(ctx, op); err != nil {
+		return err
+	}
+	return t.Notify(ctx, ChannelController, s.ID)
+}
+
+func nonNil(m map[string]string) map[string]string {
+	if m == nil {
+		return map[string]string{}
+	}
+	return m
+}
+
+// GetSandbox returns a sandbox by id (including deleted ones still retained).
+func (s *Store) GetSandbox(ctx context.Context, id string) (*Sandbox, error) {
+	return getSandbox(ctx, s.pool, id, false)
+}
+
+// GetSandboxForUpdate locks the sandbox row for the rest of the transaction.
+func (t *Tx) GetSandboxForUpdate(ctx context.Context, id string) (*Sandbox, error) {
+	return getSandbox(ctx, t.tx, id, true)
+}
+
+func getSandbox(ctx context.Context, q querier, id string, lock bool) (*Sandbox, error) {
+	sql := `SELECT ` + sandboxCols + ` FROM sandboxes WHERE id=$1`
+	if lock {
+		sql += ` FOR UPDATE`
+	}
+	s, err := scanSandbox(q.QueryRow(ctx, sql, id))
+	if err != nil {
+		return nil, notFound(err, "sandbox", id)
+	}
+	return s, nil
+}
+
+// SandboxFilter selects sandboxes for ListSandboxes.
+type SandboxFilter struct {
+	Tenant         string // empty = all tenants
+	States         []string
+	Metadata       map[string]string
+	IncludeDeleted bool
+	NodeID         string
+	Limit          int
+}
+
+// ListSandboxes lists sandboxes, newest first.
+func (s *Store) ListSandboxes(ctx context.Context, f SandboxFilter) ([]*Sandbox, error) {
+	var where []string
+	var args []any
+	arg := func(v any) string {
+		args = append(args, v)
+		return fmt.Sprintf("$%d", len(args))
+	}
+	if f.Tenant != "" {
+		where = append(where, "tenant="+arg(f.Tenant))
+	}
+	if len(f.States) > 0 {
+		where = append(where, "state = ANY("+arg(f.States)+")")
+	}
+	if len(f.Metadata) > 0 {
+		b, _ := json.Marshal(f.Metadata)
+		where = append(where, "metadata @> "+arg(string(b))+"::jsonb")
+	}
+	if !f.IncludeDeleted {
+		where = append(where, "deleted_at IS NULL")
+	}
+	if f.NodeID != "" {
+		where = append(where, "node_id="+arg(f.NodeID))
+	}
+	sql := `SELECT ` + sandboxCols + ` FROM sandboxes`
+	if len(where) > 0 {
+		sql += " WHERE " + strings.Join(where, " AND ")
+	}
+	sql += " ORDER BY created_at DESC, id"
+	if f.Limit > 0 {
+		sql += " LIMIT " + arg(f.Limit)
+	}
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("list sandboxes: %w", err)
+	}
+	return collectSandboxes(rows)
+}
+
+// CountSandboxesByState counts live sandboxes per observed state.
+func (s *Store) CountSandboxesByState(ctx context.Context) (map[string]int, error) {
+	rows, err := s.pool.Query(ctx, `SELECT state, count(*) FROM sandboxes WHERE deleted_at IS NULL GROUP BY state`)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := map[string]int{}
+	for rows.Next() {
+		var st string
+		var n int
+		if err := rows.Scan(&st, &n); err != nil {
+			return nil, err
+		}
+		out[st] = n
+	}
+	return out, rows.Err()
+}
+
+// SetDesiredState records new intent for a sandbox: desired state, a bumped generation
+// and the operation that tracks it, then wakes whoever acts on it. It runs inside tx so
+// that callers can check the current state first (GetSandboxForUpdate).
+func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired string, op *Operation) error {
+	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET desired_state=$2, generation=generation+1, updated_at=now(),
+		token_epoch = CASE WHEN $2 IN ('deleted','suspended','stopped') THEN token_epoch+1 ELSE token_epoch END
+		WHERE id=$1 RETURNING `+sandboxCols, s.ID, desired)
+	got, err := scanSandbox(row)
+	if err != nil {
+		return fmt.Errorf("set desired state: %w", err)
+	}
+	*s = *got
+	op.SandboxID = s.ID
+	op.TargetGeneration = s.Generation
+	op.Tenant = s.Tenant
+	if err := t.InsertOperation(ctx, op); err != nil {
+		return err
+	}
+	if desired == api.StateDeleted || desired == api.StateSuspended || desired == api.StateStopped {
+		if err := t.Notify(ctx, ChannelTokens, s.ID); err != nil {
+			return err
+		}
+	}
+	return t.NotifySandbox(ctx, s)
+}
+
+// NotifySandbox wakes the node that runs s, or the controller when s has no node.
+func (t *Tx) NotifySandbox(ctx context.Context, s *Sandbox) error {
+	if s.NodeID == "" {
+		return t.Notify(ctx, ChannelController, s.ID)
+	}
+	return t.Notify(ctx, NodeChannel(s.NodeID), s.ID)
+}
+
+// BumpTokenEpoch revokes every attachment token issued for the sandbox so far.
+func (s *Store) BumpTokenEpoch(ctx context.Context, id string) (int64, error) {
+	var epoch int64
+	err := s.pool.QueryRow(ctx, `UPDATE sandboxes SET token_epoch=token_epoch+1, updated_at=now()
+		WHERE id=$1 AND deleted_at IS NULL RETURNING token_epoch`, id).Scan(&epoch)
+	if err != nil {
+		return 0, notFound(err, "sandbox", id)
+	}
+	_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelTokens, id)
+	return epoch, err
+}
+
+// AssignNode places an unassigned sandbox on a node. It returns false if the sandbox
+// was assigned (or deleted) meanwhile.
+func (s *Store) AssignNode(ctx context.Context, id, nodeID, runtime string) (bool, error) {
+	var ok bool
+	err := s.InTx(ctx, func(tx *Tx) error {
+		tag, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET node_id=$2, runtime=$3, updated_at=now()
+			WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL`, id, nodeID, runtime)
+		if err != nil {
+			return err
+		}
+		ok = tag.RowsAffected() == 1
+		if ok {
+			return tx.Notify(ctx, NodeChannel(nodeID), id)
+		}
+		return nil
+	})
+	return ok, err
+}
+
+// Observed is what a node reports about a sandbox.
+type Observed struct {
+	State              string
+	ObservedGeneration int64
+	Error              string
+	StartPath          string // empty = unchanged
+	TemplateDigest     string // empty = unchanged
+	Deleted            bool
+}
+
+// ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
+// node that no longer owns the sandbox cannot overwrite it. Returns the updated row.
+func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observed) (*Sandbox, error) {
+	row := s.pool.QueryRow(ctx, `UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
+		error=$5, start_path=CASE WHEN $6='' THEN start_path ELSE $6 END,
+		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
+		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now()
+		WHERE id=$1 AND node_id=$2 RETURNING `+sandboxCols,
+		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted)
+	sb, err := scanSandbox(row)
+	if err != nil {
+		return nil, notFound(err, "sandbox on this node", id)
+	}
+	if _, err := s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelSandboxes, id); err != nil {
+		return sb, err
+	}
+	return sb, nil
+}
+
+// FinishUnassigned marks a sandbox that never reached a node (deleted before
+// scheduling) as deleted.
+func (s *Store) FinishUnassigned(ctx context.Context, id string, gen int64) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET state='deleted', deleted_at=now(), observed_generation=$2, updated_at=now()
+		WHERE id=$1 AND node_id IS NULL AND desired_state='deleted' AND deleted_at IS NULL`, id, gen)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// PendingSandboxes lists sandboxes that wait for a node.
+func (s *Store) PendingSandboxes(ctx context.Context, limit int) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE node_id IS NULL AND deleted_at IS NULL ORDER BY created_at LIMIT $1`, limit)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// ExpiredSandboxes lists live sandboxes whose TTL has passed and that are not already
+// being deleted.
+func (s *Store) ExpiredSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE expires_at <= $1 AND deleted_at IS NULL AND desired_state <> 'deleted' ORDER BY expires_at LIMIT $2`, now, limit)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// PurgeDeleted removes sandboxes deleted before the given time (and, by cascade, their
+// operations).
+func (s *Store) PurgeDeleted(ctx context.Context, before time.Time) (int64, error) {
+	tag, err := s.pool.Exec(ctx, `DELETE FROM sandboxes WHERE deleted_at < $1`, before)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
+}
+
+// TokenEpoch returns the current token epoch of a live sandbox.
+func (s *Store) TokenEpoch(ctx context.Context, id string) (epoch int64, nodeID string, err error) {
+	err = s.pool.QueryRow(ctx, `SELECT token_epoch, coalesce(node_id,'') FROM sandboxes WHERE id=$1 AND deleted_at IS NULL`, id).Scan(&epoch, &nodeID)
+	if err != nil {
+		return 0, "", notFound(err, "sandbox", id)
+	}
+	return epoch, nodeID, nil
+}
+
+// ErrSandboxGone is returned when acting on a deleted sandbox.
+var ErrSandboxGone = fault.New(fault.NotFound, "sandbox is deleted")

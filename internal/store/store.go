@@ -1,0 +1,133 @@
+// Package store owns space's PostgreSQL schema and every query against it: API keys,
+// signing keys, nodes, template releases and tags, sandboxes (desired and observed
+// state), operations and their logs, idempotency records, and the LISTEN/NOTIFY
+// channels that wake the controller and the nodes. Migrations are embedded SQL applied
+// by goose at start-up under an advisory lock, so several replicas may start at once.
+package store
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
+
+	"github.com/spacedev/space/internal/fault"
+)
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Store is a handle on the database.
+type Store struct {
+	pool *pgxpool.Pool
+	url  string
+	log  *slog.Logger
+}
+
+// Config configures Open.
+type Config struct {
+	URL      string
+	MaxConns int32
+	Logger   *slog.Logger
+}
+
+// Open connects to PostgreSQL and applies pending migrations.
+func Open(ctx context.Context, cfg Config) (*Store, error) {
+	pcfg, err := pgxpool.ParseConfig(cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("parse database url: %w", err)
+	}
+	if cfg.MaxConns > 0 {
+		pcfg.MaxConns = cfg.MaxConns
+	} else if pcfg.MaxConns < 16 {
+		pcfg.MaxConns = 16
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect database: %w", err)
+	}
+	s := &Store{pool: pool, url: cfg.URL, log: cfg.Logger}
+	if err := s.migrate(ctx); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Store) migrate(ctx context.Context) error {
+	db := stdlib.OpenDBFromPool(s.pool)
+	defer db.Close()
+	sub, err := fs.Sub(migrations, "migrations")
+	if err != nil {
+		return err
+	}
+	locker, err := lock.NewPostgresSessionLocker()
+	if err != nil {
+		return fmt.Errorf("migration locker: %w", err)
+	}
+	p, err := goose.NewProvider(goose.DialectPostgres, db, sub, goose.WithSessionLocker(locker))
+	if err != nil {
+		return fmt.Errorf("migrations: %w", err)
+	}
+	res, err := p.Up(ctx)
+	if err != nil {
+		return fmt.Errorf("apply migrations: %w", err)
+	}
+	for _, r := range res {
+		s.log.Info("applied migration", "version", r.Source.Version, "file", r.Source.Path, "took", r.Duration)
+	}
+	return nil
+}
+
+// DB returns a database/sql handle for tools that need one.
+func (s *Store) DB() *sql.DB { return stdlib.OpenDBFromPool(s.pool) }
+
+// Close closes the pool.
+func (s *Store) Close() { s.pool.Close() }
+
+// Ping checks the database answers.
+func (s *Store) Ping(ctx context.Context) error { return s.pool.Ping(ctx) }
+
+// Connect opens a dedicated connection (for LISTEN or advisory locks).
+func (s *Store) Connect(ctx context.Context) (*pgx.Conn, error) {
+	return pgx.ConnectConfig(ctx, s.pool.Config().ConnConfig.Copy())
+}
+
+// querier is what both the pool and a transaction offer.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Tx is a transaction with the store's queries.
+type Tx struct {
+	tx pgx.Tx
+}
+
+// InTx runs fn in a transaction, committing if fn returns nil.
+func (s *Store) InTx(ctx context.Context, fn func(tx *Tx) error) error {
+	return pgx.BeginFunc(ctx, s.pool, func(t pgx.Tx) error { return fn(&Tx{tx: t}) })
+}
+
+func notFound(err error, what string, id string) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fault.New(fault.NotFound, "%s %q not found", what, id)
+	}
+	return err
+}
+
+func isUniqueViolation(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "23505"
+}

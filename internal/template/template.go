@@ -1,0 +1,242 @@
+// Package template builds template releases into the storage store. For now it has one
+// builder, the builtin "base" template: Debian bookworm from debootstrap (variant minbase)
+// with bash, python3, coreutils, procps, iproute2, ca-certificates and a user "user"
+// (uid 1000, home /home/user), plus the directories the runtimes mount over (/.space and
+// /run/space).
+//
+// A build runs in a tmp/ subvolume of the store (storage.ReleaseBuild) and is published
+// by storage with its content digest; a failed or cancelled build leaves nothing behind.
+// Build commands run as PID 1 of a fresh PID namespace, inside a private mount namespace:
+// killing that one process makes the kernel kill every process debootstrap started and
+// drop every mount it made (proc, sys in the target), so cancellation cannot leave
+// processes or mounts pinning the build directory.
+package template
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"github.com/spacedev/space/internal/storage"
+)
+
+// Recipe of the base template. Bump baseRecipeVersion whenever BuildBase changes what it
+// puts in the tree, so that caches keyed by BaseRecipeID are refreshed.
+const (
+	baseName          = "base"
+	baseSuite         = "bookworm"
+	baseVariant       = "minbase"
+	basePackages      = "bash,python3,coreutils,procps,iproute2,ca-certificates"
+	baseUser          = "user"
+	baseUID           = "1000"
+	baseHome          = "/home/user"
+	baseRecipeVersion = "1"
+)
+
+// BaseRecipeID identifies what BuildBase builds (suite, variant, packages, customization).
+// Two builds with the same recipe differ only in package versions and timestamps.
+func BaseRecipeID() string {
+	sum := sha256.Sum256([]byte(strings.Join([]string{baseRecipeVersion, baseSuite, baseVariant, basePackages, baseUser, baseUID, baseHome}, "\x00")))
+	return hex.EncodeToString(sum[:6])
+}
+
+// Builder builds template releases into Store.
+type Builder struct {
+	// Store receives the releases.
+	Store *storage.Store
+	// Logger receives build output at debug level (default: discarded).
+	Logger *slog.Logger
+	// Mirror is the Debian mirror URL for debootstrap; empty uses debootstrap's default.
+	Mirror string
+	// CacheDir keeps downloaded packages between builds (debootstrap --cache-dir);
+	// empty disables the cache. Created if missing.
+	CacheDir string
+}
+
+func (b *Builder) logger() *slog.Logger {
+	if b.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return b.Logger
+}
+
+// BuildBase builds the base template and returns its release. If a release with the same
+// content digest exists already, the new build is dropped and the existing release
+// returned. progress, if not nil, receives debootstrap's status lines ("I: ...").
+// Needs root.
+func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel storage.Release, err error) {
+	if b.Store == nil {
+		return storage.Release{}, errors.New("template: Builder.Store is nil")
+	}
+	if os.Geteuid() != 0 {
+		return storage.Release{}, errors.New("template: building the base template needs root")
+	}
+	debootstrap, err := exec.LookPath("debootstrap")
+	if err != nil {
+		return storage.Release{}, errors.New("template: debootstrap not found: install the Debian package debootstrap")
+	}
+	args := []string{"--variant=" + baseVariant, "--include=" + basePackages}
+	if b.CacheDir != "" {
+		cache, err := filepath.Abs(b.CacheDir)
+		if err != nil {
+			return storage.Release{}, fmt.Errorf("template: %w", err)
+		}
+		if err := os.MkdirAll(cache, 0o755); err != nil {
+			return storage.Release{}, fmt.Errorf("template: %w", err)
+		}
+		args = append(args, "--cache-dir="+cache)
+	}
+
+	build, err := b.Store.BeginRelease(ctx)
+	if err != nil {
+		return storage.Release{}, fmt.Errorf("template: %w", err)
+	}
+	defer build.Discard(ctx)
+	rootfs := build.Rootfs()
+
+	args = append(args, baseSuite, rootfs)
+	if b.Mirror != "" {
+		args = append(args, b.Mirror)
+	}
+	log := b.logger()
+	log.InfoContext(ctx, "template: building base", "suite", baseSuite, "dir", rootfs)
+	if err := b.run(ctx, progress, debootstrap, args...); err != nil {
+		return storage.Release{}, fmt.Errorf("template: debootstrap: %w", err)
+	}
+	if err := b.customizeBase(ctx, rootfs); err != nil {
+		return storage.Release{}, fmt.Errorf("template: %w", err)
+	}
+	rel, err = build.Commit(ctx, storage.Release{
+		Name: baseName,
+		Config: storage.ReleaseConfig{
+			User:    baseUser,
+			Workdir: baseHome,
+			Env:     map[string]string{},
+		},
+	})
+	if err != nil {
+		return storage.Release{}, fmt.Errorf("template: %w", err)
+	}
+	log.InfoContext(ctx, "template: base built", "digest", rel.Digest, "size", rel.SizeBytes)
+	return rel, nil
+}
+
+// customizeBase adds the user, the runtime mount points, and removes host-derived and
+// cache files debootstrap leaves behind.
+func (b *Builder) customizeBase(ctx context.Context, rootfs string) error {
+	chroot, err := exec.LookPath("chroot")
+	if err != nil {
+		return fmt.Errorf("chroot not found: %w", err)
+	}
+	if err := b.run(ctx, nil, chroot, rootfs, "useradd",
+		"--uid", baseUID, "--user-group", "--create-home", "--home-dir", baseHome,
+		"--shell", "/bin/bash", baseUser); err != nil {
+		return fmt.Errorf("add user: %w", err)
+	}
+	for _, d := range []string{".space", "run/space"} {
+		if err := os.MkdirAll(filepath.Join(rootfs, d), 0o755); err != nil {
+			return err
+		}
+	}
+	// debootstrap copies the build host's resolv.conf and hostname; a sandbox has no
+	// network by default and the runtime provides both when it has.
+	if err := os.WriteFile(filepath.Join(rootfs, "etc/resolv.conf"), nil, 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(rootfs, "etc/hostname"), []byte("sandbox\n"), 0o644); err != nil {
+		return err
+	}
+	// Package indexes and apt's binary caches: large, stale soon, rebuilt by apt-get update.
+	for _, pattern := range []string{"var/lib/apt/lists/*_*", "var/cache/apt/*.bin"} {
+		matches, err := filepath.Glob(filepath.Join(rootfs, pattern))
+		if err != nil {
+			return err
+		}
+		for _, m := range matches {
+			if err := os.Remove(m); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// run runs a build command as PID 1 of a new PID namespace, in a private mount namespace
+// (util-linux unshare sets the propagation to private), with a clean environment. When
+// ctx ends the process is killed, and with it the whole namespace; Wait returns only after
+// the kernel has reaped every process in it. Lines starting with "I: ", "W: " or "E: "
+// go to progress; all output goes to the debug log, and the last lines into the error.
+func (b *Builder) run(ctx context.Context, progress func(string), name string, args ...string) error {
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		return errors.New("unshare not found: install the Debian package util-linux")
+	}
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer pr.Close()
+	cmd := exec.CommandContext(ctx, unshare, append([]string{"--mount", "--propagation", "private", "--", name}, args...)...)
+	cmd.Env = buildEnv()
+	cmd.Stdout = pw
+	cmd.Stderr = pw
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Cloneflags: syscall.CLONE_NEWPID,
+		Pdeathsig:  syscall.SIGKILL,
+	}
+	err = cmd.Start()
+	pw.Close()
+	if err != nil {
+		return fmt.Errorf("start %s: %w", name, err)
+	}
+	log := b.logger()
+	var tail []string
+	sc := bufio.NewScanner(pr)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		log.DebugContext(ctx, "template: build output", "cmd", filepath.Base(name), "line", line)
+		if progress != nil && (strings.HasPrefix(line, "I: ") || strings.HasPrefix(line, "W: ") || strings.HasPrefix(line, "E: ")) {
+			progress(line)
+		}
+		if tail = append(tail, line); len(tail) > 15 {
+			tail = tail[1:]
+		}
+	}
+	waitErr := cmd.Wait()
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return ctxErr
+	}
+	if waitErr != nil {
+		return fmt.Errorf("%w\n%s", waitErr, strings.Join(tail, "\n"))
+	}
+	return sc.Err()
+}
+
+// buildEnv is the environment of build commands: a fixed PATH and locale, plus the
+// host's proxy settings, which debootstrap may need to reach its mirror.
+func buildEnv() []string {
+	env := []string{
+		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+		"LC_ALL=C",
+		"HOME=/root",
+		"DEBIAN_FRONTEND=noninteractive",
+	}
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		switch strings.ToLower(k) {
+		case "http_proxy", "https_proxy", "no_proxy":
+			env = append(env, kv)
+		}
+	}
+	return env
+}

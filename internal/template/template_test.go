@@ -1,0 +1,127 @@
+package template_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/spacedev/space/internal/template"
+	"github.com/spacedev/space/internal/template/templatetest"
+)
+
+func requireBuild(t *testing.T) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("real debootstrap build skipped in -short mode")
+	}
+	templatetest.RequireStore(t)
+	if _, err := exec.LookPath("debootstrap"); err != nil {
+		t.Skip("needs debootstrap")
+	}
+}
+
+// TestBuildBase runs the real base build (and so refreshes the test cache), checks the
+// tree, and imports the cached export into a second store.
+func TestBuildBase(t *testing.T) {
+	requireBuild(t)
+	ctx := context.Background()
+	s := templatetest.Store(t)
+	var lines []string
+	rel := templatetest.BuildBase(t, s, func(line string) { lines = append(lines, line) })
+	t.Logf("base %s, %d MiB, %d progress lines", rel.Digest, rel.SizeBytes>>20, len(lines))
+	if len(lines) == 0 || !strings.HasPrefix(lines[0], "I: ") {
+		t.Fatalf("progress lines: %q", lines)
+	}
+	if rel.Name != "base" || rel.Config.User != "user" || rel.Config.Workdir != "/home/user" || rel.Config.Env == nil || rel.SizeBytes <= 0 {
+		t.Fatalf("release = %+v", rel)
+	}
+	root, err := s.ReleaseRoot(rel.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ro, err := s.IsReadOnly(root); err != nil || !ro {
+		t.Fatalf("release read-only = %v, %v", ro, err)
+	}
+	for _, p := range []string{"usr/bin/bash", "usr/bin/python3", "usr/bin/ps", "usr/sbin/ip", "etc/ssl/certs/ca-certificates.crt", ".space", "run/space"} {
+		if _, err := os.Stat(filepath.Join(root, p)); err != nil {
+			t.Errorf("missing %s: %v", p, err)
+		}
+	}
+	fi, err := os.Stat(filepath.Join(root, "home/user"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := fi.Sys().(*syscall.Stat_t); !fi.IsDir() || st.Uid != 1000 || st.Gid != 1000 {
+		t.Fatalf("/home/user: dir=%v uid=%d gid=%d", fi.IsDir(), st.Uid, st.Gid)
+	}
+	passwd, err := os.ReadFile(filepath.Join(root, "etc/passwd"))
+	if err != nil || !strings.Contains(string(passwd), "\nuser:x:1000:1000::/home/user:/bin/bash\n") {
+		t.Fatalf("etc/passwd lacks user: %v\n%s", err, passwd)
+	}
+
+	// The tree runs: python3 as user in a sandbox snapshot of the release.
+	sroot, err := s.CreateSandboxRoot(ctx, "pycheck", rel.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.CommandContext(ctx, "chroot", "--userspec=1000:1000", sroot, "/usr/bin/python3", "-c",
+		"import os, pwd, ssl; print(os.getuid(), pwd.getpwuid(os.getuid()).pw_dir)").CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "1000 /home/user" {
+		t.Fatalf("python3 in sandbox root: %v: %s", err, out)
+	}
+	if err := s.DeleteSandbox(ctx, "pycheck"); err != nil {
+		t.Fatal(err)
+	}
+
+	// The cache this build wrote imports with the same digest.
+	s2 := templatetest.Store(t)
+	if got := templatetest.Base(t, s2); got.Digest != rel.Digest || !got.CreatedAt.Equal(rel.CreatedAt) {
+		t.Fatalf("cached base %+v, built %+v", got, rel)
+	}
+}
+
+// TestBuildBaseCancel cancels a build while debootstrap installs packages in the target
+// (proc mounted there) and checks that nothing is left: no build directory, no mounts,
+// no processes.
+func TestBuildBaseCancel(t *testing.T) {
+	requireBuild(t)
+	s := templatetest.Store(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	b := &template.Builder{Store: s, CacheDir: filepath.Join(templatetest.CacheDir(t), "debootstrap")}
+	cancelled := false
+	_, err := b.BuildBase(ctx, func(line string) {
+		if strings.Contains(line, "Installing core packages") {
+			cancelled = true
+			cancel()
+		}
+	})
+	if !cancelled {
+		t.Fatalf("build ended before the cancel point: %v", err)
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("BuildBase = %v, want context.Canceled", err)
+	}
+	entries, err := os.ReadDir(filepath.Join(s.Root(), "tmp"))
+	if err != nil || len(entries) != 0 {
+		t.Fatalf("tmp after cancel: %v %v", entries, err)
+	}
+	if rels, err := s.ListReleases(); err != nil || len(rels) != 0 {
+		t.Fatalf("releases after cancel: %v %v", rels, err)
+	}
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil || strings.Contains(string(mounts), s.Root()+"/") {
+		t.Fatalf("mounts left under the store: %v\n%s", err, mounts)
+	}
+	procs, _ := filepath.Glob("/proc/[0-9]*/root")
+	for _, p := range procs {
+		if target, err := os.Readlink(p); err == nil && strings.HasPrefix(target, s.Root()) {
+			t.Errorf("process %s still runs in %s", p, target)
+		}
+	}
+}

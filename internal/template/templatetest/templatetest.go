@@ -1,0 +1,186 @@
+// Package templatetest gives tests a btrfs store and the base template release quickly.
+// The base release is built once per machine and kept as an export in the test cache
+// ($SPACE_TEST_CACHE, default /var/tmp/space-test-cache), where debootstrap's package
+// cache lives too; later tests import it in seconds.
+package templatetest
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/storage"
+	"github.com/spacedev/space/internal/template"
+)
+
+// DefaultCacheDir is the test cache used when SPACE_TEST_CACHE is not set.
+const DefaultCacheDir = "/var/tmp/space-test-cache"
+
+// testImageSize is the apparent size of test store images (sparse).
+const testImageSize = 16 << 30
+
+// CacheDir returns the test cache directory, creating it.
+func CacheDir(t testing.TB) string {
+	t.Helper()
+	dir := os.Getenv("SPACE_TEST_CACHE")
+	if dir == "" {
+		dir = DefaultCacheDir
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	return dir
+}
+
+// RequireStore skips the test unless it can make btrfs stores: root, btrfs-progs and
+// kernel btrfs support.
+func RequireStore(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop-mounted btrfs")
+	}
+	if _, err := exec.LookPath("mkfs.btrfs"); err != nil {
+		t.Skip("needs btrfs-progs (mkfs.btrfs)")
+	}
+	data, err := os.ReadFile("/proc/filesystems")
+	if err != nil || !slices.Contains(strings.Fields(string(data)), "btrfs") {
+		t.Skip("kernel has no btrfs support")
+	}
+}
+
+// Store returns a new store on a fresh loop-mounted image in t.TempDir(). It is unmounted
+// (detaching the loop device) and removed when the test ends. Skips without root.
+func Store(t testing.TB) *storage.Store {
+	t.Helper()
+	RequireStore(t)
+	dir := t.TempDir()
+	ctx := context.Background()
+	s, err := storage.Open(ctx, storage.Config{DataDir: dir, ImageSizeBytes: testImageSize})
+	if err != nil {
+		t.Fatalf("templatetest: open store: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Unmount(ctx); err != nil {
+			t.Errorf("templatetest: unmount store: %v", err)
+		}
+	})
+	return s
+}
+
+// Base makes the base release available in s and returns it: it imports the cached export
+// if there is one, else builds base into s once and caches it. Concurrent test binaries
+// serialize on a lock in the cache directory, so only one of them builds.
+func Base(t testing.TB, s *storage.Store) storage.Release {
+	t.Helper()
+	cache := cachePath(t)
+	if rel, ok := importCache(t, s, cache); ok {
+		return rel
+	}
+	unlock := lockCache(t)
+	defer unlock()
+	if rel, ok := importCache(t, s, cache); ok {
+		return rel
+	}
+	return buildLocked(t, s, nil)
+}
+
+// BuildBase always builds the base template into s with a real debootstrap (reusing the
+// package cache), then refreshes the cached export. progress, if not nil, receives the
+// build's status lines. It holds the cache lock throughout, so Base in other test binaries
+// waits for this build instead of starting its own.
+func BuildBase(t testing.TB, s *storage.Store, progress func(string)) storage.Release {
+	t.Helper()
+	unlock := lockCache(t)
+	defer unlock()
+	return buildLocked(t, s, progress)
+}
+
+func cachePath(t testing.TB) string {
+	return filepath.Join(CacheDir(t), "base-"+template.BaseRecipeID()+".release")
+}
+
+func buildLocked(t testing.TB, s *storage.Store, progress func(string)) storage.Release {
+	t.Helper()
+	ctx := context.Background()
+	b := &template.Builder{Store: s, CacheDir: filepath.Join(CacheDir(t), "debootstrap")}
+	if progress == nil {
+		progress = func(line string) { t.Log(line) }
+	}
+	rel, err := b.BuildBase(ctx, progress)
+	if err != nil {
+		t.Fatalf("templatetest: build base: %v", err)
+	}
+	writeCache(t, s, rel.Digest, cachePath(t))
+	return rel
+}
+
+// importCache imports the cached export into s, if there is one. A cache that fails to
+// import is reported and ignored (the caller rebuilds and overwrites it).
+func importCache(t testing.TB, s *storage.Store, path string) (storage.Release, bool) {
+	t.Helper()
+	f, err := os.Open(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return storage.Release{}, false
+	}
+	if err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	defer f.Close()
+	rel, err := s.ImportRelease(context.Background(), f)
+	if err != nil {
+		t.Logf("templatetest: ignoring unusable cache %s: %v", path, err)
+		return storage.Release{}, false
+	}
+	return rel, true
+}
+
+// writeCache exports the release to path atomically (temporary file, fsync, rename).
+func writeCache(t testing.TB, s *storage.Store, digest, path string) {
+	t.Helper()
+	f, err := os.CreateTemp(filepath.Dir(path), ".base-*.tmp")
+	if err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	if err := f.Chmod(0o644); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	if err := s.ExportRelease(context.Background(), digest, f); err != nil {
+		t.Fatalf("templatetest: export base: %v", err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+}
+
+// lockCache takes an exclusive flock on the cache's lock file, waiting for other holders.
+func lockCache(t testing.TB) func() {
+	t.Helper()
+	f, err := os.OpenFile(filepath.Join(CacheDir(t), "base.lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		t.Fatalf("templatetest: lock cache: %v", err)
+	}
+	return func() { f.Close() }
+}

@@ -1,0 +1,148 @@
+// Package token owns attachment tokens: short-lived bearer credentials for the data
+// plane, scoped to one sandbox, one process and a set of rights, and carrying the
+// sandbox's token epoch so that bumping the epoch (delete, suspend, revoke) kills every
+// token issued before.
+//
+// Format: "spt1." + base64url(JSON claims) + "." + base64url(HMAC-SHA256(key, "spt1."+claims)).
+// The version prefix pins the algorithm (no negotiation, no "none"); the MAC is checked
+// in constant time before the claims are parsed. The key lives in PostgreSQL so every
+// replica verifies every token and tokens survive restarts.
+package token
+
+import (
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/internal/fault"
+)
+
+const prefix = "spt1."
+
+// Rights a token can carry. RightNode is only minted by the api role for its own calls
+// to a node's internal endpoints.
+const (
+	RightRead   = "read"
+	RightStdin  = "stdin"
+	RightResize = "resize"
+	RightSignal = "signal"
+	RightNode   = "node"
+)
+
+// Claims are what a token asserts.
+type Claims struct {
+	// Sandbox is the sandbox id the token is for.
+	Sandbox string `json:"sb"`
+	// PID is the process the token is for (0 for sandbox-wide node tokens).
+	PID int `json:"pid,omitempty"`
+	// Session is the command session id.
+	Session string   `json:"sid,omitempty"`
+	Rights  []string `json:"r"`
+	Epoch   int64    `json:"ep"`
+	// Expiry and IssuedAt are unix seconds.
+	Expiry   int64 `json:"exp"`
+	IssuedAt int64 `json:"iat"`
+	// ID makes every token unique.
+	ID string `json:"jti"`
+}
+
+// Has reports whether the claims include right r.
+func (c *Claims) Has(r string) bool { return slices.Contains(c.Rights, r) }
+
+// ExpiresAt returns the expiry as a time.
+func (c *Claims) ExpiresAt() time.Time { return time.Unix(c.Expiry, 0) }
+
+// Signer mints and verifies tokens with one key.
+type Signer struct {
+	key []byte
+	now func() time.Time
+}
+
+// NewSigner returns a signer for key (at least 32 bytes).
+func NewSigner(key []byte) (*Signer, error) {
+	if len(key) < 32 {
+		return nil, errors.New("token: signing key shorter than 32 bytes")
+	}
+	return &Signer{key: key, now: time.Now}, nil
+}
+
+// Mint signs claims, filling IssuedAt and ID; ttl sets the expiry.
+func (s *Signer) Mint(c Claims, ttl time.Duration) (string, Claims, error) {
+	now := s.now()
+	c.IssuedAt = now.Unix()
+	c.Expiry = now.Add(ttl).Unix()
+	id := make([]byte, 9)
+	if _, err := rand.Read(id); err != nil {
+		return "", c, err
+	}
+	c.ID = hex.EncodeToString(id)
+	body, err := json.Marshal(c)
+	if err != nil {
+		return "", c, err
+	}
+	payload := prefix + base64.RawURLEncoding.EncodeToString(body)
+	return payload + "." + base64.RawURLEncoding.EncodeToString(s.mac(payload)), c, nil
+}
+
+func (s *Signer) mac(payload string) []byte {
+	m := hmac.New(sha256.New, s.key)
+	m.Write([]byte(payload))
+	return m.Sum(nil)
+}
+
+// Verify checks the token's MAC and expiry and returns its claims. It does not check
+// scope or epoch: callers compare those with the request and the sandbox.
+func (s *Signer) Verify(tok string) (*Claims, error) {
+	if !strings.HasPrefix(tok, prefix) || len(tok) > 4096 {
+		return nil, fault.New(fault.Unauthorized, "malformed token")
+	}
+	i := strings.LastIndexByte(tok, '.')
+	if i <= len(prefix) {
+		return nil, fault.New(fault.Unauthorized, "malformed token")
+	}
+	payload, sig := tok[:i], tok[i+1:]
+	got, err := base64.RawURLEncoding.DecodeString(sig)
+	if err != nil || !hmac.Equal(got, s.mac(payload)) {
+		return nil, fault.New(fault.Unauthorized, "invalid token signature")
+	}
+	body, err := base64.RawURLEncoding.DecodeString(payload[len(prefix):])
+	if err != nil {
+		return nil, fault.New(fault.Unauthorized, "malformed token")
+	}
+	var c Claims
+	if err := json.Unmarshal(body, &c); err != nil {
+		return nil, fault.New(fault.Unauthorized, "malformed token claims")
+	}
+	if s.now().Unix() >= c.Expiry {
+		return nil, fault.New(fault.Unauthorized, "token expired")
+	}
+	return &c, nil
+}
+
+// Authorize checks that claims allow right on sandbox/pid at the sandbox's current
+// epoch. pid 0 means a sandbox-wide request.
+func Authorize(c *Claims, sandbox string, pid int, right string, epoch int64) error {
+	if c.Sandbox != sandbox {
+		return fault.New(fault.Forbidden, "token is not valid for this sandbox")
+	}
+	if c.Epoch != epoch {
+		return fault.New(fault.Unauthorized, "token was revoked")
+	}
+	if c.Has(RightNode) {
+		return nil
+	}
+	if c.PID != pid {
+		return fault.New(fault.Forbidden, "token is not valid for this process")
+	}
+	if !c.Has(right) {
+		return fault.New(fault.Forbidden, "token lacks the %q right", right)
+	}
+	return nil
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what space needs on Debian 12 (idempotent): the runtime and storage tools,
+# PostgreSQL's server binaries, and checks for Go. Run as root.
+set -euo pipefail
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup.sh: run as root (sudo): space needs root for btrfs loop mounts and sandboxes" >&2
+  exit 1
+fi
+
+# Debian packages space uses at run time and in tests.
+pkgs=(
+  runsc            # gVisor: the sandbox runtime on hosts without usable KVM
+  btrfs-progs      # mkfs.btrfs and btrfs send/receive for the template store
+  debootstrap      # builds the base template (Debian bookworm)
+  postgresql-15    # initdb/postgres for the embedded private cluster
+  e2fsprogs util-linux iproute2 ca-certificates curl git
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup.sh: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  # Debian's postgresql-15 creates and starts a default cluster; space runs its own.
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# Go 1.26+ (not packaged for bookworm): /usr/local/go or PATH.
+export PATH="/usr/local/go/bin:$PATH"
+if ! command -v go >/dev/null; then
+  echo "setup.sh: Go 1.26 or newer is required (install it to /usr/local/go)" >&2
+  exit 1
+fi
+echo "setup.sh: ready ($(go version | cut -d' ' -f3), $(runsc --version 2>/dev/null | head -1))"
