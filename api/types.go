@@ -269,3 +269,50 @@ type Template struct {
 	SizeBytes int64     `json:"size_bytes,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
 }
+
+// FileInfo describes one file system entry in a sandbox (symbolic links are not
+// followed).
+type FileInfo struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+	// Type is file, dir, symlink or other.
+	Type string `json:"type"`
+	Size int64  `json:"size"`
+	// Mode holds the permission bits (07777).
+	Mode uint32 `json:"mode"`
+	// Permissions is the ls(1) style mode string, e.g. "-rw-r--r--".
+	Permissions   string    `json:"permissions"`
+	Owner         string    `json:"owner"`
+	Group         string    `json:"group"`
+	UID           uint32    `json:"uid"`
+	GID           uint32    `json:"gid"`
+	ModifiedTime  time.Time `json:"modified_time"`
+	SymlinkTarget string    `json:"symlink_target,omitempty"`
+}
+
+// MkdirRequest is the body of POST /v1/sandboxes/{id}/files/mkdir.
+type MkdirRequest struct {
+	Path string `json:"path"`
+	// User owns the new directories and resolves relative paths (default root).
+	User string `json:"user,omitempty"`
+	// Mode defaults to 0755.
+	Mode uint32 `json:"mode,omitempty"`
+	// Parents creates missing parent directories.
+	Parents bool `json:"parents,omitempty"`
+}
+
+// MoveRequest is the body of POST /v1/sandboxes/{id}/files/move.
+type MoveRequest struct {
+	From string `json:"from"`
+	To   string `json:"to"`
+	User string `json:"user,omitempty"`
+}
+
+// WatchEvent is the data of a file watch SSE event (event name = Type: create, write,
+// remove, rename, chmod, overflow).
+type WatchEvent struct {
+	Type  string `json:"type"`
+	Path  string `json:"path,omitempty"`
+	Name  string `json:"name,omitempty"`
+	IsDir bool   `json:"is_dir,omitempty"`
+}

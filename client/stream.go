@@ -49,7 +49,7 @@ func (c *Client) Attach(ctx context.Context, s *api.CommandSession, lastEventID 
 		defer resp.Body.Close()
 		return nil, decodeError(resp)
 	}
-	return &Stream{resp: resp, br: bufio.NewReaderSize(resp.Body, 64<<10)}, nil
+	return &Stream{resp: resp, br: newReader(resp.Body)}, nil
 }
 
 // Next returns the next event, skipping comments (heartbeats).
@@ -60,9 +60,11 @@ func (s *Stream) Next() (Event, error) {
 	for {
 		line, err := s.br.ReadSlice('\n')
 		if err == bufio.ErrBufferFull {
-			// Long data line: collect it whole.
+			// Long data line: copy what was read (the next read reuses the buffer),
+			// then collect the rest.
+			head := append([]byte{}, line...)
 			rest, err2 := s.br.ReadBytes('\n')
-			line = append(append([]byte{}, line...), rest...)
+			line = append(head, rest...)
 			err = err2
 		}
 		if err != nil {
@@ -117,7 +119,12 @@ type Output struct {
 // event id after a dropped connection (and re-creating the session if its token
 // expired), so no byte is lost or repeated.
 func (c *Client) Follow(ctx context.Context, sess *api.CommandSession, out Output) (*api.ExitEvent, error) {
-	lastID := ""
+	return c.FollowFrom(ctx, sess, "", out)
+}
+
+// FollowFrom is Follow starting after the event id lastID (a byte offset; "" = the
+// start of the journal).
+func (c *Client) FollowFrom(ctx context.Context, sess *api.CommandSession, lastID string, out Output) (*api.ExitEvent, error) {
 	failures := 0
 	for {
 		st, err := c.Attach(ctx, sess, lastID)
@@ -330,3 +337,5 @@ func (c *Client) Snapshot(ctx context.Context, sandboxID string, pid int, out Ou
 	}
 	return err
 }
+
+func newReader(r io.Reader) *bufio.Reader { return bufio.NewReaderSize(r, 64<<10) }

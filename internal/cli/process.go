@@ -12,7 +12,7 @@ import (
 )
 
 func (a *app) dataPlaneCmds() []*cobra.Command {
-	return []*cobra.Command{a.psCmd(), a.attachCmd(), a.logsCmd(), a.killCmd()}
+	return []*cobra.Command{a.psCmd(), a.attachCmd(), a.logsCmd(), a.killCmd(), a.cpCmd()}
 }
 
 func parsePID(s string) (int, error) {

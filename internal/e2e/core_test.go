@@ -51,6 +51,11 @@ func TestEndToEnd(t *testing.T) {
 	if out != "user /tmp hello /home/user\n" {
 		t.Fatalf("exec as user: %q", out)
 	}
+	// Coreutils work (ls and stat use statx, see the gVisor compatibility shim).
+	out, stderr, code = s.cli(t, "exec", id, "--", "sh", "-c", "ls -d /tmp /home/user && stat -c %U /home/user")
+	if code != 0 || out != "/home/user\n/tmp\nuser\n" {
+		t.Fatalf("ls/stat: exit %d, %q %q", code, out, stderr)
+	}
 	if _, _, code = s.cli(t, "exec", id, "--", "no-such-program"); code != 127 {
 		t.Fatalf("exec of a missing program: exit %d, want 127", code)
 	}

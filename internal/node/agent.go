@@ -86,6 +86,13 @@ func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
 		}
 	}
 	maps.Copy(env, sb.Spec.Env)
+	// A runtime may need a compatibility library preloaded into every process.
+	if p := n.info.Details["preload"]; p != "" {
+		if cur := env["LD_PRELOAD"]; cur != "" {
+			p += ":" + cur
+		}
+		env["LD_PRELOAD"] = p
+	}
 	id := wire.Identity{
 		Generation: time.Now().UnixNano(),
 		Seed:       randomSeed(),

@@ -96,6 +96,7 @@ func (a *API) Handler() http.Handler {
 	authed("POST /v1/sandboxes/{id}/revoke-tokens", a.revokeTokens)
 	authed("GET /v1/sandboxes/{id}/processes", a.listProcesses)
 	authed("GET /v1/sandboxes/{id}/processes/{pid}", a.getProcess)
+	a.registerFiles(authed)
 	authed("GET /v1/operations/{id}", a.getOperation)
 	authed("GET /v1/operations/{id}/wait", a.waitOperation)
 	authed("GET /v1/operations/{id}/events", a.operationEvents)

@@ -14,10 +14,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -163,33 +165,69 @@ func (a *Agent) Run(ctx context.Context) error {
 		stopJanitor()
 		<-janitorDone
 	}()
+	resumed := false
 	for {
-		quiesced, err := a.serveOnce(ctx)
+		ln, err := a.listen(ctx, resumed)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		quiesced, err := a.serve(ctx, ln)
 		if err != nil || !quiesced {
 			return err
 		}
-		a.log.Info("quiesced: listener closed, waiting for resume file", "dir", a.cfg.RunDir)
+		if err := a.enterQuiesce(); err != nil {
+			return err
+		}
 		if err := a.waitResume(ctx); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
 			return err
 		}
+		marker := filepath.Join(a.cfg.RunDir, wire.QuiescedFileName)
+		if err := os.Remove(marker); err != nil && !errors.Is(err, os.ErrNotExist) {
+			a.log.Warn("remove quiesced marker", "err", err)
+		}
+		resumed = true
 	}
 }
 
-// serveOnce listens and serves until ctx is done (false, nil), a quiesce request
-// (true, nil) or a listener failure.
-func (a *Agent) serveOnce(ctx context.Context) (quiesced bool, err error) {
-	ln, err := listen(ctx, a.cfg.Listen)
-	if err != nil {
-		return false, err
+// listen opens the listener. After a resume it retries until it succeeds: a socket
+// file the agent could not remove (gVisor) blocks the address until the host removes
+// it.
+func (a *Agent) listen(ctx context.Context, retry bool) (net.Listener, error) {
+	delay := 2 * time.Millisecond
+	var lastErr string
+	for {
+		ln, err := listen(ctx, a.cfg.Listen)
+		if err == nil || !retry {
+			return ln, err
+		}
+		if msg := err.Error(); msg != lastErr {
+			a.log.Warn("listen after resume failed, retrying", "err", err)
+			lastErr = msg
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(delay):
+		}
+		delay = min(delay*2, 100*time.Millisecond)
 	}
+}
+
+// serve serves ln until ctx is done (false, nil), a quiesce request (true, nil) or a
+// listener failure.
+func (a *Agent) serve(ctx context.Context, ln net.Listener) (quiesced bool, err error) {
 	a.log.Info("agent listening", "listen", a.cfg.Listen, "boot_id", a.bootID)
 	srv := &http.Server{
 		Handler:           a.handler,
 		ReadHeaderTimeout: 30 * time.Second,
 		ErrorLog:          slog.NewLogLogger(a.log.Handler(), slog.LevelDebug),
+		ConnContext:       withConn,
 	}
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ln) }()
@@ -207,6 +245,26 @@ func (a *Agent) serveOnce(ctx context.Context) (quiesced bool, err error) {
 		<-serveErr
 		return true, nil
 	}
+}
+
+// enterQuiesce runs once the listener and every connection are closed: it removes the
+// socket file when it can (Go's listener unlinks it on Close already; gVisor refuses
+// that for a socket backed by the host, EPERM, and then the host removes it before
+// resuming) and creates the quiesced marker the host waits for.
+func (a *Agent) enterQuiesce() error {
+	if ls, err := parseListen(a.cfg.Listen); err == nil && ls.network == "unix" {
+		if err := os.Remove(ls.address); err != nil && !errors.Is(err, os.ErrNotExist) {
+			a.log.Info("agent socket file stays until the host removes it", "path", ls.address, "err", err)
+		}
+	}
+	marker := filepath.Join(a.cfg.RunDir, wire.QuiescedFileName)
+	if err := os.WriteFile(marker, []byte(strconv.FormatInt(a.currentGeneration(), 10)+"\n"), 0o644); err != nil {
+		// Without the marker the host cannot tell when to checkpoint: stop in a way it
+		// notices rather than hang quiesced.
+		return fmt.Errorf("quiesce: write marker: %w", err)
+	}
+	a.log.Info("quiesced: listener closed, waiting for resume file", "dir", a.cfg.RunDir)
+	return nil
 }
 
 // waitResume polls the resume file until it holds a newer identity, applies it and

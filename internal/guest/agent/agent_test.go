@@ -596,6 +596,53 @@ func TestStdin(t *testing.T) {
 	}
 }
 
+// A program that never reads its stdin must not pin a stdin request beyond the
+// client's deadline, for a pipe or a terminal.
+func TestStdinNotRead(t *testing.T) {
+	needTools(t, "sleep")
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 10*time.Second)
+	for _, spec := range []wire.ProcessSpec{
+		{Argv: []string{"sleep", "100"}, Stdin: true},
+		{Argv: []string{"sleep", "100"}, PTY: &wire.Size{Rows: 24, Cols: 80}},
+	} {
+		pi, err := e.c.StartProcess(ctx, spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		err = e.c.WriteStdin(wctx, pi.PID, bytes.NewReader(make([]byte, 8<<20)), false)
+		cancel()
+		if err == nil {
+			t.Fatalf("pty=%v: 8 MiB written to a program that does not read", spec.PTY != nil)
+		}
+		// The agent gave up on that write too: stdin is usable again (an empty write
+		// only succeeds once the earlier request let go of the stdin).
+		for {
+			wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			err := e.c.WriteStdin(wctx, pi.PID, nil, false)
+			cancel()
+			if err == nil {
+				break
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("pty=%v: stdin still held by the abandoned request", spec.PTY != nil)
+			}
+		}
+		// The process can be stopped and reports its exit.
+		if err := e.c.Signal(ctx, pi.PID, "KILL"); err != nil {
+			t.Fatal(err)
+		}
+		s, err := e.c.Output(ctx, pi.PID, 0, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := consume(t, s, 0); r.exit == nil || r.exit.Signal != "SIGKILL" {
+			t.Fatalf("pty=%v: exit %+v", spec.PTY != nil, r.exit)
+		}
+	}
+}
+
 func TestSignals(t *testing.T) {
 	needTools(t, "sleep")
 	e := startAgent(t, nil)
@@ -966,27 +1013,21 @@ func TestQuiesceResume(t *testing.T) {
 		}
 	}
 	s.Close()
-	// The socket goes away (a checkpoint needs no host connections).
-	for {
-		if _, err := os.Lstat(e.sock); errors.Is(err, os.ErrNotExist) {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("socket still present after quiesce")
-		case <-time.After(2 * time.Millisecond):
-		}
+	// The agent signals that it holds no connection any more (a checkpoint may start).
+	if err := agentclient.WaitQuiesced(ctx, e.runDir); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(e.sock); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("socket file still present after quiesce: %v", err)
 	}
 	if _, err := e.c.Health(testCtx(t, time.Second)); err == nil {
 		t.Fatal("agent answered while quiesced")
 	}
-	// Resume with a newer generation, written atomically as the host would.
-	data, _ := json.Marshal(wire.Identity{Generation: 2, UnixNano: time.Now().UnixNano(), Env: map[string]string{"R": "1"}})
-	tmp := filepath.Join(e.runDir, ".resume.tmp")
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+	// A stale generation does not resume it; a newer one does.
+	if err := agentclient.WriteResume(e.runDir, wire.Identity{Generation: 1}); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Rename(tmp, filepath.Join(e.runDir, wire.ResumeFileName)); err != nil {
+	if err := agentclient.WriteResume(e.runDir, wire.Identity{Generation: 2, UnixNano: time.Now().UnixNano(), Env: map[string]string{"R": "1"}}); err != nil {
 		t.Fatal(err)
 	}
 	h, err := e.c.WaitReady(ctx)
@@ -996,8 +1037,10 @@ func TestQuiesceResume(t *testing.T) {
 	if h.Generation != 2 {
 		t.Fatalf("generation %d after resume", h.Generation)
 	}
-	if _, err := os.Stat(filepath.Join(e.runDir, wire.ResumeFileName)); !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("resume file left behind: %v", err)
+	for _, name := range []string{wire.ResumeFileName, wire.QuiescedFileName} {
+		if _, err := os.Stat(filepath.Join(e.runDir, name)); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("%s left behind: %v", name, err)
+		}
 	}
 	// The process kept running and its output kept being journaled.
 	s, err = e.c.Output(ctx, pi.PID, 0, true)
@@ -1016,23 +1059,14 @@ func TestQuiesceResume(t *testing.T) {
 	if err := e.c.Quiesce(ctx); err != nil {
 		t.Fatal(err)
 	}
-	data, _ = json.Marshal(wire.Identity{Generation: 3})
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+	if err := agentclient.WaitQuiesced(ctx, e.runDir); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Rename(tmp, filepath.Join(e.runDir, wire.ResumeFileName)); err != nil {
+	if err := agentclient.WriteResume(e.runDir, wire.Identity{Generation: 3}); err != nil {
 		t.Fatal(err)
 	}
-	for {
-		h, err := e.c.WaitReady(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if h.Generation == 3 {
-			break
-		}
-		// Answered before the listener closed: poll again.
-		e.c.CloseIdleConnections()
+	if h, err := e.c.WaitReady(ctx); err != nil || h.Generation != 3 {
+		t.Fatalf("second resume: %+v %v", h, err)
 	}
 }
 

@@ -546,3 +546,8 @@ func (c *nameCache) names(uid, gid uint32) (string, string) {
 	c.users[uid], c.groups[gid] = u, g
 	return u, g
 }
+
+// writerOnly hides os.File's ReadFrom so that io.CopyBuffer uses the buffer it is
+// given: a request body is never a file or socket, so ReadFrom would only fall back to
+// a loop with its own 32 KiB buffer.
+type writerOnly struct{ io.Writer }

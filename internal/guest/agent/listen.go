@@ -51,6 +51,8 @@ func listen(ctx context.Context, s string) (net.Listener, error) {
 	switch ls.network {
 	case "unix":
 		return listenUnix(ctx, ls.address)
+	case "serial":
+		return listenSerial(ctx, ls.address)
 	default:
 		return nil, fmt.Errorf("listen %s: transport %q not implemented yet", s, ls.network)
 	}

@@ -16,7 +16,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/creack/pty"
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/guest/wire"
@@ -125,15 +124,12 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 	var files []*os.File
 	var outputs []*os.File
 	if spec.PTY != nil {
-		ptm, pts, err := pty.Open()
+		ptm, pts, err := openPTY(*spec.PTY)
 		if err != nil {
 			return fail(fmt.Errorf("open pty: %w", err))
 		}
 		parentFiles = append(parentFiles, ptm)
 		childFiles = append(childFiles, pts)
-		if err := pty.Setsize(ptm, &pty.Winsize{Rows: spec.PTY.Rows, Cols: spec.PTY.Cols}); err != nil {
-			return fail(fmt.Errorf("set pty size: %w", err))
-		}
 		if cred != nil {
 			// The terminal belongs to the user, as login(1) would do it.
 			if err := pts.Chown(int(cred.Uid), int(cred.Gid)); err != nil {
@@ -543,7 +539,7 @@ func (p *process) resize(size wire.Size) error {
 	if p.reaped || p.ptm == nil {
 		return conflict("process %d has exited", p.pid)
 	}
-	if err := pty.Setsize(p.ptm, &pty.Winsize{Rows: size.Rows, Cols: size.Cols}); err != nil {
+	if err := setWinsize(p.ptm, size); err != nil {
 		return fmt.Errorf("resize %d: %w", p.pid, err)
 	}
 	return nil
@@ -551,7 +547,8 @@ func (p *process) resize(size wire.Size) error {
 
 // writeStdin copies r into the process's stdin; eof closes it afterwards (for a PTY
 // it sends the terminal's end-of-file character, ^D, instead: closing the master would
-// hang up the terminal).
+// hang up the terminal). A process that does not read blocks the request, until the
+// client gives up (see peerGone).
 func (p *process) writeStdin(ctx context.Context, r io.Reader, eof bool) error {
 	p.stdinMu.Lock()
 	defer p.stdinMu.Unlock()
@@ -562,27 +559,27 @@ func (p *process) writeStdin(ctx context.Context, r io.Reader, eof bool) error {
 	if !usable {
 		return &apiError{status: http.StatusConflict, code: wire.ErrCodeStdinUnavailable, msg: fmt.Sprintf("process %d has no open stdin", p.pid)}
 	}
-	isPTY := p.spec.PTY != nil
-	// A process that does not read its stdin must not pin this request forever.
-	_ = f.SetWriteDeadline(time.Time{})
-	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Now()) })
-	defer func() {
-		if stop() {
-			return
+	defer func() { _ = f.SetWriteDeadline(time.Time{}) }()
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := r.Read(buf)
+		if n > 0 {
+			if err := p.writeSome(ctx, f, buf[:n]); err != nil {
+				return err
+			}
 		}
-		_ = f.SetWriteDeadline(time.Time{})
-	}()
-	if _, err := io.Copy(writerOnly{f}, r); err != nil {
-		return p.stdinError(err)
+		if errors.Is(rerr, io.EOF) {
+			break
+		}
+		if rerr != nil {
+			return badRequest("read request body: %v", rerr)
+		}
 	}
 	if !eof {
 		return nil
 	}
-	if isPTY {
-		if _, err := f.Write([]byte{4}); err != nil {
-			return p.stdinError(err)
-		}
-		return nil
+	if p.spec.PTY != nil {
+		return p.writeSome(ctx, f, []byte{4})
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -593,16 +590,35 @@ func (p *process) writeStdin(ctx context.Context, r io.Reader, eof bool) error {
 	return nil
 }
 
+// stdinPoll is how often a blocked stdin write checks whether its client is gone.
+const stdinPoll = 100 * time.Millisecond
+
+// writeSome writes b to stdin f, checking the client between short write deadlines.
+func (p *process) writeSome(ctx context.Context, f *os.File, b []byte) error {
+	for len(b) > 0 {
+		_ = f.SetWriteDeadline(time.Now().Add(stdinPoll))
+		n, err := f.Write(b)
+		b = b[n:]
+		if err == nil {
+			continue
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			return p.stdinError(err)
+		}
+		if peerGone(ctx) {
+			return &apiError{status: http.StatusRequestTimeout, code: wire.ErrCodeConflict,
+				msg: fmt.Sprintf("process %d: client gone while its stdin was full", p.pid)}
+		}
+	}
+	return nil
+}
+
 func (p *process) stdinError(err error) error {
 	if errors.Is(err, unix.EPIPE) || errors.Is(err, os.ErrClosed) || errors.Is(err, unix.EIO) {
 		return &apiError{status: http.StatusConflict, code: wire.ErrCodeStdinUnavailable, msg: fmt.Sprintf("process %d: stdin closed", p.pid)}
 	}
 	return fmt.Errorf("write stdin of %d: %w", p.pid, err)
 }
-
-// writerOnly hides os.File's ReadFrom so io.Copy uses a plain buffer loop (ReadFrom
-// would try splice/sendfile paths that do not honour write deadlines on every kernel).
-type writerOnly struct{ io.Writer }
 
 // terminate starts stopping the process for agent shutdown; false if it is already
 // reaped.

@@ -15,6 +15,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -286,3 +288,51 @@ func (s *OutputStream) Next() (wire.Frame, error) {
 
 // Close ends the stream.
 func (s *OutputStream) Close() error { return s.body.Close() }
+
+// WaitQuiesced waits (polling every 2 ms) until the agent whose run directory on the
+// host is runDir has closed its listener and connections after Quiesce: then the
+// sandbox can be checkpointed.
+func WaitQuiesced(ctx context.Context, runDir string) error {
+	marker := filepath.Join(runDir, wire.QuiescedFileName)
+	t := time.NewTicker(2 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if _, err := os.Stat(marker); err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for agent quiesce: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// WriteResume ends a quiesce: it removes the agent's old socket file from runDir (the
+// agent cannot under gVisor) and atomically writes the resume file with id, whose
+// generation must be newer than the agent's. WaitReady then waits for the agent.
+func WriteResume(runDir string, id wire.Identity) error {
+	if err := os.Remove(filepath.Join(runDir, wire.AgentSocketName)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("resume agent: %w", err)
+	}
+	data, err := json.Marshal(id)
+	if err != nil {
+		return fmt.Errorf("resume agent: %w", err)
+	}
+	tmp, err := os.CreateTemp(runDir, ".resume-*")
+	if err != nil {
+		return fmt.Errorf("resume agent: %w", err)
+	}
+	_, err = tmp.Write(data)
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), filepath.Join(runDir, wire.ResumeFileName))
+	}
+	if err != nil {
+		_ = os.Remove(tmp.Name())
+		return fmt.Errorf("resume agent: %w", err)
+	}
+	return nil
+}

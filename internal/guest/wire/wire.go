@@ -56,11 +56,19 @@ const (
 	RunMountDir     = "/run/space"
 	// AgentPath is where the agent binary is visible inside a sandbox.
 	AgentPath = "/.space/space-agent"
-	// ResumeFileName is the file, in the agent's run directory, that ends a quiesce: the
-	// host writes a JSON Identity there (write to a temporary name, then rename) with a
-	// generation newer than the agent's; the agent applies it, deletes the file and
-	// listens again.
-	ResumeFileName = "resume"
+	// Quiesce protocol (checkpoints need an agent without host connections):
+	//  1. The host calls POST /v1/quiesce (204).
+	//  2. The agent closes its listener and every connection, removes its socket file
+	//     if it can, then creates QuiescedFileName in its run directory.
+	//  3. The host waits for that file, checkpoints (and maybe restores), removes the
+	//     socket file if it is still there (gVisor does not let the agent unlink a
+	//     socket backed by the host), and writes ResumeFileName: a JSON Identity with a
+	//     generation newer than the agent's (write to a temporary name, then rename).
+	//  4. The agent applies the identity, deletes both files and listens again
+	//     (retrying while the old socket file is in the way). Processes run on
+	//     throughout; their output keeps going into the journals.
+	QuiescedFileName = "quiesced"
+	ResumeFileName   = "resume"
 	// FileSizeHeader carries the whole file's size on GET /v1/files/content (the body
 	// may be a range of it).
 	FileSizeHeader = "X-Space-File-Size"

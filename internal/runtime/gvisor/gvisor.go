@@ -76,8 +76,9 @@ const (
 // Runtime runs sandboxes with runsc. It is safe for concurrent use; it keeps no state in
 // memory, so a new Runtime over the same RootDir sees every instance of an old one.
 type Runtime struct {
-	cfg Config
-	log *slog.Logger
+	cfg    Config
+	log    *slog.Logger
+	compat string // host path of the statx shim
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -117,7 +118,11 @@ func New(cfg Config) (*Runtime, error) {
 	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
 		return nil, fmt.Errorf("gvisor: create root dir: %w", err)
 	}
-	return &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor")}, nil
+	compat, err := writeCompat(cfg.RootDir)
+	if err != nil {
+		return nil, err
+	}
+	return &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor"), compat: compat}, nil
 }
 
 // Info reports runsc's version and the platform in use.
@@ -132,7 +137,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		Name:    "gvisor",
 		Disk:    runtime.DiskDir,
 		Version: version,
-		Details: map[string]string{"platform": r.cfg.Platform},
+		Details: map[string]string{"platform": r.cfg.Platform, "preload": CompatPreload},
 	}, nil
 }
 
@@ -186,7 +191,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := os.Mkdir(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
-	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID)})
+	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID), Compat: r.compat})
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}

@@ -1,0 +1,156 @@
+package qemu
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/spacedev/space/internal/guest/vmboot"
+)
+
+// Files in an instance's StateDir; Destroy removes exactly these.
+const (
+	qmpSocket   = "qmp.sock"    // QMP, for this runtime only
+	agentSocket = "agent.sock"  // host end of the agent's virtio-serial port
+	consoleLog  = "console.log" // the guest console (kernel messages, agent logs)
+	qemuLog     = "qemu.log"    // QEMU's own stdout and stderr
+)
+
+// stateFiles lists the files Create and Restore make in a StateDir.
+func stateFiles() []string { return []string{qmpSocket, agentSocket, consoleLog, qemuLog} }
+
+// Files in a checkpoint directory.
+const (
+	memoryFile  = "memory"  // QEMU's migration stream: RAM and device state
+	machineFile = "vm.json" // the machine configuration the stream needs (machine)
+)
+
+// File descriptors every QEMU process gets (exec.Cmd.ExtraFiles start at 3). Every
+// instance-specific path on QEMU's command line goes through them (/proc/self/fd/N/...),
+// so the command line is the same for every instance with the same machine: a restore
+// needs "identical device configuration", and a clone must not see its origin's paths.
+// This also keeps socket paths short whatever the StateDir.
+const (
+	fdStateDir = 3 // O_PATH descriptor of the StateDir
+	fdDisk     = 4 // the root disk image, read-write
+)
+
+// machine is what QEMU's command line is made from. Checkpoint saves it next to the
+// memory file; Restore starts QEMU from it, so the devices match the stream.
+type machine struct {
+	MemoryMB int    `json:"memory_mb"`
+	CPU      int    `json:"cpu"`
+	Accel    string `json:"accel"`
+	Kernel   string `json:"kernel"`
+	Initrd   string `json:"initrd"`
+	Append   string `json:"append"`
+	// QEMU is the emulator's version: streams do not load across versions.
+	QEMU string `json:"qemu"`
+}
+
+// maxCmdline is the x86 kernel's command line limit (COMMAND_LINE_SIZE) with some room.
+const maxCmdline = 2000
+
+// kernelCmdline is the guest kernel's command line: console on the virtio console,
+// quiet (console output is slow under TCG), no reboot (a dead agent ends the VM) and
+// the agent's environment (see package vmboot).
+func kernelCmdline(agentEnv map[string]string) (string, error) {
+	env := map[string]string{}
+	for k, v := range agentEnv {
+		env[k] = v
+	}
+	env["SPACE_AGENT_LISTEN"] = vmboot.DefaultListen
+	envArg, err := vmboot.EncodeEnv(env)
+	if err != nil {
+		return "", err
+	}
+	s := strings.Join([]string{
+		"console=hvc0", vmboot.VMFlag, "quiet", "panic=-1", "reboot=t",
+		// No legacy devices to probe on microvm.
+		"i8042.noaux", "i8042.nomux", "i8042.nopnp", "8250.nr_uarts=0",
+		envArg,
+	}, " ")
+	if len(s) > maxCmdline {
+		return "", fmt.Errorf("kernel command line too long (%d bytes): agent environment too large", len(s))
+	}
+	return s, nil
+}
+
+// args is QEMU's command line for an instance. name identifies the process (see
+// procName); incoming makes QEMU wait for a migration stream instead of booting.
+func (m machine) args(name string, incoming bool) []string {
+	state := func(f string) string { return "/proc/self/fd/" + strconv.Itoa(fdStateDir) + "/" + f }
+	a := []string{
+		"-name", name,
+		// ACPI describes the virtio-mmio devices to the guest (Debian's kernel lacks
+		// CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES); no option ROMs, no ISA serial port.
+		"-M", "microvm,acpi=on,x-option-roms=off,isa-serial=off,rtc=on",
+		"-accel", m.Accel,
+	}
+	if m.Accel == "kvm" {
+		a = append(a, "-cpu", "host")
+	}
+	a = append(a,
+		"-m", strconv.Itoa(m.MemoryMB),
+		"-smp", strconv.Itoa(m.CPU),
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-kernel", m.Kernel,
+		"-initrd", m.Initrd,
+		"-append", m.Append,
+		"-drive", "id=root,if=none,format=raw,cache=writeback,discard=unmap,file=/proc/self/fd/"+strconv.Itoa(fdDisk),
+		"-device", "virtio-blk-device,drive=root",
+		"-device", "virtio-serial-device",
+		"-chardev", "file,id=console,append=on,path="+state(consoleLog),
+		"-device", "virtconsole,chardev=console",
+		"-chardev", "socket,id=agent,server=on,wait=off,path="+state(agentSocket),
+		"-device", "virtserialport,chardev=agent,name="+vmboot.PortName,
+		"-device", "virtio-rng-device",
+		"-qmp", "unix:"+state(qmpSocket)+",server=on,wait=off",
+	)
+	if incoming {
+		a = append(a, "-incoming", "defer", "-S")
+	}
+	return a
+}
+
+func writeMachine(dir string, m machine) error {
+	data, err := json.MarshalIndent(m, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileSync(filepath.Join(dir, machineFile), append(data, '\n'))
+}
+
+func readMachine(dir string) (machine, error) {
+	var m machine
+	data, err := os.ReadFile(filepath.Join(dir, machineFile))
+	if err != nil {
+		return m, err
+	}
+	if err := json.Unmarshal(data, &m); err != nil {
+		return m, fmt.Errorf("%s: %w", filepath.Join(dir, machineFile), err)
+	}
+	if m.MemoryMB <= 0 || m.CPU <= 0 || m.Kernel == "" {
+		return m, fmt.Errorf("%s: incomplete machine", filepath.Join(dir, machineFile))
+	}
+	return m, nil
+}
+
+func writeFileSync(p string, data []byte) error {
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
