@@ -66,6 +66,19 @@ type Sandbox struct {
 	UpdatedAt      time.Time         `json:"updated_at"`
 	// ExpiresAt is when the sandbox's TTL ends and it is deleted.
 	ExpiresAt *time.Time `json:"expires_at,omitempty"`
+	// IdleTimeout is how long the sandbox may be idle before it is suspended.
+	IdleTimeout string `json:"idle_timeout,omitempty"`
+	// LastActivityAt is the last API request, attached stream or process output.
+	LastActivityAt time.Time `json:"last_activity_at"`
+	// StatusReason says why the sandbox is in its state (e.g. why it was suspended).
+	StatusReason string `json:"status_reason,omitempty"`
+	// StatusAt is when the sandbox last reached a resting state.
+	StatusAt *time.Time `json:"status_at,omitempty"`
+	// CloneOf is the sandbox this one was cloned from.
+	CloneOf string `json:"clone_of,omitempty"`
+	// DiskBytes is the disk space the sandbox uses exclusively (not shared with its
+	// template or clones), as last measured.
+	DiskBytes int64 `json:"disk_bytes"`
 	// Operation is the operation that created the sandbox (set on create responses).
 	Operation *Operation `json:"operation,omitempty"`
 }
@@ -83,6 +96,41 @@ type CreateSandboxRequest struct {
 	TTL string `json:"ttl,omitempty"`
 	// Runtime asks for a specific runtime ("gvisor", "qemu", "firecracker").
 	Runtime string `json:"runtime,omitempty"`
+	// IdleTimeout is a Go duration after which an idle sandbox is suspended (default:
+	// the server's, 6h). "0" never suspends.
+	IdleTimeout string `json:"idle_timeout,omitempty"`
+}
+
+// CloneRequest is the body of POST /v1/sandboxes/{id}/clone.
+type CloneRequest struct {
+	// Count is how many clones to make (default 1, at most 50).
+	Count int `json:"count,omitempty"`
+	// Metadata of the clones (default: the source's).
+	Metadata map[string]string `json:"metadata,omitempty"`
+	TTL      string            `json:"ttl,omitempty"`
+}
+
+// CloneResponse lists the new sandboxes, each with its create operation.
+type CloneResponse struct {
+	Sandboxes []Sandbox `json:"sandboxes"`
+}
+
+// Pool is a warm pool: Size parked sandboxes of a template and size class.
+type Pool struct {
+	Template string `json:"template"`
+	CPU      int    `json:"cpu"`
+	MemoryMB int    `json:"memory_mb"`
+	Size     int    `json:"size"`
+	// Ready is how many parked sandboxes are ready to be claimed now.
+	Ready int `json:"ready"`
+}
+
+// SetPoolRequest is the body of PUT /v1/pools.
+type SetPoolRequest struct {
+	Template string `json:"template"`
+	CPU      int    `json:"cpu,omitempty"`
+	MemoryMB int    `json:"memory_mb,omitempty"`
+	Size     int    `json:"size"`
 }
 
 // SandboxList is the body of GET /v1/sandboxes.

@@ -246,3 +246,46 @@ func backoff(n int) time.Duration {
 	d := 50 * time.Millisecond << min(n, 5)
 	return min(d, time.Second)
 }
+
+// Lifecycle requests a lifecycle verb (pause, resume, suspend, restore, stop, start,
+// wake) and returns its operation.
+func (c *Client) Lifecycle(ctx context.Context, sandboxID, verb string) (*api.Operation, error) {
+	var op api.Operation
+	return &op, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/"+url.PathEscape(verb), nil, &op, nil)
+}
+
+// LifecycleAndWait requests a verb and waits for its operation; a failed operation is
+// an error.
+func (c *Client) LifecycleAndWait(ctx context.Context, sandboxID, verb string) (*api.Operation, error) {
+	op, err := c.Lifecycle(ctx, sandboxID, verb)
+	if err != nil {
+		return nil, err
+	}
+	if op, err = c.WaitOperation(ctx, op.ID); err != nil {
+		return op, err
+	}
+	if op.State == api.OpFailed {
+		return op, fmt.Errorf("%s %s failed: %s", verb, sandboxID, op.Error)
+	}
+	return op, nil
+}
+
+// Clone makes count clones of a sandbox.
+func (c *Client) Clone(ctx context.Context, sandboxID string, req api.CloneRequest) ([]api.Sandbox, error) {
+	var out api.CloneResponse
+	return out.Sandboxes, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/clone", req, &out, nil)
+}
+
+// SetPool sets a warm pool's size (0 removes it).
+func (c *Client) SetPool(ctx context.Context, req api.SetPoolRequest) (*api.Pool, error) {
+	var p api.Pool
+	return &p, c.do(ctx, http.MethodPut, "/v1/pools", req, &p, nil)
+}
+
+// ListPools lists warm pools.
+func (c *Client) ListPools(ctx context.Context) ([]api.Pool, error) {
+	var out struct {
+		Pools []api.Pool `json:"pools"`
+	}
+	return out.Pools, c.do(ctx, http.MethodGet, "/v1/pools", nil, &out, nil)
+}

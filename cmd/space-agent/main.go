@@ -6,6 +6,7 @@
 //	SPACE_AGENT_JOURNAL_BYTES  output journal bound per process, bytes (default 8388608)
 //	SPACE_AGENT_RETENTION      how long exited processes stay readable (Go duration, default 10m)
 //	SPACE_AGENT_MAX_EXITED     how many exited processes are retained (default 256)
+//	SPACE_AGENT_STDIN_STALL    give up a stdin write the process does not read for this long (default 30s)
 //	SPACE_AGENT_LOG_LEVEL      debug, info (default), warn, error
 package main
 
@@ -56,9 +57,14 @@ func run() error {
 	if cfg.MaxExited, err = envInt("SPACE_AGENT_MAX_EXITED"); err != nil {
 		return err
 	}
-	if s := os.Getenv("SPACE_AGENT_RETENTION"); s != "" {
-		if cfg.Retention, err = time.ParseDuration(s); err != nil {
-			return fmt.Errorf("SPACE_AGENT_RETENTION: %w", err)
+	for name, dst := range map[string]*time.Duration{
+		"SPACE_AGENT_RETENTION":   &cfg.Retention,
+		"SPACE_AGENT_STDIN_STALL": &cfg.StdinStallTimeout,
+	} {
+		if s := os.Getenv(name); s != "" {
+			if *dst, err = time.ParseDuration(s); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
 		}
 	}
 

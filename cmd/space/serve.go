@@ -56,6 +56,8 @@ type serveConfig struct {
 	logLevel       string
 	runscPlatform  string
 	agentReadyWait time.Duration
+	idleTimeout    time.Duration
+	baseSnapshots  bool
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -111,6 +113,8 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
 	f.StringVar(&c.runscPlatform, "runsc-platform", "ptrace", "gVisor platform: ptrace or kvm")
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", 60*time.Second, "how long a new sandbox's agent may take to answer")
+	f.DurationVar(&c.idleTimeout, "idle-timeout", 6*time.Hour, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
+	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
 	return cmd
 }
 
@@ -203,6 +207,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 			Store: st, Signer: signer, Logger: log.With("component", "api"), Registry: reg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+			IdleTimeout: c.idleTimeout,
 		})
 		run("api", a.Run)
 		mux.Handle("/", a.Handler())
@@ -351,6 +356,9 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Logger:            log.With("component", "node"),
 		Metrics:           metrics,
 		AgentReadyTimeout: c.agentReadyWait,
+		NoBaseSnapshots:   !c.baseSnapshots,
+		DefaultCPU:        c.defaultCPU,
+		DefaultMemoryMB:   c.defaultMemory,
 	})
 	if err != nil {
 		return nil, nil, err

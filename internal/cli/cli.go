@@ -61,6 +61,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.nodeCmd(),
 		a.templateCmd(),
 		a.benchCmd(),
+		a.poolCmd(),
 	)
 	for _, c := range a.dataPlaneCmds() {
 		root.AddCommand(c)

@@ -13,7 +13,8 @@ import (
 
 func (a *app) sandboxCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes"}
-	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm())
+	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm(), a.cloneCmd())
+	cmd.AddCommand(a.lifecycleCmds()...)
 	return cmd
 }
 
@@ -84,6 +85,7 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 	f.StringArrayVarP(&meta, "metadata", "m", nil, "metadata KEY=VALUE (repeatable)")
 	f.StringVar(&req.TTL, "ttl", "", "delete the sandbox after this long (e.g. 30m, 2h)")
 	f.StringVar(&req.Runtime, "runtime", "", "ask for a runtime: gvisor, qemu or firecracker")
+	f.StringVar(&req.IdleTimeout, "idle-timeout", "", "suspend the sandbox after this long without activity (default: the server's, 6h; 0 = never)")
 	f.BoolVarP(&wait, "wait", "w", false, "wait until the sandbox is running")
 	f.StringVar(&idem, "idempotency-key", "", "retry-safe key: a retried create with the same key returns the same sandbox")
 	return cmd
@@ -163,6 +165,18 @@ func (a *app) sandboxGet() *cobra.Command {
 			row("runtime", sb.Runtime)
 			row("node", sb.Node)
 			row("start path", sb.StartPath)
+			row("idle timeout", sb.IdleTimeout)
+			row("last activity", sb.LastActivityAt.Format(time.RFC3339))
+			if sb.StatusReason != "" {
+				row("status reason", sb.StatusReason)
+			}
+			if sb.StatusAt != nil {
+				row("status since", sb.StatusAt.Format(time.RFC3339))
+			}
+			if sb.CloneOf != "" {
+				row("clone of", sb.CloneOf)
+			}
+			row("disk (exclusive)", humanBytes(sb.DiskBytes))
 			row("created", sb.CreatedAt.Format(time.RFC3339))
 			if sb.ExpiresAt != nil {
 				row("expires", sb.ExpiresAt.Format(time.RFC3339))

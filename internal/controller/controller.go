@@ -132,9 +132,11 @@ func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
 		case <-ctx.Done():
 			return
 		case <-c.kick:
+			c.pools(ctx)
 			c.schedule(ctx)
 		case <-ttl.C:
 			c.expire(ctx)
+			c.idle(ctx)
 		case <-resync.C:
 			// Leadership lives as long as the lock's connection.
 			if err := conn.Ping(ctx); err != nil {
@@ -150,6 +152,7 @@ func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
 
 func (c *Controller) pass(ctx context.Context) {
 	c.markDead(ctx)
+	c.pools(ctx)
 	c.schedule(ctx)
 	c.expire(ctx)
 }

@@ -2,10 +2,10 @@ package e2e
 
 import (
 	"bytes"
-	"encoding/base64"
-	"encoding/json"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"

@@ -76,9 +76,9 @@ func (n *Node) waitAgent(ctx context.Context, id string, timeout time.Duration) 
 	}
 }
 
-// setIdentity gives the agent fresh entropy, the host clock and the sandbox's
-// environment (the template's defaults overlaid by the sandbox's own).
-func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
+// identity returns a new identity for the sandbox: fresh entropy, the host's clock and
+// its environment (the template's defaults overlaid by the sandbox's own).
+func (n *Node) identity(sb *store.Sandbox) wire.Identity {
 	env := map[string]string{}
 	if sb.TemplateDigest != "" {
 		if rel, err := n.disk.Release(sb.TemplateDigest); err == nil {
@@ -93,12 +93,23 @@ func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
 		}
 		env["LD_PRELOAD"] = p
 	}
-	id := wire.Identity{
+	return wire.Identity{
 		Generation: time.Now().UnixNano(),
 		Seed:       randomSeed(),
 		UnixNano:   time.Now().UnixNano(),
 		Env:        env,
 		Hostname:   "sandbox-" + sb.ID[:8],
 	}
-	return n.agentJSON(ctx, sb.ID, http.MethodPost, "/v1/identity", id, nil)
+}
+
+// setIdentity gives a running agent the sandbox's identity.
+func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
+	id := n.identity(sb)
+	if err := n.agentJSON(ctx, sb.ID, http.MethodPost, "/v1/identity", id, nil); err != nil {
+		return err
+	}
+	if sb.ClaimedAt != nil {
+		return n.st.SetIdentityGeneration(context.WithoutCancel(ctx), sb.ID, id.Generation)
+	}
+	return nil
 }

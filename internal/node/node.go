@@ -15,12 +15,14 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/storage"
@@ -59,6 +61,12 @@ type Config struct {
 	AgentReadyTimeout time.Duration
 	// ShutdownGrace is how long in-flight work may continue after shutdown begins.
 	ShutdownGrace time.Duration
+	// NoBaseSnapshots disables base snapshots (every create boots).
+	NoBaseSnapshots bool
+	// DefaultCPU and DefaultMemoryMB are the size class base snapshots are made for
+	// right after a template build.
+	DefaultCPU      int
+	DefaultMemoryMB int
 }
 
 // Node is a running node role.
@@ -81,7 +89,8 @@ type Node struct {
 	active   map[string]time.Time
 	ready    map[string]bool
 
-	buildMu sync.Mutex
+	buildMu  sync.Mutex
+	snapJobs snapshotJobs
 }
 
 // New returns a node. Run starts it.
@@ -162,6 +171,7 @@ func (n *Node) Run(ctx context.Context) error {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
 	close(n.adopted)
+	go n.runBuilds(ctx)
 
 	errc := make(chan error, 1)
 	go func() {
@@ -175,6 +185,8 @@ func (n *Node) Run(ctx context.Context) error {
 	}()
 	hb := time.NewTicker(n.cfg.Heartbeat)
 	defer hb.Stop()
+	act := time.NewTicker(5 * time.Second)
+	defer act.Stop()
 	rs := time.NewTicker(n.cfg.Resync)
 	defer rs.Stop()
 	var runErr error
@@ -193,6 +205,8 @@ loop:
 			}
 		case <-rs.C:
 			n.resync(ctx)
+		case <-act.C:
+			n.flushActivity(ctx)
 		}
 	}
 	close(n.stopping)
@@ -289,14 +303,11 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 	case api.StateDeleted:
 		n.delete(ctx, sb)
 		return true
-	case api.StateRunning:
-		switch {
-		case sb.State == api.StateRunning && sb.ObservedGeneration >= sb.Generation:
-			n.ensureRunning(ctx, sb)
-		case sb.State == api.StateFailed && sb.ObservedGeneration >= sb.Generation:
-		default:
-			n.create(ctx, sb)
+	case api.StateRunning, api.StatePaused, api.StateSuspended, api.StateStopped:
+		if sb.State == api.StateFailed && sb.ObservedGeneration >= sb.Generation {
+			return false
 		}
+		n.converge(ctx, sb)
 	}
 	return false
 }
@@ -325,23 +336,24 @@ func (n *Node) progress(ctx context.Context, sb *store.Sandbox, msg string) {
 	_ = n.st.ProgressSandboxOperations(context.WithoutCancel(ctx), sb.ID, sb.Generation, msg)
 }
 
-// finishOps completes the sandbox's open operations up to gen: those of kind ok
-// succeed (or fail with failErr), others are failed as superseded.
-func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, ok string, failErr error) {
+// finishOps completes the sandbox's open operations up to its generation: those that
+// asked for the state it reached succeed (or fail with failErr), others are superseded.
+func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, failErr error) {
 	ctx = context.WithoutCancel(ctx)
 	ops, err := n.st.OpenOperations(ctx, sb.ID)
 	if err != nil {
 		n.log.Warn("list operations", "sandbox", sb.ID, "err", err)
 		return
 	}
+	ok := completes[sb.DesiredState]
 	for _, op := range ops {
 		if op.TargetGeneration > sb.Generation {
 			continue
 		}
 		state, msg, errMsg := api.OpSucceeded, "done", ""
 		switch {
-		case op.Kind != ok:
-			state, msg, errMsg = api.OpFailed, "superseded", fmt.Sprintf("superseded by a later %s request", ok)
+		case !slices.Contains(ok, op.Kind):
+			state, msg, errMsg = api.OpFailed, "superseded", "superseded by a later request (the sandbox is now to be "+sb.DesiredState+")"
 		case failErr != nil:
 			state, msg, errMsg = api.OpFailed, "failed", failErr.Error()
 		}
@@ -353,22 +365,27 @@ func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, ok string, fail
 	}
 }
 
-// create builds the sandbox's filesystem and boots it. A previous attempt cut off by a
-// crash is cleaned up first, so create is safe to repeat.
+// create builds the sandbox's disk and starts it: restored from the template's base
+// snapshot when one fits, else booted. A previous attempt cut off by a crash is cleaned
+// up first, so create is safe to repeat. A warm-pool member (desired paused) is paused
+// once it runs.
 func (n *Node) create(ctx context.Context, sb *store.Sandbox) {
 	n.log.Info("creating sandbox", "sandbox", sb.ID, "template", sb.TemplateRef)
 	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration})
 	n.progress(ctx, sb, "creating on node "+n.cfg.Name)
 	n.cleanupLocal(ctx, sb.ID)
 
+	path := "boot"
 	digest, err := n.resolveTemplate(ctx, sb)
 	if err == nil {
-		var root string
-		root, err = n.disk.CreateSandboxRoot(ctx, sb.ID, digest)
-		if err == nil {
-			err = n.boot(ctx, sb, root)
-		} else {
-			err = fmt.Errorf("create root filesystem: %w", err)
+		path, err = n.startNew(ctx, sb, digest)
+	}
+	if err == nil && sb.DesiredState == api.StatePaused {
+		var snap runtime.Snapshotter
+		if snap, err = n.snapshotter(); err == nil {
+			if err = snap.Pause(ctx, sb.ID); err == nil {
+				n.setReady(sb.ID, false)
+			}
 		}
 	}
 	if err != nil {
@@ -378,12 +395,42 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) {
 		n.log.Error("create sandbox failed", "sandbox", sb.ID, "err", err)
 		n.cleanupLocal(ctx, sb.ID)
 		sb = n.report(ctx, sb, store.Observed{State: api.StateFailed, ObservedGeneration: sb.Generation, Error: err.Error(), TemplateDigest: digest})
-		n.finishOps(ctx, sb, api.OpCreate, err)
+		n.finishOps(ctx, sb, err)
 		return
 	}
-	sb = n.report(ctx, sb, store.Observed{State: api.StateRunning, ObservedGeneration: sb.Generation, StartPath: "boot", TemplateDigest: digest})
-	n.finishOps(ctx, sb, api.OpCreate, nil)
-	n.log.Info("sandbox running", "sandbox", sb.ID, "start_path", "boot")
+	state := api.StateRunning
+	if sb.DesiredState == api.StatePaused {
+		state = api.StatePaused
+	}
+	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: path, TemplateDigest: digest})
+	n.finishOps(ctx, sb, nil)
+	n.log.Info("sandbox "+state, "sandbox", sb.ID, "start_path", path)
+	n.measureDisk(ctx, sb.ID)
+}
+
+// startNew makes the disk of a new sandbox and starts it, from the release's base
+// snapshot when one fits (start path "snapshot"), else by booting ("boot").
+func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (string, error) {
+	sb.TemplateDigest = digest
+	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok {
+		root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
+		if err == nil {
+			if err = n.restoreFrom(ctx, snap, sb, filepath.Join(dir, "checkpoint"), root); err == nil {
+				return "snapshot", nil
+			}
+		}
+		n.log.Warn("restore from base snapshot failed; booting", "sandbox", sb.ID, "err", err)
+		n.cleanupLocal(ctx, sb.ID)
+	}
+	root, err := n.createDisk(ctx, sb.ID, digest)
+	if err != nil {
+		return "", fmt.Errorf("create disk: %w", err)
+	}
+	if err := n.boot(ctx, sb, root); err != nil {
+		return "", err
+	}
+	n.ensureBaseSnapshotLater(digest, sb.Spec)
+	return "boot", nil
 }
 
 // boot starts the runtime instance on root and waits for its agent.
@@ -415,9 +462,8 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 func (n *Node) ensureRunning(ctx context.Context, sb *store.Sandbox) {
 	st, err := n.rt.Status(ctx, sb.ID)
 	if err == nil && st != runtime.StatusStopped {
-		n.mu.Lock()
-		n.ready[sb.ID] = true
-		n.mu.Unlock()
+		n.setReady(sb.ID, true)
+		n.checkOutputActivity(ctx, sb)
 		return
 	}
 	if ctx.Err() != nil {
@@ -426,7 +472,7 @@ func (n *Node) ensureRunning(ctx context.Context, sb *store.Sandbox) {
 	n.log.Warn("sandbox instance is gone; booting it again from its disk", "sandbox", sb.ID, "status", st, "err", err)
 	n.dropAgent(sb.ID)
 	_ = n.rt.Destroy(ctx, sb.ID)
-	root, err := n.disk.SandboxRoot(sb.ID)
+	root, err := n.diskPath(sb.ID)
 	if err == nil {
 		if _, statErr := os.Stat(root); statErr != nil {
 			err = fmt.Errorf("root filesystem missing: %w", statErr)
@@ -457,11 +503,11 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) {
 		}
 		n.log.Error("delete sandbox", "sandbox", sb.ID, "err", err)
 		n.report(ctx, sb, store.Observed{State: api.StateDeleting, ObservedGeneration: sb.ObservedGeneration, Error: "delete: " + err.Error()})
-		n.finishOps(ctx, sb, api.OpDelete, err)
+		n.finishOps(ctx, sb, err)
 		return
 	}
 	sb = n.report(ctx, sb, store.Observed{State: api.StateDeleted, ObservedGeneration: sb.Generation, Deleted: true, Error: sb.Error})
-	n.finishOps(ctx, sb, api.OpDelete, nil)
+	n.finishOps(ctx, sb, nil)
 	n.log.Info("sandbox deleted", "sandbox", sb.ID)
 }
 
@@ -494,7 +540,7 @@ func (n *Node) recover(ctx context.Context) error {
 		if sb.State != api.StateRunning || sb.DesiredState != api.StateRunning {
 			continue
 		}
-		root, _ := n.disk.SandboxRoot(sb.ID)
+		root, _ := n.diskPath(sb.ID)
 		if err := n.rt.Adopt(ctx, n.spec(sb, root)); err != nil {
 			n.log.Warn("could not adopt sandbox; it will be booted again", "sandbox", sb.ID, "err", err)
 			continue
@@ -591,15 +637,45 @@ func (n *Node) dropAgent(id string) {
 	}
 }
 
-// Touch records activity on a sandbox.
+// Touch records activity on a sandbox (data-plane requests, attached streams, process
+// output); flushActivity writes it to the database for idle detection.
 func (n *Node) Touch(id string) {
 	n.mu.Lock()
 	n.active[id] = time.Now()
 	n.mu.Unlock()
 }
 
+// flushActivity records the sandboxes touched since the last flush.
+func (n *Node) flushActivity(ctx context.Context) {
+	n.mu.Lock()
+	var touched []string
+	for id, t := range n.active {
+		if !t.IsZero() {
+			touched = append(touched, id)
+			n.active[id] = time.Time{}
+		}
+	}
+	n.mu.Unlock()
+	if err := n.st.TouchSandboxes(ctx, touched); err != nil && ctx.Err() == nil {
+		n.log.Warn("record activity", "err", err)
+	}
+}
+
 func randomSeed() []byte {
 	b := make([]byte, 64)
 	_, _ = rand.Read(b)
 	return b
+}
+
+// checkOutputActivity counts process output since the last look as activity.
+func (n *Node) checkOutputActivity(ctx context.Context, sb *store.Sandbox) {
+	hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	var h wire.Health
+	if err := n.agentJSON(hctx, sb.ID, http.MethodGet, "/v1/health", nil, &h); err != nil {
+		return
+	}
+	if h.LastActivity.After(sb.LastActivityAt) {
+		n.Touch(sb.ID)
+	}
 }

@@ -95,17 +95,4 @@ func (a *API) listNodes(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-func (a *API) listTemplates(w http.ResponseWriter, r *http.Request) error {
-	rels, err := a.st.ListReleases(r.Context())
-	if err != nil {
-		return err
-	}
-	out := make([]api.Template, 0, len(rels))
-	for _, rel := range rels {
-		out = append(out, api.Template{Name: rel.Name, Tags: rel.Tags, Digest: rel.Digest, SizeBytes: rel.SizeBytes, CreatedAt: rel.CreatedAt})
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"templates": out})
-	return nil
-}
-
 var _ = json.Marshal

@@ -90,8 +90,11 @@ func (a *API) sandboxFor(r *http.Request, id string) (*store.Sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !principalFrom(r.Context()).visible(sb.Tenant) {
+	if !principalFrom(r.Context()).visible(sb.Tenant) || sb.PoolKey != "" {
 		return nil, fault.New(fault.NotFound, "sandbox %q not found", id)
+	}
+	if sb.DeletedAt == nil {
+		a.touch(sb.ID)
 	}
 	return sb, nil
 }

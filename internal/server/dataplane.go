@@ -285,8 +285,8 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 		if err := writeFrame(s, f, text); err != nil {
 			return nil
 		}
-		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr {
-			d.cfg.Node.Touch(id)
+		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr || f.Type == wire.FrameHeartbeat {
+			d.cfg.Node.Touch(id) // output and an open stream both count as activity
 		}
 		if br.Buffered() < wire.FrameHeaderSize {
 			if s.flush() != nil {

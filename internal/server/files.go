@@ -141,6 +141,9 @@ func (a *API) fileHandler(agentPath string, params ...string) handlerFunc {
 		if err != nil {
 			return err
 		}
+		if sb, err = a.awake(r, sb); err != nil {
+			return err
+		}
 		q, err := fileQuery(r, params...)
 		if err != nil {
 			return err
@@ -154,6 +157,9 @@ func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) hand
 	return func(w http.ResponseWriter, r *http.Request) error {
 		sb, err := a.sandboxFor(r, r.PathValue("id"))
 		if err != nil {
+			return err
+		}
+		if sb, err = a.awake(r, sb); err != nil {
 			return err
 		}
 		var req T
@@ -198,6 +204,9 @@ func (a *API) registerFiles(authed func(string, handlerFunc)) {
 func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
 	sb, err := a.sandboxFor(r, r.PathValue("id"))
 	if err != nil {
+		return err
+	}
+	if sb, err = a.awake(r, sb); err != nil {
 		return err
 	}
 	q, err := fileQuery(r, "path", "user", "recursive")

@@ -87,6 +87,18 @@ func (a *API) newSandbox(r *http.Request, req *api.CreateSandboxRequest) (*store
 		DesiredState: api.StateRunning,
 		State:        api.StatePending,
 	}
+	if req.IdleTimeout != "" {
+		d, err := time.ParseDuration(req.IdleTimeout)
+		if err != nil || d < 0 || d > maxTTL || (d > 0 && d < time.Second) {
+			return nil, invalid("idle_timeout must be a duration between 1s and %s, or 0 to never suspend", maxTTL)
+		}
+		sb.IdleTimeout = d
+		if d == 0 {
+			sb.IdleTimeout = -1
+		}
+	} else {
+		sb.IdleTimeout = a.cfg.IdleTimeout
+	}
 	if req.TTL != "" {
 		d, err := time.ParseDuration(req.TTL)
 		if err != nil || d < time.Second || d > maxTTL {
@@ -150,11 +162,25 @@ func (a *API) createSandbox(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	poolKey, poolDigest := a.poolFor(r, sb)
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant, Message: "waiting for a node"}
 	var resp []byte
 	err = a.st.InTx(r.Context(), func(tx *store.Tx) error {
-		if err := tx.CreateSandbox(r.Context(), sb, op); err != nil {
-			return err
+		var claimed *store.Sandbox
+		if poolKey != "" {
+			op.Message = "resuming a sandbox from the warm pool"
+			claimed, err = tx.ClaimPoolMember(r.Context(), poolKey, poolDigest, sb, op)
+			if err != nil {
+				return err
+			}
+		}
+		if claimed != nil {
+			sb = claimed
+		} else {
+			op.Message = "waiting for a node"
+			if err := tx.CreateSandbox(r.Context(), sb, op); err != nil {
+				return err
+			}
 		}
 		out := sb.API()
 		out.Operation = op.API()
@@ -318,4 +344,18 @@ func (a *API) revokeTokens(w http.ResponseWriter, r *http.Request) error {
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"sandbox_id": sb.ID, "token_epoch": epoch})
 	return nil
+}
+
+// poolFor returns the warm pool a new sandbox could be claimed from (its key and the
+// digest its members must have), or "" when the template's tag does not resolve yet.
+func (a *API) poolFor(r *http.Request, sb *store.Sandbox) (string, string) {
+	ref, err := api.ParseTemplateRef(sb.TemplateRef)
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" {
+		return "", ""
+	}
+	d, err := a.st.ResolveTag(r.Context(), ref.Name, ref.Tag)
+	if err != nil || d == "" {
+		return "", ""
+	}
+	return store.PoolKey(ref.String(), sb.Spec.CPU, sb.Spec.MemoryMB), d
 }

@@ -33,6 +33,8 @@ type Config struct {
 	DefaultMemoryMB int
 	MaxCPU          int
 	MaxMemoryMB     int
+	// IdleTimeout is the idle timeout of sandboxes that ask for none.
+	IdleTimeout time.Duration
 	// DefaultTemplate is used when a create request names none.
 	DefaultTemplate string
 	// BuiltinTemplates can be created on first use although no release exists yet.
@@ -48,6 +50,7 @@ type API struct {
 	st      *store.Store
 	ops     *opWatch
 	metrics *apiMetrics
+	act     activity
 }
 
 // NewAPI returns the control-plane API. Run must be running for operation waits to
@@ -62,10 +65,13 @@ func NewAPI(cfg Config) *API {
 	if cfg.NodeClient == nil {
 		cfg.NodeClient = &http.Client{}
 	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = store.DefaultIdleTimeout
+	}
 	if cfg.DefaultTemplate == "" {
 		cfg.DefaultTemplate = "base"
 	}
-	a := &API{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch()}
+	a := &API{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}}}
 	a.metrics = newAPIMetrics(cfg.Registry, cfg.Store)
 	return a
 }
@@ -93,6 +99,16 @@ func (a *API) Handler() http.Handler {
 	authed("DELETE /v1/sandboxes/{id}", a.deleteSandbox)
 	authed("GET /v1/sandboxes/{id}/operations", a.listSandboxOperations)
 	authed("POST /v1/sandboxes/{id}/sessions", a.createSession)
+	authed("POST /v1/sandboxes/{id}/pause", a.lifecycle(api.OpPause))
+	authed("POST /v1/sandboxes/{id}/resume", a.lifecycle(api.OpResume))
+	authed("POST /v1/sandboxes/{id}/suspend", a.lifecycle(api.OpSuspend))
+	authed("POST /v1/sandboxes/{id}/restore", a.lifecycle("restore"))
+	authed("POST /v1/sandboxes/{id}/stop", a.lifecycle(api.OpStop))
+	authed("POST /v1/sandboxes/{id}/start", a.lifecycle(api.OpStart))
+	authed("POST /v1/sandboxes/{id}/wake", a.lifecycle(api.OpWake))
+	authed("POST /v1/sandboxes/{id}/clone", a.clone)
+	authed("GET /v1/pools", a.listPools)
+	authed("PUT /v1/pools", a.setPool)
 	authed("POST /v1/sandboxes/{id}/revoke-tokens", a.revokeTokens)
 	authed("GET /v1/sandboxes/{id}/processes", a.listProcesses)
 	authed("GET /v1/sandboxes/{id}/processes/{pid}", a.getProcess)
@@ -105,7 +121,7 @@ func (a *API) Handler() http.Handler {
 	authed("GET /v1/apikeys", a.listAPIKeys)
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
-	authed("GET /v1/templates", a.listTemplates)
+	a.registerTemplates(authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)
 	}))

@@ -129,6 +129,9 @@ func (a *API) createSession(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	if sb, err = a.awake(r, sb); err != nil {
+		return err
+	}
 	node, err := a.runningOn(r.Context(), sb)
 	if err != nil {
 		return err
@@ -243,6 +246,9 @@ func (a *API) listProcesses(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	if sb, err = a.awake(r, sb); err != nil {
+		return err
+	}
 	var list []wire.ProcessInfo
 	if err := a.agentCall(r.Context(), sb, http.MethodGet, "/v1/processes", nil, &list); err != nil {
 		return err
@@ -262,6 +268,9 @@ func (a *API) getProcess(w http.ResponseWriter, r *http.Request) error {
 	}
 	sb, err := a.sandboxFor(r, r.PathValue("id"))
 	if err != nil {
+		return err
+	}
+	if sb, err = a.awake(r, sb); err != nil {
 		return err
 	}
 	var p wire.ProcessInfo

@@ -43,6 +43,17 @@ type Sandbox struct {
 	UpdatedAt          time.Time
 	ExpiresAt          *time.Time
 	DeletedAt          *time.Time
+	IdleTimeout        time.Duration
+	LastActivityAt     time.Time
+	StatusReason       string
+	StatusChangedAt    *time.Time
+	CloneOf            string
+	CloneBatch         string
+	CloneReady         bool
+	PoolKey            string
+	ClaimedAt          *time.Time
+	DiskExclusiveBytes int64
+	IdentityGeneration int64
 }
 
 // API converts the row to its wire form.
@@ -64,22 +75,34 @@ func (s *Sandbox) API() api.Sandbox {
 		CreatedAt:      s.CreatedAt,
 		UpdatedAt:      s.UpdatedAt,
 		ExpiresAt:      s.ExpiresAt,
+		IdleTimeout:    s.IdleTimeout.String(),
+		LastActivityAt: s.LastActivityAt,
+		StatusReason:   s.StatusReason,
+		StatusAt:       s.StatusChangedAt,
+		CloneOf:        s.CloneOf,
+		DiskBytes:      s.DiskExclusiveBytes,
 	}
 }
 
 const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spec, metadata, desired_state, state,
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
-	created_at, updated_at, expires_at, deleted_at`
+	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
+	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
+	disk_exclusive_bytes, identity_generation`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
 	var spec, meta []byte
+	var idle int64
 	err := row.Scan(&s.ID, &s.Tenant, &s.TemplateRef, &s.TemplateDigest, &spec, &meta, &s.DesiredState, &s.State,
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
-		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt)
+		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
+		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
+		&s.DiskExclusiveBytes, &s.IdentityGeneration)
 	if err != nil {
 		return nil, err
 	}
+	s.IdleTimeout = time.Duration(idle) * time.Second
 	if err := json.Unmarshal(spec, &s.Spec); err != nil {
 		return nil, fmt.Errorf("decode sandbox spec: %w", err)
 	}
@@ -105,11 +128,7 @@ func collectSandboxes(rows pgx.Rows) ([]*Sandbox, error) {
 // CreateSandbox inserts a new sandbox together with its create operation and wakes the
 // controller, all in tx.
 func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error {
-	spec, err := json.Marshal(s.Spec)
-	if err != nil {
-		return err
-	}
-	meta, err := json.Marshal(nonNil(s.Metadata))
+	spec, meta, err := encodeSpec(s)
 	if err != nil {
 		return err
 	}
@@ -117,10 +136,13 @@ func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error
 	if s.TemplateDigest != "" {
 		digest = s.TemplateDigest
 	}
+	idle := idleSeconds(s.IdleTimeout)
 	row := t.tx.QueryRow(ctx, `INSERT INTO sandboxes (id, tenant, template_ref, template_digest, spec, metadata,
-		desired_state, state, expires_at) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9)
+		desired_state, state, expires_at, idle_timeout_seconds, clone_of, clone_batch, pool_key, node_id, runtime)
+		VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)
 		RETURNING `+sandboxCols,
-		s.ID, s.Tenant, s.TemplateRef, digest, spec, meta, s.DesiredState, s.State, s.ExpiresAt)
+		s.ID, s.Tenant, s.TemplateRef, digest, spec, meta, s.DesiredState, s.State, s.ExpiresAt, idle,
+		nullable(s.CloneOf), nullable(s.CloneBatch), nullable(s.PoolKey), nullable(s.NodeID), s.Runtime)
 	got, err := scanSandbox(row)
 	if err != nil {
 		return fmt.Errorf("insert sandbox: %w", err)
@@ -131,7 +153,17 @@ func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error
 	if err := t.InsertOperation(ctx, op); err != nil {
 		return err
 	}
-	return t.Notify(ctx, ChannelController, s.ID)
+	return t.NotifySandbox(ctx, s)
+}
+
+// DefaultIdleTimeout is the idle timeout of sandboxes that ask for none.
+const DefaultIdleTimeout = 6 * time.Hour
+
+func nullable(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
 }
 
 func nonNil(m map[string]string) map[string]string {
@@ -171,6 +203,8 @@ type SandboxFilter struct {
 	IncludeDeleted bool
 	NodeID         string
 	Limit          int
+	// IncludePool lists warm-pool members too (they are hidden from users).
+	IncludePool bool
 }
 
 // ListSandboxes lists sandboxes, newest first.
@@ -196,6 +230,9 @@ func (s *Store) ListSandboxes(ctx context.Context, f SandboxFilter) ([]*Sandbox,
 	}
 	if f.NodeID != "" {
 		where = append(where, "node_id="+arg(f.NodeID))
+	}
+	if !f.IncludePool {
+		where = append(where, "pool_key IS NULL")
 	}
 	sql := `SELECT ` + sandboxCols + ` FROM sandboxes`
 	if len(where) > 0 {
@@ -235,9 +272,16 @@ func (s *Store) CountSandboxesByState(ctx context.Context) (map[string]int, erro
 // and the operation that tracks it, then wakes whoever acts on it. It runs inside tx so
 // that callers can check the current state first (GetSandboxForUpdate).
 func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired string, op *Operation) error {
+	return t.SetDesiredStateWithReason(ctx, s, desired, "", op)
+}
+
+// SetDesiredStateWithReason is SetDesiredState recording why (shown on the sandbox).
+func (t *Tx) SetDesiredStateWithReason(ctx context.Context, s *Sandbox, desired, reason string, op *Operation) error {
 	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET desired_state=$2, generation=generation+1, updated_at=now(),
-		token_epoch = CASE WHEN $2 IN ('deleted','suspended','stopped') THEN token_epoch+1 ELSE token_epoch END
-		WHERE id=$1 RETURNING `+sandboxCols, s.ID, desired)
+		token_epoch = CASE WHEN $2 IN ('deleted','suspended','stopped') THEN token_epoch+1 ELSE token_epoch END,
+		status_reason = CASE WHEN $3 <> '' THEN $3 ELSE status_reason END,
+		last_activity_at = now()
+		WHERE id=$1 RETURNING `+sandboxCols, s.ID, desired, reason)
 	got, err := scanSandbox(row)
 	if err != nil {
 		return fmt.Errorf("set desired state: %w", err)
@@ -304,6 +348,8 @@ type Observed struct {
 	StartPath          string // empty = unchanged
 	TemplateDigest     string // empty = unchanged
 	Deleted            bool
+	// Reason replaces the sandbox's status reason when not empty.
+	Reason string
 }
 
 // ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
@@ -312,9 +358,11 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 	row := s.pool.QueryRow(ctx, `UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
 		error=$5, start_path=CASE WHEN $6='' THEN start_path ELSE $6 END,
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
-		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now()
+		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
+		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
+		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END
 		WHERE id=$1 AND node_id=$2 RETURNING `+sandboxCols,
-		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted)
+		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason)
 	sb, err := scanSandbox(row)
 	if err != nil {
 		return nil, notFound(err, "sandbox on this node", id)
@@ -378,3 +426,80 @@ func (s *Store) TokenEpoch(ctx context.Context, id string) (epoch int64, nodeID 
 
 // ErrSandboxGone is returned when acting on a deleted sandbox.
 var ErrSandboxGone = fault.New(fault.NotFound, "sandbox is deleted")
+
+// TouchSandboxes records activity on sandboxes (for idle suspend).
+func (s *Store) TouchSandboxes(ctx context.Context, ids []string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET last_activity_at=now() WHERE id = ANY($1) AND deleted_at IS NULL`, ids)
+	return err
+}
+
+// IdleSandboxes lists running sandboxes idle for longer than their idle timeout.
+func (s *Store) IdleSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE state='running' AND desired_state='running' AND deleted_at IS NULL AND pool_key IS NULL
+		AND idle_timeout_seconds > 0 AND last_activity_at + make_interval(secs => idle_timeout_seconds) < $1
+		ORDER BY last_activity_at LIMIT $2`, now, limit)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// SetCloneReady marks a clone's snapshot as prepared by its source's node.
+func (s *Store) SetCloneReady(ctx context.Context, id string) error {
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET clone_ready=true, updated_at=now() WHERE id=$1`, id)
+	if err != nil {
+		return err
+	}
+	return s.notifyNodeOf(ctx, id)
+}
+
+func (s *Store) notifyNodeOf(ctx context.Context, id string) error {
+	_, err := s.pool.Exec(ctx, `SELECT pg_notify('space_node_' || node_id, id) FROM sandboxes WHERE id=$1 AND node_id IS NOT NULL`, id)
+	return err
+}
+
+// ClonesPending lists live clones of a sandbox whose snapshot is not prepared yet.
+func (s *Store) ClonesPending(ctx context.Context, sourceID string) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE clone_of=$1 AND NOT clone_ready AND deleted_at IS NULL AND desired_state <> 'deleted' ORDER BY created_at`, sourceID)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// SetDiskBytes records a sandbox's exclusive disk usage.
+func (s *Store) SetDiskBytes(ctx context.Context, id string, n int64) error {
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET disk_exclusive_bytes=$2 WHERE id=$1`, id, n)
+	return err
+}
+
+// SetIdentityGeneration records the identity generation last given to a sandbox.
+func (s *Store) SetIdentityGeneration(ctx context.Context, id string, gen int64) error {
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET identity_generation=$2 WHERE id=$1`, id, gen)
+	return err
+}
+
+func encodeSpec(s *Sandbox) (spec, meta []byte, err error) {
+	if spec, err = json.Marshal(s.Spec); err != nil {
+		return nil, nil, err
+	}
+	meta, err = json.Marshal(nonNil(s.Metadata))
+	return spec, meta, err
+}
+
+// idleSeconds stores an idle timeout: 0 means the default, negative means never (0).
+func idleSeconds(d time.Duration) int64 {
+	switch {
+	case d < 0:
+		return 0
+	case d == 0:
+		return int64(DefaultIdleTimeout / time.Second)
+	default:
+		return int64(d / time.Second)
+	}
+}

@@ -50,6 +50,9 @@ type Config struct {
 	// StopGrace is how long children get between SIGTERM and SIGKILL when the agent
 	// stops. Default 5 s.
 	StopGrace time.Duration
+	// StdinStallTimeout fails a stdin request (409 stdin_stalled) when the process
+	// accepts none of it for this long. Default 30 s.
+	StdinStallTimeout time.Duration
 	// EtcDir holds the passwd and group files users are resolved from. Default "/etc".
 	EtcDir string
 	// Version is reported by /v1/health.
@@ -66,6 +69,7 @@ const (
 	defaultMaxExited    = 256
 	defaultHeartbeat    = 15 * time.Second
 	defaultStopGrace    = 5 * time.Second
+	defaultStdinStall   = 30 * time.Second
 	resumePoll          = 2 * time.Millisecond
 )
 
@@ -123,6 +127,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.StopGrace <= 0 {
 		cfg.StopGrace = defaultStopGrace
+	}
+	if cfg.StdinStallTimeout <= 0 {
+		cfg.StdinStallTimeout = defaultStdinStall
 	}
 	if cfg.EtcDir == "" {
 		cfg.EtcDir = "/etc"

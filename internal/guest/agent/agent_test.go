@@ -643,6 +643,22 @@ func TestStdinNotRead(t *testing.T) {
 	}
 }
 
+func TestStdinStallTimeout(t *testing.T) {
+	needTools(t, "sleep")
+	e := startAgent(t, func(c *agent.Config) { c.StdinStallTimeout = 300 * time.Millisecond })
+	ctx := testCtx(t, 10*time.Second)
+	pi, err := e.c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"sleep", "100"}, Stdin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The client waits; the agent answers once the process has read nothing for 300 ms.
+	err = e.c.WriteStdin(ctx, pi.PID, bytes.NewReader(make([]byte, 8<<20)), false)
+	wantAgentError(t, err, 409, wire.ErrCodeStdinStalled)
+	if err := e.c.Signal(ctx, pi.PID, "KILL"); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestSignals(t *testing.T) {
 	needTools(t, "sleep")
 	e := startAgent(t, nil)
@@ -916,10 +932,12 @@ func TestRetention(t *testing.T) {
 		pi, _ := e2.run(t, wire.ProcessSpec{Argv: []string{"true"}})
 		pids = append(pids, pi.PID)
 	}
-	pi, err = e2.c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"true"}})
+	// A running process is never pruned (it must still run when the list is taken).
+	pi, err = e2.c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"sleep", "100"}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer e2.c.Signal(ctx, pi.PID, "KILL")
 	list, err = e2.c.ListProcesses(ctx)
 	if err != nil {
 		t.Fatal(err)

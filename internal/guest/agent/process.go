@@ -91,7 +91,7 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 
 	path, argv := "/proc/self/exe", append([]string{gateArg0}, spec.Argv...)
 	if !spec.Gated {
-		path, err = lookPath(spec.Argv[0], lookupEnv(env, "PATH"), cwd)
+		path, err = lookPath(spec.Argv[0], env["PATH"], cwd)
 		if err != nil {
 			return nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()}
 		}
@@ -203,15 +203,15 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 		if err != nil {
 			return 0, err
 		}
-		pid := proc.Pid
+		// Set under the reaper's lock, before onExit can run for this pid.
+		p.pid = proc.Pid
 		_ = proc.Release() // the reaper collects it; signals go to the process group
-		return pid, nil
+		return p.pid, nil
 	}, p.onExit)
 	if err != nil {
 		return fail(&apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()})
 	}
 	closeAll(childFiles)
-	p.pid = pid
 
 	p.mu.Lock()
 	p.openOutputs = len(outputs)
@@ -278,8 +278,6 @@ func (a *Agent) processEnv(acct account, spec wire.ProcessSpec) (map[string]stri
 	}
 	return env, nil
 }
-
-func lookupEnv(env map[string]string, k string) string { return env[k] }
 
 // processCwd resolves the working directory: relative paths and "~" against the
 // user's home; empty means home, or / when home does not exist.
@@ -593,12 +591,19 @@ func (p *process) writeStdin(ctx context.Context, r io.Reader, eof bool) error {
 // stdinPoll is how often a blocked stdin write checks whether its client is gone.
 const stdinPoll = 100 * time.Millisecond
 
-// writeSome writes b to stdin f, checking the client between short write deadlines.
+// writeSome writes b to stdin f. While the process does not read, it checks between
+// short write deadlines whether the client is gone, and gives up after
+// StdinStallTimeout without progress (where hang-ups cannot be detected, e.g. gVisor's
+// host sockets, that is what frees the stdin for the next request).
 func (p *process) writeSome(ctx context.Context, f *os.File, b []byte) error {
+	progress := time.Now()
 	for len(b) > 0 {
 		_ = f.SetWriteDeadline(time.Now().Add(stdinPoll))
 		n, err := f.Write(b)
 		b = b[n:]
+		if n > 0 {
+			progress = time.Now()
+		}
 		if err == nil {
 			continue
 		}
@@ -606,8 +611,13 @@ func (p *process) writeSome(ctx context.Context, f *os.File, b []byte) error {
 			return p.stdinError(err)
 		}
 		if peerGone(ctx) {
-			return &apiError{status: http.StatusRequestTimeout, code: wire.ErrCodeConflict,
+			return &apiError{status: http.StatusRequestTimeout, code: wire.ErrCodeStdinStalled,
 				msg: fmt.Sprintf("process %d: client gone while its stdin was full", p.pid)}
+		}
+		if stalled := time.Since(progress); stalled >= p.a.cfg.StdinStallTimeout {
+			p.a.log.Warn("stdin write abandoned: process does not read", "pid", p.pid, "stalled", stalled)
+			return &apiError{status: http.StatusConflict, code: wire.ErrCodeStdinStalled,
+				msg: fmt.Sprintf("process %d read none of its stdin for %v", p.pid, stalled.Round(time.Millisecond))}
 		}
 	}
 	return nil

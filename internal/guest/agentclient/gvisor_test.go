@@ -141,15 +141,16 @@ func TestAgentUnderGVisor(t *testing.T) {
 		t.Fatalf("pty: %q", out)
 	}
 
-	// A stdin request for a program that does not read is abandoned by the agent once
-	// the client gives up (hang-up detection through gVisor's host socket).
-	sl, err := c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"sleep", "100"}, PTY: &wire.Size{Rows: 24, Cols: 80}})
+	// A stdin request for a program that does not read is abandoned by the agent: gVisor
+	// does not report the client's hang-up on a host socket, so it takes the stall
+	// timeout (1 s here). A pipe: gVisor's terminals accept input without bound.
+	sl, err := c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"sleep", "100"}, Stdin: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	wctx, wcancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	if err := c.WriteStdin(wctx, sl.PID, bytes.NewReader(make([]byte, 4<<20)), false); err == nil {
-		t.Fatal("4 MiB written to a terminal nobody reads")
+		t.Fatal("4 MiB written to a pipe nobody reads")
 	}
 	wcancel()
 	for {
@@ -284,6 +285,7 @@ func writeBundle(t *testing.T, base, rootfs, runDir, agentBin string) {
 			"env": []string{
 				"SPACE_AGENT_LISTEN=unix:" + filepath.Join(wire.RunMountDir, wire.AgentSocketName),
 				"SPACE_AGENT_LOG_LEVEL=debug",
+				"SPACE_AGENT_STDIN_STALL=1s",
 				"PATH=/usr/bin:/bin",
 			},
 			"cwd": "/",

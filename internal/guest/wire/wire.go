@@ -243,6 +243,7 @@ const (
 	ErrCodeNotPTY           = "not_a_pty"
 	ErrCodeProcessNotFound  = "process_not_found"
 	ErrCodeStdinUnavailable = "stdin_unavailable"
+	ErrCodeStdinStalled     = "stdin_stalled" // the process read none of it for a while
 )
 
 // File types (EntryInfo.Type).

@@ -137,7 +137,9 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		Name:    "gvisor",
 		Disk:    runtime.DiskDir,
 		Version: version,
-		Details: map[string]string{"platform": r.cfg.Platform, "preload": CompatPreload},
+		// The agent cannot hold a host socket across a checkpoint: after a restore it
+		// learns its identity from a resume file in its run directory.
+		Details: map[string]string{"platform": r.cfg.Platform, "preload": CompatPreload, "agent_resume": "file"},
 	}, nil
 }
 
@@ -198,7 +200,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := writeBundle(spec.StateDir, oci); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
-	if err := r.run(ctx, spec); err != nil {
+	if err := r.run(ctx, spec, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
@@ -213,17 +215,14 @@ func (r *Runtime) cgroupsPath(id string) string {
 // run starts the container with `runsc run -detach`. runsc and the sandbox it leaves
 // behind get their own session (no terminal signal reaches them) and write their stdio,
 // which includes the agent's, to runsc.log in the StateDir.
-func (r *Runtime) run(ctx context.Context, spec runtime.Spec) error {
+func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) error {
 	logPath := filepath.Join(spec.StateDir, logFile)
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return fmt.Errorf("open runsc log: %w", err)
 	}
 	defer logf.Close()
-	args := []string{
-		"--network=none", "--overlay2=none", "--host-uds=create",
-		"run", "-detach", "-bundle", spec.StateDir, spec.ID,
-	}
+	args := append([]string{"--network=none", "--overlay2=none", "--host-uds=create"}, sub...)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
 	defer cancel()
 	full := r.args(args...)

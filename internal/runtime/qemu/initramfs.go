@@ -12,7 +12,6 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -24,10 +23,12 @@ import (
 // talk to the host: virtio over MMIO (microvm's transport), the block device, the
 // console and serial ports, the entropy device and ext4. Whatever the kernel has built
 // in is skipped; dependencies come from modules.dep.
-var guestModules = []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "ext4"}
+func guestModules() []string {
+	return []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "ext4"}
+}
 
-// optionalModules may be missing from a kernel without making it unusable.
-var optionalModules = []string{"virtio_rng"}
+// optionalModule tells the modules a kernel may lack without being unusable here.
+func optionalModule(name string) bool { return name == "virtio_rng" }
 
 // resolveModules returns the module files (absolute paths) to load for want, in load
 // order (dependencies first), from modulesDir's modules.dep and modules.builtin. A
@@ -69,7 +70,7 @@ func resolveModules(modulesDir string, want []string) ([]string, error) {
 		}
 		file, ok := byName[name]
 		if !ok {
-			if slices.Contains(optionalModules, name) {
+			if optionalModule(name) {
 				continue
 			}
 			return nil, fmt.Errorf("kernel module %s is neither built in nor in %s", name, modulesDir)
@@ -110,6 +111,9 @@ func readModulesDep(p string) (map[string][]string, error) {
 // initramfsDir is where built initramfs images are cached, under the root dir.
 const initramfsDir = "initramfs"
 
+// initramfsFormat versions the initramfs layout; it is part of the cache key.
+const initramfsFormat = 1
+
 // initramfs returns the path of an initramfs holding agent as /init plus the guest
 // modules, building and caching it on first use. Images are keyed by the agent's
 // content and the kernel and modules' identity, so a new agent binary gets a new image
@@ -120,7 +124,7 @@ func (r *Runtime) initramfs(ctx context.Context, agent string) (string, error) {
 		return "", fmt.Errorf("initramfs: hash agent: %w", err)
 	}
 	h := sha256.New()
-	fmt.Fprintf(h, "agent %s\n", sum)
+	fmt.Fprintf(h, "format %d\nagent %s\n", initramfsFormat, sum)
 	for _, p := range append([]string{r.cfg.KernelPath}, r.modules...) {
 		fi, err := os.Stat(p)
 		if err != nil {
@@ -208,8 +212,11 @@ func writeInitramfs(w io.Writer, agent string, modules []string) error {
 	for _, d := range []string{"dev", "proc", "sys", "newroot", strings.TrimPrefix(vmboot.ModulesDir, "/")} {
 		cw.header(d, syscall.S_IFDIR|0o755, 0, 0, 0)
 	}
-	// The kernel opens /dev/console for init's stdio before anything is mounted.
+	// The kernel opens /dev/console for init's stdio before anything is mounted; it
+	// fails while the console driver (a module) is not loaded, and then the Go runtime
+	// opens /dev/null on the missing descriptors 0-2 (and dies without it).
 	cw.header("dev/console", syscall.S_IFCHR|0o600, 0, 5, 1)
+	cw.header("dev/null", syscall.S_IFCHR|0o666, 0, 1, 3)
 	if err := cw.file(strings.TrimPrefix(vmboot.InitPath, "/"), agent, 0o755); err != nil {
 		return err
 	}

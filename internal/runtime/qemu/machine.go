@@ -69,8 +69,8 @@ func kernelCmdline(agentEnv map[string]string) (string, error) {
 	}
 	s := strings.Join([]string{
 		"console=hvc0", vmboot.VMFlag, "quiet", "panic=-1", "reboot=t",
-		// No legacy devices to probe on microvm.
-		"i8042.noaux", "i8042.nomux", "i8042.nopnp", "8250.nr_uarts=0",
+		// No PS/2 controller to probe on microvm.
+		"i8042.noaux", "i8042.nomux", "i8042.nopnp",
 		envArg,
 	}, " ")
 	if len(s) > maxCmdline {

@@ -1,0 +1,227 @@
+package storage
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// Snapshot layout (memory + device state from the runtime, disk from btrfs):
+//
+//	sandboxes/<id>/checkpoint/                 a suspended sandbox's memory state
+//	sandboxes/<id>/clones/<batch>/{checkpoint,disk}  a source's snapshot for a clone batch
+//	templates/<hex>/snapshots/<key>/{checkpoint,disk}  a release's base snapshot
+//
+// A checkpoint directory is complete once it holds the file "complete"; everything in
+// it is fsynced before that marker is written, and readers ignore incomplete ones.
+
+const (
+	checkpointName = "checkpoint"
+	completeName   = "complete"
+	snapshotsName  = "snapshots"
+	clonesName     = "clones"
+)
+
+// CheckpointDir returns sandboxes/<id>/checkpoint (it may not exist).
+func (s *Store) CheckpointDir(id string) (string, error) {
+	dir, err := s.SandboxDir(id)
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, checkpointName), nil
+}
+
+// CloneBatchDir returns sandboxes/<id>/clones/<batch>.
+func (s *Store) CloneBatchDir(id, batch string) (string, error) {
+	dir, err := s.SandboxDir(id)
+	if err != nil {
+		return "", err
+	}
+	if err := validateName(batch); err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, clonesName, batch), nil
+}
+
+// BaseSnapshotDir returns templates/<hex>/snapshots/<key> for a release.
+func (s *Store) BaseSnapshotDir(digest, key string) (string, error) {
+	dir, err := s.releaseDir(digest)
+	if err != nil {
+		return "", err
+	}
+	if err := validateName(key); err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, snapshotsName, key), nil
+}
+
+// validateName accepts names made of letters, digits, '.', '_' and '-'.
+func validateName(n string) error {
+	if n == "" || n == "." || n == ".." || len(n) > 128 || strings.IndexFunc(n, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-')
+	}) >= 0 {
+		return fmt.Errorf("storage: invalid name %q", n)
+	}
+	return nil
+}
+
+// MarkComplete fsyncs every file in dir, then writes and fsyncs the completion marker.
+func (s *Store) MarkComplete(dir string) error {
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type().IsRegular() || d.IsDir() {
+			return syncFile(p)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("storage: sync %s: %w", dir, err)
+	}
+	m := filepath.Join(dir, completeName)
+	if err := os.WriteFile(m, []byte("ok\n"), 0o600); err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	if err := syncFile(m); err != nil {
+		return err
+	}
+	return syncDir(dir)
+}
+
+// IsComplete reports whether dir holds a complete checkpoint.
+func (s *Store) IsComplete(dir string) bool {
+	_, err := os.Stat(filepath.Join(dir, completeName))
+	return err == nil
+}
+
+// CopyDisk makes dst an O(1) copy-on-write copy of the disk at src: a subvolume snapshot
+// of a root filesystem directory (readOnly selects the snapshot's flag), or a reflink of
+// an image file. Both paths must be inside the store.
+func (s *Store) CopyDisk(ctx context.Context, src, dst string, readOnly bool) error {
+	sp, err := s.inStore(src)
+	if err != nil {
+		return err
+	}
+	dp, err := s.inStore(dst)
+	if err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(dp), 0o755); err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	fi, err := os.Stat(sp)
+	if err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	if fi.IsDir() {
+		if err := snapshotSubvolume(sp, dp, readOnly); err != nil {
+			return fmt.Errorf("storage: %w", err)
+		}
+		return nil
+	}
+	if err := cloneFile(sp, dp); err != nil {
+		return fmt.Errorf("storage: reflink %s: %w", filepath.Base(sp), err)
+	}
+	if readOnly {
+		return os.Chmod(dp, 0o400)
+	}
+	return nil
+}
+
+// CopyTree copies the directory src to dst (inside the store), reflinking every regular
+// file so the copy takes no space until one side changes.
+func (s *Store) CopyTree(ctx context.Context, src, dst string) error {
+	sp, err := s.inStore(src)
+	if err != nil {
+		return err
+	}
+	dp, err := s.inStore(dst)
+	if err != nil {
+		return err
+	}
+	return filepath.WalkDir(sp, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(sp, p)
+		target := filepath.Join(dp, rel)
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		switch {
+		case d.IsDir():
+			return os.MkdirAll(target, info.Mode().Perm())
+		case d.Type()&fs.ModeSymlink != 0:
+			l, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return os.Symlink(l, target)
+		case d.Type().IsRegular():
+			if err := cloneFile(p, target); err != nil {
+				return fmt.Errorf("storage: reflink %s: %w", rel, err)
+			}
+			return os.Chmod(target, info.Mode().Perm())
+		}
+		return nil
+	})
+}
+
+// TempDir makes a fresh directory under the store's tmp/ (cleaned at start-up when no
+// other process uses the store); commit it with os.Rename or remove it with RemoveAll.
+func (s *Store) TempDir(prefix string) (string, error) { return s.tmpDirFor(prefix) }
+
+// RemoveAll deletes path (inside the store) and everything in it, subvolumes included.
+// A missing path is not an error.
+func (s *Store) RemoveAll(ctx context.Context, path string) error {
+	p, err := s.inStore(path)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Lstat(p); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	return s.retire(ctx, p, "remove")
+}
+
+// ExclusiveBytes reports how many bytes of sandbox id's directory are not shared with
+// anything else (its template, clones, snapshots), measured by `btrfs filesystem du`.
+func (s *Store) ExclusiveBytes(ctx context.Context, id string) (int64, error) {
+	dir, err := s.SandboxDir(id)
+	if err != nil {
+		return 0, err
+	}
+	bin, err := lookTool("btrfs")
+	if err != nil {
+		return 0, err
+	}
+	out, err := exec.CommandContext(ctx, bin, "filesystem", "du", "-s", "--raw", dir).Output()
+	if err != nil {
+		return 0, fmt.Errorf("storage: btrfs filesystem du: %w", err)
+	}
+	// Header "Total   Exclusive  Set shared  Filename", then one line of numbers.
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	f := strings.Fields(lines[len(lines)-1])
+	if len(f) < 2 {
+		return 0, fmt.Errorf("storage: unexpected btrfs du output %q", out)
+	}
+	n, err := strconv.ParseInt(f[1], 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("storage: unexpected btrfs du output %q", out)
+	}
+	return n, nil
+}

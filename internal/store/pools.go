@@ -1,0 +1,119 @@
+package store
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Pool is a row of the pools table.
+type Pool struct {
+	Template string
+	CPU      int
+	MemoryMB int
+	Size     int
+	Ready    int
+}
+
+// Key identifies the pool's members (sandboxes.pool_key).
+func (p *Pool) Key() string { return PoolKey(p.Template, p.CPU, p.MemoryMB) }
+
+// PoolKey is the pool key of a template reference and size class.
+func PoolKey(template string, cpu, memoryMB int) string {
+	return fmt.Sprintf("%s/%dcpu/%dmb", template, cpu, memoryMB)
+}
+
+// SetPool creates, resizes or (size 0) removes a pool and wakes the controller.
+func (s *Store) SetPool(ctx context.Context, p Pool) error {
+	return s.InTx(ctx, func(tx *Tx) error {
+		var err error
+		if p.Size == 0 {
+			_, err = tx.tx.Exec(ctx, `DELETE FROM pools WHERE template=$1 AND cpu=$2 AND memory_mb=$3`, p.Template, p.CPU, p.MemoryMB)
+		} else {
+			_, err = tx.tx.Exec(ctx, `INSERT INTO pools (template, cpu, memory_mb, size) VALUES ($1,$2,$3,$4)
+				ON CONFLICT (template, cpu, memory_mb) DO UPDATE SET size=$4, updated_at=now()`, p.Template, p.CPU, p.MemoryMB, p.Size)
+		}
+		if err != nil {
+			return fmt.Errorf("set pool: %w", err)
+		}
+		return tx.Notify(ctx, ChannelController, "")
+	})
+}
+
+// ListPools lists pools with how many members are ready to be claimed.
+func (s *Store) ListPools(ctx context.Context) ([]Pool, error) {
+	rows, err := s.pool.Query(ctx, `SELECT p.template, p.cpu, p.memory_mb, p.size,
+		(SELECT count(*) FROM sandboxes s WHERE s.pool_key = p.template || '/' || p.cpu || 'cpu/' || p.memory_mb || 'mb'
+			AND s.state='paused' AND s.desired_state='paused' AND s.deleted_at IS NULL)
+		FROM pools p ORDER BY p.template, p.cpu, p.memory_mb`)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Pool, error) {
+		var p Pool
+		err := r.Scan(&p.Template, &p.CPU, &p.MemoryMB, &p.Size, &p.Ready)
+		return p, err
+	})
+}
+
+// PoolMembers lists the live members of a pool (any state).
+func (s *Store) PoolMembers(ctx context.Context, key string) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE pool_key=$1 AND deleted_at IS NULL AND desired_state <> 'deleted' ORDER BY created_at`, key)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// OrphanPoolMembers lists live pool members whose pool no longer exists.
+func (s *Store) OrphanPoolMembers(ctx context.Context) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes s
+		WHERE pool_key IS NOT NULL AND deleted_at IS NULL AND desired_state <> 'deleted'
+		AND NOT EXISTS (SELECT 1 FROM pools p WHERE s.pool_key = p.template || '/' || p.cpu || 'cpu/' || p.memory_mb || 'mb')`)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// ClaimPoolMember takes one parked member of pool key built from digest, atomically
+// (SKIP LOCKED: concurrent claims never get the same member), and turns it into the
+// caller's sandbox: tenant, metadata, env, expiry, desired state running, a new
+// generation, and the create operation. It returns nil when the pool has no member ready.
+func (t *Tx) ClaimPoolMember(ctx context.Context, key, digest string, want *Sandbox, op *Operation) (*Sandbox, error) {
+	var id string
+	err := t.tx.QueryRow(ctx, `SELECT id FROM sandboxes WHERE pool_key=$1 AND template_digest=$2 AND state='paused'
+		AND desired_state='paused' AND deleted_at IS NULL ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED`, key, digest).Scan(&id)
+	if err == pgx.ErrNoRows {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("claim pool member: %w", err)
+	}
+	spec, meta, err := encodeSpec(want)
+	if err != nil {
+		return nil, err
+	}
+	idle := idleSeconds(want.IdleTimeout)
+	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET pool_key=NULL, claimed_at=now(), tenant=$2, template_ref=$3, spec=$4,
+		metadata=$5, expires_at=$6, idle_timeout_seconds=$7, desired_state='running', generation=generation+1,
+		start_path='pool', created_at=now(), updated_at=now(), last_activity_at=now(), token_epoch=token_epoch+1
+		WHERE id=$1 RETURNING `+sandboxCols, id, want.Tenant, want.TemplateRef, spec, meta, want.ExpiresAt, idle)
+	sb, err := scanSandbox(row)
+	if err != nil {
+		return nil, fmt.Errorf("claim pool member: %w", err)
+	}
+	op.SandboxID = sb.ID
+	op.TargetGeneration = sb.Generation
+	op.Tenant = sb.Tenant
+	if err := t.InsertOperation(ctx, op); err != nil {
+		return nil, err
+	}
+	if err := t.NotifySandbox(ctx, sb); err != nil {
+		return nil, err
+	}
+	// The pool is one short now: let the controller refill it.
+	return sb, t.Notify(ctx, ChannelController, "")
+}
