@@ -50,6 +50,7 @@ type serveConfig struct {
 	maxCPU         int
 	maxMemory      int
 	mirror         string
+	sources        template.Sources
 	storeSize      int64
 	journalBytes   int64
 	retention      time.Duration
@@ -107,6 +108,7 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.IntVar(&c.maxCPU, "max-cpu", 8, "largest cpu a sandbox may ask for")
 	f.IntVar(&c.maxMemory, "max-memory", 16384, "largest memory (MiB) a sandbox may ask for")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
+	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", 64<<30, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
 	f.Int64Var(&c.journalBytes, "journal-bytes", 8<<20, "per-process output journal size in bytes")
 	f.DurationVar(&c.retention, "output-retention", 10*time.Minute, "how long an exited process's output stays readable")
@@ -347,7 +349,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	n, err := node.New(node.Config{
 		ID: id, Name: name, DataDir: dataDir, AdvertiseURL: strings.TrimRight(adv, "/"),
 		Store: st, Runtime: rt, Storage: disk,
-		Builder:   &template.Builder{Store: disk, Logger: log.With("component", "template"), Mirror: c.mirror, CacheDir: filepath.Join(dataDir, "cache", "debootstrap")},
+		Builder:   &template.Builder{Store: disk, Logger: log.With("component", "template"), Mirror: c.mirror, CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources},
 		AgentPath: agent,
 		AgentEnv: map[string]string{
 			"SPACE_AGENT_JOURNAL_BYTES": strconv.FormatInt(c.journalBytes, 10),

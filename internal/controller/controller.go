@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -261,22 +260,19 @@ func (c *Controller) expire(ctx context.Context) {
 		return
 	}
 	for _, sb := range list {
-		op := &store.Operation{ID: ids.Operation(), Kind: api.OpDelete, Message: "ttl expired"}
-		err := c.st.InTx(ctx, func(tx *store.Tx) error {
-			cur, err := tx.GetSandboxForUpdate(ctx, sb.ID)
-			if err != nil {
-				return err
-			}
-			if cur.DesiredState == api.StateDeleted || cur.DeletedAt != nil {
-				return nil
-			}
-			return tx.SetDesiredState(ctx, cur, api.StateDeleted, op)
+		desired, kind, reason := api.StateDeleted, api.OpDelete, "ttl expired"
+		if sb.ExpireAction == "suspend" {
+			desired, kind, reason = api.StateSuspended, api.OpSuspend, "timeout reached (auto-pause)"
+		}
+		err := c.request(ctx, sb.ID, desired, kind, reason, func(cur *store.Sandbox) bool {
+			return cur.DesiredState != api.StateDeleted && cur.DesiredState != desired &&
+				(desired == api.StateDeleted || cur.State == api.StateRunning || cur.State == api.StatePaused)
 		})
 		if err != nil {
 			c.log.Warn("expire sandbox", "sandbox", sb.ID, "err", err)
 			continue
 		}
-		c.log.Info("sandbox ttl expired; deleting", "sandbox", sb.ID, "op", op.ID)
+		c.log.Info("sandbox expired", "sandbox", sb.ID, "action", sb.ExpireAction)
 	}
 }
 

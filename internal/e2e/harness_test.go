@@ -10,6 +10,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -312,3 +313,5 @@ func (s *srv) cli(t testing.TB, args ...string) (string, string, int) {
 	}
 	return out.String(), errb.String(), code
 }
+
+func discard() *slog.Logger { return slog.New(slog.DiscardHandler) }

@@ -112,7 +112,14 @@ func (n *Node) converge(ctx context.Context, sb *store.Sandbox) {
 	case sb.DesiredState == api.StateRunning && sb.State == api.StateStopped:
 		err = n.start(ctx, sb)
 	default:
-		err = fmt.Errorf("no way from %s to %s", sb.State, sb.DesiredState)
+		// E.g. a crash during a suspend lost the memory: the sandbox is stopped now and
+		// cannot become suspended. Settle the intent as failed; the state is what it is.
+		err = fmt.Errorf("cannot go from %s to %s", sb.State, sb.DesiredState)
+		if sb.State == api.StateStopped && sb.DesiredState == api.StateSuspended {
+			err = fmt.Errorf("the sandbox stopped before its memory could be saved; its disk is kept (start or wake it)")
+		}
+		sb = n.report(ctx, sb, store.Observed{State: sb.State, ObservedGeneration: sb.Generation, Error: err.Error()})
+		n.finishOps(ctx, sb, err)
 	}
 	if err != nil && n.work.Err() == nil {
 		n.log.Error("lifecycle transition failed", "sandbox", sb.ID, "from", sb.State, "to", sb.DesiredState, "err", err)

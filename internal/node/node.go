@@ -88,6 +88,8 @@ type Node struct {
 	agents   map[string]*http.Transport
 	active   map[string]time.Time
 	ready    map[string]bool
+	// seenOutput is each agent's last-activity time as last polled.
+	seenOutput map[string]time.Time
 
 	buildMu  sync.Mutex
 	snapJobs snapshotJobs
@@ -114,6 +116,7 @@ func New(cfg Config) (*Node, error) {
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*http.Transport{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
+		seenOutput: map[string]time.Time{},
 	}, nil
 }
 
@@ -185,7 +188,7 @@ func (n *Node) Run(ctx context.Context) error {
 	}()
 	hb := time.NewTicker(n.cfg.Heartbeat)
 	defer hb.Stop()
-	act := time.NewTicker(5 * time.Second)
+	act := time.NewTicker(2 * time.Second)
 	defer act.Stop()
 	rs := time.NewTicker(n.cfg.Resync)
 	defer rs.Stop()
@@ -206,6 +209,7 @@ loop:
 		case <-rs.C:
 			n.resync(ctx)
 		case <-act.C:
+			n.pollOutputActivity(ctx)
 			n.flushActivity(ctx)
 		}
 	}
@@ -631,6 +635,7 @@ func (n *Node) dropAgent(id string) {
 	delete(n.agents, id)
 	delete(n.ready, id)
 	delete(n.active, id)
+	delete(n.seenOutput, id)
 	n.mu.Unlock()
 	if t != nil {
 		t.CloseIdleConnections()
@@ -669,13 +674,35 @@ func randomSeed() []byte {
 
 // checkOutputActivity counts process output since the last look as activity.
 func (n *Node) checkOutputActivity(ctx context.Context, sb *store.Sandbox) {
-	hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	n.pollAgentActivity(ctx, sb.ID)
+}
+
+// pollOutputActivity asks every running agent when its processes last wrote output.
+func (n *Node) pollOutputActivity(ctx context.Context) {
+	n.mu.Lock()
+	ready := make([]string, 0, len(n.ready))
+	for id := range n.ready {
+		ready = append(ready, id)
+	}
+	n.mu.Unlock()
+	for _, id := range ready {
+		n.pollAgentActivity(ctx, id)
+	}
+}
+
+func (n *Node) pollAgentActivity(ctx context.Context, id string) {
+	hctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	var h wire.Health
-	if err := n.agentJSON(hctx, sb.ID, http.MethodGet, "/v1/health", nil, &h); err != nil {
+	if err := n.agentJSON(hctx, id, http.MethodGet, "/v1/health", nil, &h); err != nil {
 		return
 	}
-	if h.LastActivity.After(sb.LastActivityAt) {
-		n.Touch(sb.ID)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h.LastActivity.After(n.seenOutput[id]) {
+		if !n.seenOutput[id].IsZero() {
+			n.active[id] = time.Now()
+		}
+		n.seenOutput[id] = h.LastActivity
 	}
 }

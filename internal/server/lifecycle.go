@@ -31,10 +31,11 @@ var verbs = map[string]verb{
 	api.OpWake:    {api.OpWake, api.StateRunning, []string{api.StatePaused, api.StateSuspended, api.StateStopped, api.StateRunning}},
 }
 
-// resting reports whether the sandbox has reached its desired state (no transition in
-// flight).
+// resting reports whether the node has acted on the sandbox's latest intent (no
+// transition in flight). A failed transition is resting too: its state is what the
+// node reported.
 func resting(sb *store.Sandbox) bool {
-	return sb.State == sb.DesiredState && sb.ObservedGeneration >= sb.Generation
+	return sb.ObservedGeneration >= sb.Generation
 }
 
 // checkVerb explains why v is not allowed now, as a 409.

@@ -54,6 +54,8 @@ type Sandbox struct {
 	ClaimedAt          *time.Time
 	DiskExclusiveBytes int64
 	IdentityGeneration int64
+	// ExpireAction is what happens at ExpiresAt: "delete" or "suspend".
+	ExpireAction string
 }
 
 // API converts the row to its wire form.
@@ -88,7 +90,7 @@ const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spe
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
-	disk_exclusive_bytes, identity_generation`
+	disk_exclusive_bytes, identity_generation, expire_action`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -98,7 +100,7 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
-		&s.DiskExclusiveBytes, &s.IdentityGeneration)
+		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction)
 	if err != nil {
 		return nil, err
 	}
@@ -138,11 +140,12 @@ func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error
 	}
 	idle := idleSeconds(s.IdleTimeout)
 	row := t.tx.QueryRow(ctx, `INSERT INTO sandboxes (id, tenant, template_ref, template_digest, spec, metadata,
-		desired_state, state, expires_at, idle_timeout_seconds, clone_of, clone_batch, pool_key, node_id, runtime)
-		VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)
+		desired_state, state, expires_at, idle_timeout_seconds, clone_of, clone_batch, pool_key, node_id, runtime,
+		expire_action)
+		VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16)
 		RETURNING `+sandboxCols,
 		s.ID, s.Tenant, s.TemplateRef, digest, spec, meta, s.DesiredState, s.State, s.ExpiresAt, idle,
-		nullable(s.CloneOf), nullable(s.CloneBatch), nullable(s.PoolKey), nullable(s.NodeID), s.Runtime)
+		nullable(s.CloneOf), nullable(s.CloneBatch), nullable(s.PoolKey), nullable(s.NodeID), s.Runtime, expireAction(s.ExpireAction))
 	got, err := scanSandbox(row)
 	if err != nil {
 		return fmt.Errorf("insert sandbox: %w", err)
@@ -394,11 +397,13 @@ func (s *Store) PendingSandboxes(ctx context.Context, limit int) ([]*Sandbox, er
 	return collectSandboxes(rows)
 }
 
-// ExpiredSandboxes lists live sandboxes whose TTL has passed and that are not already
-// being deleted.
+// ExpiredSandboxes lists live sandboxes whose expiry has passed and whose expire action
+// has not been requested yet (not deleted, or for "suspend" not already suspended).
 func (s *Store) ExpiredSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
-		WHERE expires_at <= $1 AND deleted_at IS NULL AND desired_state <> 'deleted' ORDER BY expires_at LIMIT $2`, now, limit)
+		WHERE expires_at <= $1 AND deleted_at IS NULL AND desired_state <> 'deleted'
+		AND NOT (expire_action = 'suspend' AND desired_state IN ('suspended','stopped'))
+		ORDER BY expires_at LIMIT $2`, now, limit)
 	if err != nil {
 		return nil, err
 	}
@@ -502,4 +507,26 @@ func idleSeconds(d time.Duration) int64 {
 	default:
 		return int64(d / time.Second)
 	}
+}
+
+func expireAction(a string) string {
+	if a == "" {
+		return "delete"
+	}
+	return a
+}
+
+// SetExpiry sets when a sandbox expires and what happens then ("delete" or "suspend";
+// empty keeps the current action). A nil time removes the expiry.
+func (s *Store) SetExpiry(ctx context.Context, id string, at *time.Time, action string) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET expires_at=$2,
+		expire_action=CASE WHEN $3='' THEN expire_action ELSE $3 END, updated_at=now()
+		WHERE id=$1 AND deleted_at IS NULL`, id, at, action)
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() == 0 {
+		return fault.New(fault.NotFound, "sandbox %q not found", id)
+	}
+	return nil
 }

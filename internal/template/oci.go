@@ -40,31 +40,32 @@ func pullImage(ctx context.Context, ref string, progress func(string)) (v1.Image
 }
 
 // loadArchive opens a docker-archive tarball or an OCI image layout directory at p (a
-// path CheckPath resolved).
-func loadArchive(p string) (v1.Image, error) {
+// path CheckPath resolved). The image reads its file lazily: call done after use.
+func loadArchive(p string) (img v1.Image, done func(), err error) {
 	fi, err := os.Stat(p)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if fi.IsDir() {
-		return loadLayout(p)
+		img, err := loadLayout(p)
+		return img, func() {}, err
 	}
 	// Each open goes through an os.Root of the archive's directory, so a file swapped
 	// for a symbolic link meanwhile cannot redirect the read out of that directory.
 	dir, base := filepath.Split(p)
 	root, err := os.OpenRoot(dir)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	opener := func() (io.ReadCloser, error) {
 		return root.OpenFile(base, os.O_RDONLY, 0)
 	}
-	img, err := tarball.Image(opener, nil)
+	img, err = tarball.Image(opener, nil)
 	if err != nil {
 		root.Close()
-		return nil, fmt.Errorf("read docker-archive %s: %w", p, err)
+		return nil, nil, fmt.Errorf("read docker-archive %s: %w", p, err)
 	}
-	return img, nil
+	return img, func() { root.Close() }, nil
 }
 
 // loadLayout opens an OCI image layout directory. Layouts hold no symbolic links; one

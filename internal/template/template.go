@@ -1,15 +1,21 @@
-// Package template builds template releases into the storage store. For now it has one
-// builder, the builtin "base" template: Debian bookworm from debootstrap (variant minbase)
-// with bash, python3, coreutils, procps, iproute2, ca-certificates and a user "user"
-// (uid 1000, home /home/user), plus the directories the runtimes mount over (/.space and
-// /run/space).
+// Package template builds template releases into the storage store: the builtin
+// "base" template (Debian bookworm from debootstrap, variant minbase, with bash, python3,
+// coreutils, procps, iproute2, ca-certificates and a user "user", uid 1000, home
+// /home/user), and releases described by a build spec (spec.go): a root filesystem from
+// a Debian suite, an OCI image (registry, docker-archive tarball or OCI layout), a
+// directory or an existing release, then build steps run in a build sandbox, and a
+// runtime config. It also owns the operator's allowlist of template sources
+// (sources.go) and the confined extraction of image layers (extract.go).
 //
 // A build runs in a tmp/ subvolume of the store (storage.ReleaseBuild) and is published
 // by storage with its content digest; a failed or cancelled build leaves nothing behind.
-// Build commands run as PID 1 of a fresh PID namespace, inside a private mount namespace:
-// killing that one process makes the kernel kill every process debootstrap started and
-// drop every mount it made (proc, sys in the target), so cancellation cannot leave
-// processes or mounts pinning the build directory.
+// Host commands (debootstrap) run as PID 1 of a fresh PID namespace, inside a private
+// mount namespace: killing that one process makes the kernel kill every process
+// debootstrap started and drop every mount it made (proc, sys in the target), so
+// cancellation cannot leave processes or mounts pinning the build directory. Archive
+// entries are written through an os.Root, so no entry can land outside the root
+// filesystem; build steps run inside a sandbox (the node starts it) and files are
+// copied in through its agent, so guest paths never resolve on the host.
 package template
 
 import (
@@ -60,7 +66,12 @@ type Builder struct {
 	// CacheDir keeps downloaded packages between builds (debootstrap --cache-dir);
 	// empty disables the cache. Created if missing.
 	CacheDir string
+	// Sources is the operator's allowlist for image, archive, dir and copy sources.
+	Sources Sources
 }
+
+// AllowedSources returns the allowlist this builder enforces.
+func (b *Builder) AllowedSources() Sources { return b.Sources }
 
 func (b *Builder) logger() *slog.Logger {
 	if b.Logger == nil {
@@ -77,25 +88,6 @@ func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel sto
 	if b.Store == nil {
 		return storage.Release{}, errors.New("template: Builder.Store is nil")
 	}
-	if os.Geteuid() != 0 {
-		return storage.Release{}, errors.New("template: building the base template needs root")
-	}
-	debootstrap, err := exec.LookPath("debootstrap")
-	if err != nil {
-		return storage.Release{}, errors.New("template: debootstrap not found: install the Debian package debootstrap")
-	}
-	args := []string{"--variant=" + baseVariant, "--include=" + basePackages}
-	if b.CacheDir != "" {
-		cache, err := filepath.Abs(b.CacheDir)
-		if err != nil {
-			return storage.Release{}, fmt.Errorf("template: %w", err)
-		}
-		if err := os.MkdirAll(cache, 0o755); err != nil {
-			return storage.Release{}, fmt.Errorf("template: %w", err)
-		}
-		args = append(args, "--cache-dir="+cache)
-	}
-
 	build, err := b.Store.BeginRelease(ctx)
 	if err != nil {
 		return storage.Release{}, fmt.Errorf("template: %w", err)
@@ -103,14 +95,10 @@ func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel sto
 	defer build.Discard(ctx)
 	rootfs := build.Rootfs()
 
-	args = append(args, baseSuite, rootfs)
-	if b.Mirror != "" {
-		args = append(args, b.Mirror)
-	}
 	log := b.logger()
 	log.InfoContext(ctx, "template: building base", "suite", baseSuite, "dir", rootfs)
-	if err := b.run(ctx, progress, debootstrap, args...); err != nil {
-		return storage.Release{}, fmt.Errorf("template: debootstrap: %w", err)
+	if err := b.debootstrap(ctx, rootfs, baseSuite, strings.Split(basePackages, ","), progress); err != nil {
+		return storage.Release{}, err
 	}
 	if err := b.customizeBase(ctx, rootfs); err != nil {
 		return storage.Release{}, fmt.Errorf("template: %w", err)
@@ -128,6 +116,41 @@ func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel sto
 	}
 	log.InfoContext(ctx, "template: base built", "digest", rel.Digest, "size", rel.SizeBytes)
 	return rel, nil
+}
+
+// debootstrap installs a Debian suite (variant minbase, plus packages) into rootfs, an
+// empty directory. progress, if not nil, receives debootstrap's status lines. Needs
+// root.
+func (b *Builder) debootstrap(ctx context.Context, rootfs, suite string, packages []string, progress func(string)) error {
+	if os.Geteuid() != 0 {
+		return errors.New("template: building from a Debian suite needs root")
+	}
+	debootstrap, err := exec.LookPath("debootstrap")
+	if err != nil {
+		return errors.New("template: debootstrap not found: install the Debian package debootstrap")
+	}
+	args := []string{"--variant=" + baseVariant}
+	if len(packages) > 0 {
+		args = append(args, "--include="+strings.Join(packages, ","))
+	}
+	if b.CacheDir != "" {
+		cache, err := filepath.Abs(b.CacheDir)
+		if err != nil {
+			return fmt.Errorf("template: %w", err)
+		}
+		if err := os.MkdirAll(cache, 0o755); err != nil {
+			return fmt.Errorf("template: %w", err)
+		}
+		args = append(args, "--cache-dir="+cache)
+	}
+	args = append(args, suite, rootfs)
+	if b.Mirror != "" {
+		args = append(args, b.Mirror)
+	}
+	if err := b.run(ctx, progress, debootstrap, args...); err != nil {
+		return fmt.Errorf("template: debootstrap: %w", err)
+	}
+	return nil
 }
 
 // customizeBase adds the user, the runtime mount points, and removes host-derived and

@@ -82,4 +82,6 @@ func TestSmoke(t *testing.T) {
 		}
 	}
 	out.Close()
+	data, _ := os.ReadFile(filepath.Join(state, consoleLog))
+	t.Logf("console before destroy:\n%s", data)
 }

@@ -10,7 +10,10 @@ ALTER TABLE sandboxes
     ADD COLUMN pool_key             text,
     ADD COLUMN claimed_at           timestamptz,
     ADD COLUMN disk_exclusive_bytes bigint NOT NULL DEFAULT 0,
-    ADD COLUMN identity_generation  bigint NOT NULL DEFAULT 0;
+    ADD COLUMN identity_generation  bigint NOT NULL DEFAULT 0,
+    -- What happens when expires_at passes: delete (space's TTL, E2B's default) or
+    -- suspend (E2B's autoPause).
+    ADD COLUMN expire_action        text NOT NULL DEFAULT 'delete';
 
 CREATE INDEX sandboxes_idle ON sandboxes (last_activity_at) WHERE state = 'running' AND deleted_at IS NULL;
 CREATE INDEX sandboxes_pool ON sandboxes (pool_key, state) WHERE pool_key IS NOT NULL AND deleted_at IS NULL;
@@ -34,4 +37,5 @@ DROP INDEX sandboxes_idle;
 ALTER TABLE sandboxes
     DROP COLUMN idle_timeout_seconds, DROP COLUMN last_activity_at, DROP COLUMN status_reason,
     DROP COLUMN status_changed_at, DROP COLUMN clone_of, DROP COLUMN clone_batch, DROP COLUMN clone_ready,
-    DROP COLUMN pool_key, DROP COLUMN claimed_at, DROP COLUMN disk_exclusive_bytes, DROP COLUMN identity_generation;
+    DROP COLUMN pool_key, DROP COLUMN claimed_at, DROP COLUMN disk_exclusive_bytes, DROP COLUMN identity_generation,
+    DROP COLUMN expire_action;

@@ -1,0 +1,509 @@
+package e2e
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/store"
+)
+
+// counter is a python process that keeps state only in memory and prints it.
+const counter = `python3 -u -c "
+import time
+n = 0
+while True:
+    n += 1
+    print(n)
+    time.sleep(0.05)
+"`
+
+func (s *srv) verb(t testing.TB, id, verb string) *api.Operation {
+	t.Helper()
+	op, err := s.C.LifecycleAndWait(ctx(t, 3*time.Minute), id, verb)
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", verb, id, err, s.Log())
+	}
+	return op
+}
+
+func (s *srv) state(t testing.TB, id string) *api.Sandbox {
+	t.Helper()
+	sb, err := s.C.GetSandbox(ctx(t, time.Minute), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sb
+}
+
+// lastLine returns the last complete line of s as a number.
+func lastNumber(s string) int {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	n, _ := strconv.Atoi(lines[len(lines)-1])
+	return n
+}
+
+// TestPauseSuspendWake follows one process through pause/resume and suspend/wake: its
+// memory state survives, the attach stream continues where it stopped (no byte lost or
+// repeated), files survive, old tokens die, and the clock is right afterwards.
+func TestPauseSuspendWake(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	c := ctx(t, 4*time.Minute)
+	if _, err := s.C.WriteFile(c, sb.ID, "/root/before.txt", strings.NewReader("kept"), client.FileOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	sess, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Command: counter})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out syncBuffer
+	st, err := s.C.Attach(c, sess, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := ""
+	for lastNumber(out.String()) < 20 {
+		ev, err := st.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev.Name == api.EventStdout {
+			out.Write(decodeOutput(t, ev.Data))
+			last = ev.ID
+		}
+	}
+	st.Close()
+
+	// Pause: the process does not advance.
+	s.verb(t, sb.ID, "pause")
+	if got := s.state(t, sb.ID); got.State != api.StatePaused {
+		t.Fatalf("after pause: %s", got.State)
+	}
+	if p, err := s.C.GetProcess(c, sb.ID, sess.PID); err != nil || p.State != api.ProcRunning {
+		t.Fatalf("counter after pause and automatic wake: %+v %v", p, err)
+	}
+	if got := s.state(t, sb.ID); got.State != api.StateRunning {
+		t.Fatalf("listing processes did not wake the paused sandbox: %s", got.State)
+	}
+
+	// Suspend: memory to disk, resources freed, tokens revoked.
+	s.verb(t, sb.ID, "suspend")
+	got := s.state(t, sb.ID)
+	if got.State != api.StateSuspended || got.StatusReason == "" || got.StatusAt == nil {
+		t.Fatalf("after suspend: %+v", got)
+	}
+	if slices.Contains(s.runscIDs(), sb.ID) {
+		t.Fatal("a suspended sandbox still has a runsc container")
+	}
+	if code, _ := status(t, "GET", sess.AttachURL+"?follow=0", sess.Token, nil); code != 401 {
+		t.Fatalf("token after suspend: %d", code)
+	}
+	time.Sleep(2 * time.Second) // let wall-clock time pass while suspended (checked below)
+	s.verb(t, sb.ID, "wake")
+
+	// The stream continues exactly where it stopped, and the counter kept its memory.
+	sess2, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{PID: sess.PID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err = s.C.Attach(c, sess2, last)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for len(strings.Split(out.String(), "\n")) < 80 {
+		ev, err := st.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev.Name == api.EventStdout {
+			out.Write(decodeOutput(t, ev.Data))
+		}
+	}
+	st.Close()
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	for i, l := range lines {
+		if l != strconv.Itoa(i+1) {
+			t.Fatalf("line %d is %q: the stream lost, repeated or restarted output", i+1, l)
+		}
+	}
+	outFile, _, _ := s.exec(t, sb.ID, "cat", "/root/before.txt")
+	if outFile != "kept" {
+		t.Fatalf("file after wake: %q", outFile)
+	}
+	dateOut, _, _ := s.exec(t, sb.ID, "date", "+%s")
+	guest, _ := strconv.ParseInt(strings.TrimSpace(dateOut), 10, 64)
+	if d := time.Now().Unix() - guest; d < -2 || d > 2 {
+		t.Fatalf("clock after wake is off by %d s", d)
+	}
+}
+
+// TestStopStartAndIllegal covers stop/start and the transitions that must be refused.
+func TestStopStartAndIllegal(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	c := ctx(t, 3*time.Minute)
+	s.C.WriteFile(c, sb.ID, "/root/disk.txt", strings.NewReader("on disk"), client.FileOptions{})
+	conflict := func(id, verb string) {
+		t.Helper()
+		_, err := s.C.Lifecycle(c, id, verb)
+		if ce, ok := err.(*client.Error); !ok || ce.Status != 409 || ce.Message == "" {
+			t.Fatalf("%s in state %s: %v, want 409", verb, s.state(t, id).State, err)
+		}
+	}
+	conflict(sb.ID, "resume")
+	conflict(sb.ID, "restore")
+	conflict(sb.ID, "start")
+	s.verb(t, sb.ID, "stop")
+	if got := s.state(t, sb.ID); got.State != api.StateStopped {
+		t.Fatalf("after stop: %s", got.State)
+	}
+	conflict(sb.ID, "pause")
+	if _, err := s.C.Clone(c, sb.ID, api.CloneRequest{}); err == nil || err.(*client.Error).Status != 409 || !strings.Contains(err.Error(), "stopped") {
+		t.Fatalf("clone of a stopped sandbox: %v", err)
+	}
+	s.verb(t, sb.ID, "start")
+	out, _, _ := s.exec(t, sb.ID, "cat", "/root/disk.txt")
+	if out != "on disk" || s.state(t, sb.ID).StartPath == "" {
+		t.Fatalf("after start: %q", out)
+	}
+	// Wake of a running sandbox succeeds at once; of a deleted one is a conflict.
+	if op := s.verb(t, sb.ID, "wake"); op.State != api.OpSucceeded {
+		t.Fatalf("wake running: %+v", op)
+	}
+	op, _ := s.C.DeleteSandbox(c, sb.ID)
+	s.C.WaitOperation(c, op.ID)
+	conflict(sb.ID, "wake")
+	assertGone(t, s, sb.ID)
+}
+
+// TestClones clones a running sandbox twice and a suspended one once: the clones have the
+// source's memory and files, their own entropy, and share the disk.
+func TestClones(t *testing.T) {
+	s := start(t, options{})
+	src := s.create(t, api.CreateSandboxRequest{})
+	c := ctx(t, 4*time.Minute)
+	s.C.WriteFile(c, src.ID, "/root/shared.txt", strings.NewReader("from the source"), client.FileOptions{})
+	sess, _ := s.C.CreateSession(c, src.ID, api.CreateSessionRequest{Command: counter})
+	st, _ := s.C.Attach(c, sess, "")
+	st.Next()
+	st.Close()
+
+	clones, err := s.C.Clone(c, src.ID, api.CloneRequest{Count: 2})
+	if err != nil || len(clones) != 2 {
+		t.Fatalf("clone: %v %v", clones, err)
+	}
+	seen := map[string]bool{}
+	for _, cl := range clones {
+		op, err := s.C.WaitOperation(c, cl.Operation.ID)
+		if err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("clone %s: %+v %v\n%s", cl.ID, op, err, s.Log())
+		}
+		got := s.state(t, cl.ID)
+		if got.CloneOf != src.ID || got.State != api.StateRunning {
+			t.Fatalf("clone: %+v", got)
+		}
+		out, _, _ := s.exec(t, cl.ID, "cat", "/root/shared.txt")
+		if out != "from the source" {
+			t.Fatalf("clone's file: %q", out)
+		}
+		// The in-memory counter process came along and keeps counting.
+		p, err := s.C.GetProcess(c, cl.ID, sess.PID)
+		if err != nil || p.State != api.ProcRunning {
+			t.Fatalf("counter in clone: %+v %v", p, err)
+		}
+		rnd, _, _ := s.exec(t, cl.ID, "sh", "-c", "head -c 16 /dev/urandom | od -An -tx1")
+		if seen[rnd] {
+			t.Fatal("two clones read the same bytes from /dev/urandom")
+		}
+		seen[rnd] = true
+		// A clone's own writes do not reach the source.
+		s.C.WriteFile(c, cl.ID, "/root/shared.txt", strings.NewReader("changed in "+cl.ID), client.FileOptions{})
+	}
+	if out, _, _ := s.exec(t, src.ID, "cat", "/root/shared.txt"); out != "from the source" {
+		t.Fatalf("source's file after the clones wrote theirs: %q", out)
+	}
+	if p, err := s.C.GetProcess(c, src.ID, sess.PID); err != nil || p.State != api.ProcRunning {
+		t.Fatalf("source's counter after cloning: %+v %v", p, err)
+	}
+	// Clone a suspended sandbox.
+	s.verb(t, src.ID, "suspend")
+	more, err := s.C.Clone(c, src.ID, api.CloneRequest{Count: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op, err := s.C.WaitOperation(c, more[0].Operation.ID); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("clone of suspended: %+v %v", op, err)
+	}
+	if s.state(t, src.ID).State != api.StateSuspended {
+		t.Fatal("cloning a suspended sandbox woke it")
+	}
+	if out, _, _ := s.exec(t, more[0].ID, "cat", "/root/shared.txt"); out != "from the source" {
+		t.Fatalf("clone of suspended: %q", out)
+	}
+	got := s.state(t, more[0].ID)
+	if got.DiskBytes > 64<<20 {
+		t.Fatalf("a fresh clone uses %d bytes of its own", got.DiskBytes)
+	}
+}
+
+// TestIdleSuspendAndAutoWake lets a sandbox idle past its timeout: it is suspended with
+// a reason, and a request that needs it running wakes it (unless told not to).
+func TestIdleSuspendAndAutoWake(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{IdleTimeout: "2s"})
+	busy := s.create(t, api.CreateSandboxRequest{IdleTimeout: "6s"})
+	c := ctx(t, 3*time.Minute)
+	// busy keeps printing: process output is activity.
+	sess, _ := s.C.CreateSession(c, busy.ID, api.CreateSessionRequest{Command: "while true; do echo tick; sleep 0.5; done"})
+	st, _ := s.C.Attach(c, sess, "")
+	st.Next()
+	st.Close()
+	waitFor(t, time.Minute, "the idle sandbox to be suspended", func() bool {
+		return s.state(t, sb.ID).State == api.StateSuspended
+	})
+	got := s.state(t, sb.ID)
+	if !strings.Contains(got.StatusReason, "idle") || got.StatusAt == nil {
+		t.Fatalf("suspended sandbox: reason %q at %v", got.StatusReason, got.StatusAt)
+	}
+	if b := s.state(t, busy.ID); b.State != api.StateRunning {
+		t.Fatalf("a sandbox printing output was suspended: %+v", b)
+	}
+	// ?wake=false: no automatic wake.
+	if code, body := status(t, "GET", s.URL+"/v1/sandboxes/"+sb.ID+"/processes?wake=false", s.Key, nil); code != 409 {
+		t.Fatalf("processes?wake=false on a suspended sandbox: %d %s", code, body)
+	}
+	// Exec wakes it.
+	out, _, code := s.exec(t, sb.ID, "echo", "woke")
+	if code != 0 || out != "woke\n" {
+		t.Fatalf("exec on a suspended sandbox: %d %q", code, out)
+	}
+	if s.state(t, sb.ID).State != api.StateRunning {
+		t.Fatal("not running after an automatic wake")
+	}
+}
+
+// TestWarmPool claims from a pool of 5 with 20 concurrent creates: all succeed, exactly
+// five come from the pool, none twice; the pool refills and is hidden from listings;
+// moving the template's tag drains it.
+func TestWarmPool(t *testing.T) {
+	s := start(t, options{})
+	c := ctx(t, 5*time.Minute)
+	// Warm up: the first create builds the base snapshot the pool restores from.
+	first := s.create(t, api.CreateSandboxRequest{})
+	if _, err := s.C.SetPool(c, api.SetPoolRequest{Template: "base", Size: 5}); err != nil {
+		t.Fatal(err)
+	}
+	ready := func() int {
+		pools, err := s.C.ListPools(c)
+		if err != nil || len(pools) != 1 {
+			t.Fatalf("pools: %v %v", pools, err)
+		}
+		return pools[0].Ready
+	}
+	waitFor(t, 3*time.Minute, "the pool to fill", func() bool { return ready() == 5 })
+	if list, _ := s.C.ListSandboxes(c, client.ListOptions{}); len(list) != 1 || list[0].ID != first.ID {
+		t.Fatalf("pool members are listed: %d sandboxes", len(list))
+	}
+	var mu sync.Mutex
+	var got []*api.Sandbox
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for i := 0; i < 20; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sb, err := s.C.CreateAndWait(c, api.CreateSandboxRequest{Env: map[string]string{"N": strconv.Itoa(i)}})
+			if err != nil {
+				errs <- err
+				return
+			}
+			mu.Lock()
+			got = append(got, sb)
+			mu.Unlock()
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	ids := map[string]bool{}
+	fromPool := 0
+	for _, sb := range got {
+		if ids[sb.ID] {
+			t.Fatalf("sandbox %s was handed out twice", sb.ID)
+		}
+		ids[sb.ID] = true
+		if sb.StartPath == "pool" {
+			fromPool++
+		}
+	}
+	if len(got) != 20 || fromPool != 5 {
+		t.Fatalf("%d sandboxes, %d from the pool; want 20 and 5", len(got), fromPool)
+	}
+	// A claimed member carries its owner's environment.
+	for _, sb := range got {
+		if sb.StartPath == "pool" {
+			out, _, _ := s.exec(t, sb.ID, "sh", "-c", "echo $N")
+			if strings.TrimSpace(out) == "" {
+				t.Fatalf("pool sandbox %s lacks its env", sb.ID)
+			}
+			break
+		}
+	}
+	waitFor(t, 3*time.Minute, "the pool to refill", func() bool { return ready() == 5 })
+
+	// Move base:latest to another release: the pool drains its old members.
+	st, err := store.Open(c, store.Config{URL: s.dbURL, Logger: discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	fake := "sha256:" + strings.Repeat("ab", 32)
+	if err := st.PutRelease(c, &store.Release{Digest: fake, Name: "base"}, "latest", ""); err != nil {
+		t.Fatal(err)
+	}
+	st.Notify(c, store.ChannelController, "")
+	waitFor(t, time.Minute, "the old pool members to drain", func() bool {
+		members, _ := st.PoolMembers(c, store.PoolKey("base:latest", 1, 512))
+		for _, m := range members {
+			if m.TemplateDigest != fake {
+				return false
+			}
+		}
+		return true
+	})
+	s.C.SetPool(c, api.SetPoolRequest{Template: "base", Size: 0})
+}
+
+// TestCrashDuringLifecycle kills space serve in the middle of a suspend, a wake and a
+// clone: after a restart each operation has completed or failed cleanly, the sandbox is
+// in a consistent state, and nothing leaks.
+func TestCrashDuringLifecycle(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	c := ctx(t, 5*time.Minute)
+	s.C.WriteFile(c, sb.ID, "/root/f", strings.NewReader("x"), client.FileOptions{})
+
+	killDuring := func(verb, during string) *api.Operation {
+		t.Helper()
+		op, err := s.C.Lifecycle(c, sb.ID, verb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, time.Minute, "state "+during, func() bool {
+			got := s.state(t, sb.ID)
+			return got.State == during || got.State == got.DesiredState
+		})
+		s.Kill()
+		s.Restart()
+		done, err := s.C.WaitOperation(c, op.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return done
+	}
+	op := killDuring("suspend", api.StateSuspending)
+	got := s.state(t, sb.ID)
+	if op.State == api.OpSucceeded && got.State != api.StateSuspended || op.State == api.OpFailed && got.State == api.StateSuspending {
+		t.Fatalf("after a crash during suspend: op %+v, sandbox %s", op, got.State)
+	}
+	if got.State != api.StateSuspended {
+		s.verb(t, sb.ID, "suspend")
+	}
+	op = killDuring("wake", api.StateRestoring)
+	if op.State != api.OpSucceeded || s.state(t, sb.ID).State != api.StateRunning {
+		t.Fatalf("after a crash during wake: op %+v, sandbox %s", op, s.state(t, sb.ID).State)
+	}
+	if out, _, _ := s.exec(t, sb.ID, "cat", "/root/f"); out != "x" {
+		t.Fatalf("file after crash and wake: %q", out)
+	}
+	clones, err := s.C.Clone(c, sb.ID, api.CloneRequest{Count: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, time.Minute, "the clone to start", func() bool {
+		cl := s.state(t, clones[0].ID)
+		return cl.State != api.StatePending
+	})
+	s.Kill()
+	s.Restart()
+	for _, cl := range clones {
+		op, err := s.C.WaitOperation(c, cl.Operation.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := s.state(t, cl.ID)
+		if op.State == api.OpSucceeded && got.State != api.StateRunning || op.State == api.OpFailed && got.State != api.StateFailed {
+			t.Fatalf("clone after a crash: op %+v, sandbox %+v", op, got)
+		}
+	}
+	if got := s.state(t, sb.ID); got.State != api.StateRunning {
+		t.Fatalf("clone source after a crash: %s", got.State)
+	}
+	// Everything deleted leaves nothing behind; an orphan directory is reclaimed at start.
+	all := append([]string{sb.ID}, clones[0].ID, clones[1].ID)
+	for _, id := range all {
+		op, _ := s.C.DeleteSandbox(c, id)
+		s.C.WaitOperation(c, op.ID)
+	}
+	orphan := filepath.Join(s.dataDir, "store", "sandboxes", "orphanfromcrash")
+	os.MkdirAll(orphan, 0o755)
+	s.Stop()
+	s.Restart()
+	waitFor(t, time.Minute, "the orphan to be reclaimed", func() bool {
+		_, err := os.Stat(orphan)
+		return os.IsNotExist(err)
+	})
+	for _, id := range all {
+		assertGone(t, s, id)
+	}
+	ents, _ := os.ReadDir(filepath.Join(s.dataDir, "store", "sandboxes"))
+	if len(ents) != 0 {
+		var names []string
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		t.Fatalf("sandbox storage left: %v", names)
+	}
+}
+
+// TestStartPaths checks the recorded start path: boot first, then snapshot once the
+// base snapshot exists, and that sandboxes from one snapshot do not share entropy.
+func TestStartPaths(t *testing.T) {
+	s := start(t, options{})
+	first := s.create(t, api.CreateSandboxRequest{})
+	if first.StartPath != "boot" {
+		t.Fatalf("first sandbox start path %q", first.StartPath)
+	}
+	var a, b *api.Sandbox
+	waitFor(t, 2*time.Minute, "a create from the base snapshot", func() bool {
+		sb := s.create(t, api.CreateSandboxRequest{})
+		if sb.StartPath != "snapshot" {
+			return false
+		}
+		if a == nil {
+			a = sb
+			return false
+		}
+		b = sb
+		return true
+	})
+	ra, _, _ := s.exec(t, a.ID, "sh", "-c", "head -c 16 /dev/urandom | od -An -tx1")
+	rb, _, _ := s.exec(t, b.ID, "sh", "-c", "head -c 16 /dev/urandom | od -An -tx1")
+	if ra == rb {
+		t.Fatal("two sandboxes restored from one snapshot read the same random bytes")
+	}
+	out, _, code := s.exec(t, b.ID, "python3", "-c", "print(6*7)")
+	if code != 0 || out != "42\n" {
+		t.Fatalf("exec in a snapshot-started sandbox: %d %q", code, out)
+	}
+}
