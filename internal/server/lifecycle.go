@@ -113,24 +113,29 @@ const wakeTimeout = 2 * time.Minute
 // awake returns the sandbox running, waking it first when it is paused, suspended or
 // stopped — unless the request says ?wake=false.
 func (a *API) awake(r *http.Request, sb *store.Sandbox) (*store.Sandbox, error) {
+	w := r.URL.Query().Get("wake")
+	return a.awakeCtx(r.Context(), principalFrom(r.Context()), sb, w == "false" || w == "0")
+}
+
+func (a *API) awakeCtx(ctx context.Context, p *Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error) {
 	if !needsWake(sb) {
 		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning && sb.ObservedGeneration < sb.Generation {
-			return a.waitRunning(r.Context(), sb, "")
+			return a.waitRunning(ctx, sb, "")
 		}
 		return sb, nil
 	}
-	if w := r.URL.Query().Get("wake"); w == "false" || w == "0" {
+	if noWake {
 		return sb, nil
 	}
-	op, err := a.requestVerb(r.Context(), sb.ID, principalFrom(r.Context()), verbs[api.OpWake], "woken by a request that needs it running")
+	op, err := a.requestVerb(ctx, sb.ID, p, verbs[api.OpWake], "woken by a request that needs it running")
 	if fault.Is(err, fault.Conflict) {
 		// Another request is waking it already.
-		return a.waitRunning(r.Context(), sb, "")
+		return a.waitRunning(ctx, sb, "")
 	}
 	if err != nil {
 		return nil, err
 	}
-	return a.waitRunning(r.Context(), sb, op.ID)
+	return a.waitRunning(ctx, sb, op.ID)
 }
 
 // waitRunning waits until the sandbox runs (or opID finishes).

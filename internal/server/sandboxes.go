@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/json"
 	"io"
@@ -48,8 +49,7 @@ func validateMap(field string, m map[string]string, keyRe *regexp.Regexp) error 
 }
 
 // newSandbox validates a create request and builds the sandbox row.
-func (a *API) newSandbox(r *http.Request, req *api.CreateSandboxRequest) (*store.Sandbox, error) {
-	p := principalFrom(r.Context())
+func (a *API) newSandbox(ctx context.Context, p *Principal, req *api.CreateSandboxRequest) (*store.Sandbox, error) {
 	if req.Template == "" {
 		req.Template = a.cfg.DefaultTemplate
 	}
@@ -109,12 +109,12 @@ func (a *API) newSandbox(r *http.Request, req *api.CreateSandboxRequest) (*store
 	}
 	// Resolve the reference now so an unknown template is a 404 and creates nothing.
 	if ref.Digest != "" {
-		if _, err := a.st.GetRelease(r.Context(), ref.Digest); err != nil {
+		if _, err := a.st.GetRelease(ctx, ref.Digest); err != nil {
 			return nil, err
 		}
 		sb.TemplateDigest = ref.Digest
 	} else {
-		d, err := a.st.ResolveTag(r.Context(), ref.Name, ref.Tag)
+		d, err := a.st.ResolveTag(ctx, ref.Name, ref.Tag)
 		if err != nil {
 			return nil, err
 		}
@@ -158,41 +158,7 @@ func (a *API) createSandbox(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 	}
-	sb, err := a.newSandbox(r, &req)
-	if err != nil {
-		return err
-	}
-	poolKey, poolDigest := a.poolFor(r, sb)
-	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant, Message: "waiting for a node"}
-	var resp []byte
-	err = a.st.InTx(r.Context(), func(tx *store.Tx) error {
-		var claimed *store.Sandbox
-		if poolKey != "" {
-			op.Message = "resuming a sandbox from the warm pool"
-			claimed, err = tx.ClaimPoolMember(r.Context(), poolKey, poolDigest, sb, op)
-			if err != nil {
-				return err
-			}
-		}
-		if claimed != nil {
-			sb = claimed
-		} else {
-			op.Message = "waiting for a node"
-			if err := tx.CreateSandbox(r.Context(), sb, op); err != nil {
-				return err
-			}
-		}
-		out := sb.API()
-		out.Operation = op.API()
-		resp, err = json.Marshal(out)
-		if err != nil {
-			return err
-		}
-		if idemKey != "" {
-			return tx.SaveIdempotency(r.Context(), p.Tenant, idemKey, r.Method, r.URL.Path, bodyHash, http.StatusAccepted, resp)
-		}
-		return nil
-	})
+	sb, op, resp, err := a.create(r.Context(), p, &req, idemKey, r.Method, r.URL.Path, bodyHash)
 	if err != nil {
 		if idemKey != "" && fault.Is(err, fault.Conflict) {
 			// A concurrent request with the same key won: answer with its response.
@@ -280,29 +246,29 @@ func (a *API) listSandboxes(w http.ResponseWriter, r *http.Request) error {
 }
 
 // requestTransition records intent for a lifecycle verb and returns its operation.
-func (a *API) requestTransition(r *http.Request, id, desired, kind string, check func(sb *store.Sandbox) error) (*store.Sandbox, *store.Operation, error) {
+func (a *API) requestTransition(ctx context.Context, p *Principal, id, desired, kind string, check func(sb *store.Sandbox) error) (*store.Sandbox, *store.Operation, error) {
 	var sb *store.Sandbox
 	op := &store.Operation{ID: ids.Operation(), Kind: kind}
-	err := a.st.InTx(r.Context(), func(tx *store.Tx) error {
+	err := a.st.InTx(ctx, func(tx *store.Tx) error {
 		var err error
-		sb, err = tx.GetSandboxForUpdate(r.Context(), id)
+		sb, err = tx.GetSandboxForUpdate(ctx, id)
 		if err != nil {
 			return err
 		}
-		if !principalFrom(r.Context()).visible(sb.Tenant) {
+		if !p.visible(sb.Tenant) || sb.PoolKey != "" {
 			return fault.New(fault.NotFound, "sandbox %q not found", id)
 		}
 		if err := check(sb); err != nil {
 			return err
 		}
-		return tx.SetDesiredState(r.Context(), sb, desired, op)
+		return tx.SetDesiredState(ctx, sb, desired, op)
 	})
 	return sb, op, err
 }
 
 func (a *API) deleteSandbox(w http.ResponseWriter, r *http.Request) error {
 	id := r.PathValue("id")
-	sb, op, err := a.requestTransition(r, id, api.StateDeleted, api.OpDelete, func(sb *store.Sandbox) error {
+	sb, op, err := a.requestTransition(r.Context(), principalFrom(r.Context()), id, api.StateDeleted, api.OpDelete, func(sb *store.Sandbox) error {
 		if sb.DeletedAt != nil {
 			return fault.New(fault.NotFound, "sandbox %q not found", sb.ID)
 		}
@@ -348,14 +314,59 @@ func (a *API) revokeTokens(w http.ResponseWriter, r *http.Request) error {
 
 // poolFor returns the warm pool a new sandbox could be claimed from (its key and the
 // digest its members must have), or "" when the template's tag does not resolve yet.
-func (a *API) poolFor(r *http.Request, sb *store.Sandbox) (string, string) {
+func (a *API) poolFor(ctx context.Context, sb *store.Sandbox) (string, string) {
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
 	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" {
 		return "", ""
 	}
-	d, err := a.st.ResolveTag(r.Context(), ref.Name, ref.Tag)
+	d, err := a.st.ResolveTag(ctx, ref.Name, ref.Tag)
 	if err != nil || d == "" {
 		return "", ""
 	}
 	return store.PoolKey(ref.String(), sb.Spec.CPU, sb.Spec.MemoryMB), d
+}
+
+// create validates a create request and records it (claiming a warm-pool member when
+// one fits), saving the response under idemKey when given.
+func (a *API) create(ctx context.Context, p *Principal, req *api.CreateSandboxRequest, idemKey, method, path string, bodyHash []byte) (*store.Sandbox, *store.Operation, []byte, error) {
+	sb, err := a.newSandbox(ctx, p, req)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	poolKey, poolDigest := a.poolFor(ctx, sb)
+	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant}
+	var resp []byte
+	err = a.st.InTx(ctx, func(tx *store.Tx) error {
+		var claimed *store.Sandbox
+		if poolKey != "" {
+			op.Message = "resuming a sandbox from the warm pool"
+			c, err := tx.ClaimPoolMember(ctx, poolKey, poolDigest, sb, op)
+			if err != nil {
+				return err
+			}
+			claimed = c
+		}
+		if claimed != nil {
+			sb = claimed
+		} else {
+			op.Message = "waiting for a node"
+			if err := tx.CreateSandbox(ctx, sb, op); err != nil {
+				return err
+			}
+		}
+		out := sb.API()
+		out.Operation = op.API()
+		var err error
+		if resp, err = json.Marshal(out); err != nil {
+			return err
+		}
+		if idemKey != "" {
+			return tx.SaveIdempotency(ctx, p.Tenant, idemKey, method, path, bodyHash, http.StatusAccepted, resp)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return sb, op, resp, nil
 }
