@@ -99,6 +99,8 @@ type CreateSandboxRequest struct {
 	// IdleTimeout is a Go duration after which an idle sandbox is suspended (default:
 	// the server's, 6h). "0" never suspends.
 	IdleTimeout string `json:"idle_timeout,omitempty"`
+	// FreshBoot skips the warm pool and the base snapshot: the sandbox boots.
+	FreshBoot bool `json:"fresh_boot,omitempty"`
 }
 
 // CloneRequest is the body of POST /v1/sandboxes/{id}/clone.

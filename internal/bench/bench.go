@@ -58,6 +58,14 @@ type scenario struct {
 
 var scenarios = []scenario{
 	{"cold-create", coldCreate},
+	{"exec", execRoundTrip},
+	{"throughput", throughput},
+	{"files", files},
+	{"memory", memory},
+	{"start-paths", startPaths},
+	{"suspend", suspendWake},
+	{"clone", clones},
+	{"density", density},
 }
 
 // Names lists the scenarios.
@@ -148,7 +156,15 @@ func WriteTable(w io.Writer, rs []Result) error {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f %s\t%.2f %s\t%s\t%s\t%s\t%s\n", r.Scenario, r.Metric, r.Runs,
 			r.Median, r.Unit, r.P95, r.Unit, base, bm, bp, ratio)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range rs {
+		if r.Note != "" {
+			fmt.Fprintf(w, "note: %s / %s: %s\n", r.Scenario, r.Metric, r.Note)
+		}
+	}
+	return nil
 }
 
 // WriteJSON prints results as JSON.

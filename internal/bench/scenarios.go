@@ -16,7 +16,7 @@ func coldCreate(ctx context.Context, cfg *Config) ([]Result, error) {
 	var xs []float64
 	for i := 0; i < cfg.Runs; i++ {
 		start := time.Now()
-		sb, err := c.CreateAndWait(ctx, api.CreateSandboxRequest{Template: cfg.Template, Metadata: map[string]string{"space-bench": "cold-create"}})
+		sb, err := c.CreateAndWait(ctx, api.CreateSandboxRequest{Template: cfg.Template, FreshBoot: true, Metadata: map[string]string{"space-bench": "cold-create"}})
 		if err != nil {
 			return nil, err
 		}

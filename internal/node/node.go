@@ -416,7 +416,7 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) {
 // snapshot when one fits (start path "snapshot"), else by booting ("boot").
 func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (string, error) {
 	sb.TemplateDigest = digest
-	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok {
+	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot {
 		root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
 		if err == nil {
 			if err = n.restoreFrom(ctx, snap, sb, filepath.Join(dir, "checkpoint"), root); err == nil {

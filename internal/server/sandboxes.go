@@ -82,7 +82,7 @@ func (a *API) newSandbox(ctx context.Context, p *Principal, req *api.CreateSandb
 		ID:           ids.Sandbox(),
 		Tenant:       p.Tenant,
 		TemplateRef:  ref.String(),
-		Spec:         store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime},
+		Spec:         store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime, FreshBoot: req.FreshBoot},
 		Metadata:     req.Metadata,
 		DesiredState: api.StateRunning,
 		State:        api.StatePending,
@@ -316,7 +316,7 @@ func (a *API) revokeTokens(w http.ResponseWriter, r *http.Request) error {
 // digest its members must have), or "" when the template's tag does not resolve yet.
 func (a *API) poolFor(ctx context.Context, sb *store.Sandbox) (string, string) {
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
-	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" {
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot {
 		return "", ""
 	}
 	d, err := a.st.ResolveTag(ctx, ref.Name, ref.Tag)

@@ -20,6 +20,8 @@ type SandboxSpec struct {
 	Env      map[string]string `json:"env,omitempty"`
 	Runtime  string            `json:"runtime,omitempty"`
 	Network  bool              `json:"network,omitempty"`
+	// FreshBoot skips warm pools and base snapshots.
+	FreshBoot bool `json:"fresh_boot,omitempty"`
 }
 
 // Sandbox is a row of the sandboxes table.

@@ -1,0 +1,222 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+// runscRoot is where the local server's runsc keeps its state (see cmd/space).
+func runscRoot(dataDir string) string {
+	abs, _ := filepath.Abs(dataDir)
+	sum := sha256.Sum256([]byte(abs))
+	return filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6]))
+}
+
+// sandbox creates a sandbox for a scenario and returns it with a cleanup.
+func sandbox(ctx context.Context, cfg *Config, req api.CreateSandboxRequest) (*api.Sandbox, func(), error) {
+	if req.Template == "" {
+		req.Template = cfg.Template
+	}
+	if req.Metadata == nil {
+		req.Metadata = map[string]string{"space-bench": "1"}
+	}
+	sb, err := cfg.Client.CreateAndWait(ctx, req)
+	if err != nil {
+		return nil, nil, err
+	}
+	return sb, func() { _ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, sb.ID) }, nil
+}
+
+// execRoundTrip measures session create + attach + exit of `true`, against `runsc exec
+// true` in the same sandbox.
+func execRoundTrip(ctx context.Context, cfg *Config) ([]Result, error) {
+	sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var xs, bs []float64
+	for i := 0; i < cfg.Runs; i++ {
+		start := time.Now()
+		code, err := cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Argv: []string{"true"}}, client.Output{})
+		if err != nil || code != 0 {
+			return nil, fmt.Errorf("exec true: %d %v", code, err)
+		}
+		xs = append(xs, ms(time.Since(start)))
+		start = time.Now()
+		if out, err := exec.CommandContext(ctx, "runsc", "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "/bin/true").CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("runsc exec: %v: %s", err, out)
+		}
+		bs = append(bs, ms(time.Since(start)))
+	}
+	return []Result{result("exec", "session + attach + exit of `true`", "ms", xs, "runsc exec true", bs)}, nil
+}
+
+// countingWriter counts bytes.
+type countingWriter struct{ n int64 }
+
+func (c *countingWriter) Write(p []byte) (int, error) { c.n += int64(len(p)); return len(p), nil }
+
+// throughput streams 1 GiB of output through SSE, against runsc exec of the same
+// command with its output going to /dev/null on the host.
+func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
+	sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	const size = 1 << 30
+	runs := min(cfg.Runs, 5)
+	var xs, bs []float64
+	for i := 0; i < runs; i++ {
+		var w countingWriter
+		start := time.Now()
+		code, err := cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Command: "head -c 1G /dev/zero"}, client.Output{Stdout: &w})
+		if err != nil || code != 0 || w.n != size {
+			return nil, fmt.Errorf("stream 1 GiB: %d bytes, exit %d, %v", w.n, code, err)
+		}
+		xs = append(xs, float64(size)/(1<<20)/time.Since(start).Seconds())
+		start = time.Now()
+		cmd := exec.CommandContext(ctx, "runsc", "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
+		devnull, _ := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+		cmd.Stdout = devnull
+		err = cmd.Run()
+		devnull.Close()
+		if err != nil {
+			return nil, fmt.Errorf("runsc exec head: %w", err)
+		}
+		bs = append(bs, float64(size)/(1<<20)/time.Since(start).Seconds())
+	}
+	r := result("throughput", "1 GiB of stdout through SSE", "MiB/s", xs, "runsc exec > /dev/null", bs)
+	r.Note = "ratio = space / runsc (higher is better)"
+	return []Result{r}, nil
+}
+
+// files measures a 256 MiB upload and download.
+func files(ctx context.Context, cfg *Config) ([]Result, error) {
+	sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	const size = 256 << 20
+	runs := min(cfg.Runs, 10)
+	var up, down []float64
+	for i := 0; i < runs; i++ {
+		start := time.Now()
+		if _, err := cfg.Client.WriteFile(ctx, sb.ID, "/root/bench.bin", io.LimitReader(zeros{}, size), client.FileOptions{}); err != nil {
+			return nil, err
+		}
+		up = append(up, float64(size)/(1<<20)/time.Since(start).Seconds())
+		start = time.Now()
+		rc, err := cfg.Client.ReadFile(ctx, sb.ID, "/root/bench.bin", client.FileOptions{})
+		if err != nil {
+			return nil, err
+		}
+		n, err := io.Copy(io.Discard, rc)
+		rc.Close()
+		if err != nil || n != size {
+			return nil, fmt.Errorf("download: %d bytes, %v", n, err)
+		}
+		down = append(down, float64(size)/(1<<20)/time.Since(start).Seconds())
+	}
+	return []Result{
+		result("files", "256 MiB upload", "MiB/s", up, "", nil),
+		result("files", "256 MiB download", "MiB/s", down, "", nil),
+	}, nil
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+// serverRSS reads the server's resident memory from its /metrics.
+func serverRSS(ctx context.Context, c *client.Client) (float64, error) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.BaseURL+"/metrics", nil)
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "process_resident_memory_bytes "); ok {
+			return strconv.ParseFloat(strings.TrimSpace(v), 64)
+		}
+	}
+	return 0, fmt.Errorf("no process_resident_memory_bytes in /metrics")
+}
+
+// agentRSS reads the agent's (PID 1's) resident memory inside a sandbox.
+func agentRSS(ctx context.Context, c *client.Client, id string) (float64, error) {
+	var out strings.Builder
+	if _, err := c.Exec(ctx, id, api.CreateSessionRequest{Argv: []string{"ps", "-o", "rss=", "-p", "1"}}, client.Output{Stdout: &out}); err != nil {
+		return 0, err
+	}
+	kb, err := strconv.ParseFloat(strings.TrimSpace(out.String()), 64)
+	return kb * 1024, err
+}
+
+// memory measures the server's and the agent's RSS while 2 GiB stream to a slow reader.
+func memory(ctx context.Context, cfg *Config) ([]Result, error) {
+	sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{MemoryMB: 1024})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	sess, err := cfg.Client.CreateSession(ctx, sb.ID, api.CreateSessionRequest{Command: "head -c 2G /dev/zero"})
+	if err != nil {
+		return nil, err
+	}
+	st, err := cfg.Client.Attach(ctx, sess, "")
+	if err != nil {
+		return nil, err
+	}
+	defer st.Close()
+	finished := make(chan struct{})
+	go func() { // the slow reader: one event every 20 ms
+		defer close(finished)
+		for {
+			ev, err := st.Next()
+			if err != nil || ev.Name == api.EventExit {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	var srv, agent []float64
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		if v, err := serverRSS(ctx, cfg.Client); err == nil {
+			srv = append(srv, v/(1<<20))
+		}
+		if v, err := agentRSS(ctx, cfg.Client, sb.ID); err == nil {
+			agent = append(agent, v/(1<<20))
+		}
+		p, err := cfg.Client.GetProcess(ctx, sb.ID, sess.PID)
+		if err == nil && p.State == api.ProcExited {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	st.Close()
+	<-finished
+	rs := result("memory", "space serve RSS, 2 GiB to a slow reader", "MiB", srv, "", nil)
+	ra := result("memory", "agent RSS, 2 GiB to a slow reader", "MiB", agent, "", nil)
+	rs.Note, ra.Note = "median and p95 of samples every 0.5 s", "median and p95 of samples every 0.5 s"
+	return []Result{rs, ra}, nil
+}

@@ -1,0 +1,251 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+// createToPass measures create → exit of `python3 -c pass`.
+func createToPass(ctx context.Context, cfg *Config, req api.CreateSandboxRequest) (float64, *api.Sandbox, error) {
+	req.Template = cfg.Template
+	req.Metadata = map[string]string{"space-bench": "start-paths"}
+	start := time.Now()
+	sb, err := cfg.Client.CreateAndWait(ctx, req)
+	if err != nil {
+		return 0, nil, err
+	}
+	code, err := cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Argv: []string{"python3", "-c", "pass"}}, client.Output{})
+	if err != nil || code != 0 {
+		return 0, sb, fmt.Errorf("python3 -c pass: %d %v", code, err)
+	}
+	return ms(time.Since(start)), sb, nil
+}
+
+// startPaths measures create → first `python3 -c pass` exit for each start path: boot,
+// base snapshot and warm pool, with snapshot and pool as ratios to boot.
+func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
+	var created []string
+	defer func() {
+		for _, id := range created {
+			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
+		}
+	}()
+	measure := func(req api.CreateSandboxRequest, want string) ([]float64, error) {
+		var xs []float64
+		for i := 0; i < cfg.Runs; i++ {
+			d, sb, err := createToPass(ctx, cfg, req)
+			if sb != nil {
+				created = append(created, sb.ID)
+			}
+			if err != nil {
+				return nil, err
+			}
+			if got, _ := cfg.Client.GetSandbox(ctx, sb.ID); got != nil && got.StartPath != want {
+				return nil, fmt.Errorf("expected start path %s, got %s (is the base snapshot built? is a pool set?)", want, got.StartPath)
+			}
+			xs = append(xs, d)
+			// Delete as we go so the host's load stays the same across runs.
+			if err := deleteAndWait(ctx, cfg.Client, sb.ID); err != nil {
+				return nil, err
+			}
+			created = created[:len(created)-1]
+		}
+		return xs, nil
+	}
+	boot, err := measure(api.CreateSandboxRequest{FreshBoot: true}, "boot")
+	if err != nil {
+		return nil, fmt.Errorf("boot: %w", err)
+	}
+	// The base snapshot is built in the background after the first boot.
+	if err := waitFor(ctx, 2*time.Minute, func() bool {
+		d, sb, err := createToPass(ctx, cfg, api.CreateSandboxRequest{})
+		_ = d
+		if sb != nil {
+			created = append(created, sb.ID)
+		}
+		return err == nil && sb.StartPath == "snapshot"
+	}); err != nil {
+		return nil, fmt.Errorf("the base snapshot never became available: %w", err)
+	}
+	snap, err := measure(api.CreateSandboxRequest{}, "snapshot")
+	if err != nil {
+		return nil, fmt.Errorf("snapshot: %w", err)
+	}
+	// A pool as large as the run count, so that every create claims a member.
+	if _, err := cfg.Client.SetPool(ctx, api.SetPoolRequest{Template: cfg.Template, Size: cfg.Runs}); err != nil {
+		return nil, fmt.Errorf("set pool (needs an admin key): %w", err)
+	}
+	defer cfg.Client.SetPool(context.WithoutCancel(ctx), api.SetPoolRequest{Template: cfg.Template, Size: 0})
+	var pool []float64
+	for len(pool) < cfg.Runs {
+		if err := waitFor(ctx, 3*time.Minute, func() bool {
+			ps, err := cfg.Client.ListPools(ctx)
+			return err == nil && len(ps) > 0 && ps[0].Ready > 0
+		}); err != nil {
+			return nil, fmt.Errorf("the pool did not fill: %w", err)
+		}
+		xs, err := measure(api.CreateSandboxRequest{}, "pool")
+		if err != nil {
+			return nil, fmt.Errorf("pool: %w", err)
+		}
+		pool = append(pool, xs...)
+	}
+	return []Result{
+		result("start", "boot: create → `python3 -c pass` exit", "ms", boot, "", nil),
+		result("start", "snapshot: create → `python3 -c pass` exit", "ms", snap, "boot", boot),
+		result("start", "pool: create → `python3 -c pass` exit", "ms", pool, "boot", boot),
+	}, nil
+}
+
+func waitFor(ctx context.Context, d time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("timed out after %s", d)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// suspendWake measures suspend and wake of sandboxes holding 256 MiB and 1 GiB of
+// touched memory.
+func suspendWake(ctx context.Context, cfg *Config) ([]Result, error) {
+	var out []Result
+	for _, mib := range []int{256, 1024} {
+		sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{MemoryMB: mib + 768})
+		if err != nil {
+			return nil, err
+		}
+		hold := fmt.Sprintf("python3 -c \"import time; b = bytearray(%d << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(10**9)\" &", mib)
+		if code, err := cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Command: hold}, client.Output{}); err != nil || code != 0 {
+			done()
+			return nil, fmt.Errorf("touch memory: %d %v", code, err)
+		}
+		runs := min(cfg.Runs, 10)
+		var sus, wake []float64
+		for i := 0; i < runs; i++ {
+			start := time.Now()
+			if _, err := cfg.Client.LifecycleAndWait(ctx, sb.ID, "suspend"); err != nil {
+				done()
+				return nil, err
+			}
+			sus = append(sus, ms(time.Since(start)))
+			start = time.Now()
+			if _, err := cfg.Client.LifecycleAndWait(ctx, sb.ID, "wake"); err != nil {
+				done()
+				return nil, err
+			}
+			wake = append(wake, ms(time.Since(start)))
+		}
+		done()
+		out = append(out,
+			result("suspend", fmt.Sprintf("suspend, %d MiB touched", mib), "ms", sus, "", nil),
+			result("suspend", fmt.Sprintf("wake from suspend, %d MiB touched", mib), "ms", wake, "", nil))
+	}
+	return out, nil
+}
+
+// clones measures cloning 1 and 10 sandboxes from a running one, and the disk bytes
+// each clone uses of its own right after.
+func clones(ctx context.Context, cfg *Config) ([]Result, error) {
+	src, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var out []Result
+	for _, n := range []int{1, 10} {
+		runs := min(cfg.Runs, 5)
+		var xs, bytes []float64
+		for i := 0; i < runs; i++ {
+			start := time.Now()
+			list, err := cfg.Client.Clone(ctx, src.ID, api.CloneRequest{Count: n})
+			if err != nil {
+				return nil, err
+			}
+			for _, c := range list {
+				op, err := cfg.Client.WaitOperation(ctx, c.Operation.ID)
+				if err != nil || op.State != api.OpSucceeded {
+					return nil, fmt.Errorf("clone: %+v %v", op, err)
+				}
+			}
+			xs = append(xs, ms(time.Since(start)))
+			for _, c := range list {
+				if got, err := cfg.Client.GetSandbox(ctx, c.ID); err == nil {
+					bytes = append(bytes, float64(got.DiskBytes)/1024)
+				}
+				_ = deleteAndWait(ctx, cfg.Client, c.ID)
+			}
+		}
+		out = append(out,
+			result("clone", fmt.Sprintf("clone %d (request → all running)", n), "ms", xs, "", nil),
+			result("clone", fmt.Sprintf("disk each clone adds (of %d)", n), "KiB", bytes, "", nil))
+	}
+	return out, nil
+}
+
+// density creates 50 idle sandboxes and reports the host memory (RSS of each sandbox's
+// runtime processes) per sandbox.
+func density(ctx context.Context, cfg *Config) ([]Result, error) {
+	const n = 50
+	var ids []string
+	defer func() {
+		for _, id := range ids {
+			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
+		}
+	}()
+	for i := 0; i < n; i++ {
+		sb, err := cfg.Client.CreateAndWait(ctx, api.CreateSandboxRequest{Template: cfg.Template, Metadata: map[string]string{"space-bench": "density"}})
+		if err != nil {
+			return nil, err
+		}
+		ids = append(ids, sb.ID)
+	}
+	time.Sleep(2 * time.Second) // let the sandboxes settle to idle before measuring
+	var per []float64
+	for _, id := range ids {
+		per = append(per, float64(rssOf(id))/1024)
+	}
+	r := result("density", fmt.Sprintf("host RSS per idle sandbox (%d sandboxes)", n), "MiB", per, "", nil)
+	r.Note = "sum of the RSS of the host processes whose command line names the sandbox (runsc sandbox, gofer)"
+	return []Result{r}, nil
+}
+
+// rssOf sums the RSS (KiB) of host processes whose command line mentions id.
+func rssOf(id string) int {
+	ents, _ := os.ReadDir("/proc")
+	total := 0
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil || !strings.Contains(string(cmd), id) {
+			continue
+		}
+		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(string(st), "\n") {
+			if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
+				kb, _ := strconv.Atoi(f[1])
+				total += kb
+			}
+		}
+	}
+	return total
+}

@@ -1,0 +1,40 @@
+package e2e
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/spacedev/space/internal/bench"
+)
+
+// TestBenchRuns runs a quick subset of `space bench` end to end (two repetitions), so
+// the benchmark command keeps working; the figures themselves are not asserted.
+func TestBenchRuns(t *testing.T) {
+	s := start(t, options{})
+	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "cold-create,exec,files", "-o", "json")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s", code, stderr)
+	}
+	var rs []bench.Result
+	if err := json.Unmarshal([]byte(out), &rs); err != nil {
+		t.Fatalf("bench output: %v\n%s", err, out)
+	}
+	seen := map[string]bool{}
+	for _, r := range rs {
+		seen[r.Scenario] = true
+		if r.Runs != 2 || r.Median <= 0 || r.P95 < r.Median {
+			t.Errorf("result %+v", r)
+		}
+		if r.Baseline != "" && r.Ratio <= 0 {
+			t.Errorf("result %+v has a baseline but no ratio", r)
+		}
+	}
+	if !seen["cold-create"] || !seen["exec"] || !seen["files"] {
+		t.Fatalf("scenarios: %v", seen)
+	}
+	table, _, _ := s.cli(t, "bench", "--runs", "1", "--only", "exec")
+	if !strings.Contains(table, "MEDIAN") || !strings.Contains(table, "runsc exec true") {
+		t.Fatalf("table:\n%s", table)
+	}
+}
