@@ -245,6 +245,7 @@ func (s *srv) cleanup() {
 			}
 		}
 	}
+	_ = os.RemoveAll(s.RunscRoot())
 	store := filepath.Join(s.dataDir, "store")
 	for i := 0; i < 50; i++ {
 		if err := syscall.Unmount(store, 0); err == nil || err == syscall.EINVAL || err == syscall.ENOENT {

@@ -546,9 +546,9 @@ config:
 		t.Errorf("store tmp after refused specs: %v", tmp)
 	}
 
-	// Malicious archives: an entry climbing out with ".." (mutate.Extract drops it),
-	// and a file in an upper layer under a directory that a lower layer makes an
-	// absolute symbolic link out (the build fails). Nothing appears outside.
+	// Malicious archives: an entry climbing out with "..", and a file in an upper layer
+	// under a directory that a lower layer makes an absolute symbolic link out. Both
+	// builds fail and nothing appears outside.
 	for i, layers := range [][]v1.Layer{
 		{layerOf(t, tarEntry{name: "../../../" + filepath.Base(outside) + "/pwned", typ: tar.TypeReg, body: []byte("pwned")})},
 		{
@@ -563,7 +563,7 @@ config:
 		evil := filepath.Join(allowed, fmt.Sprintf("evil%d.tar", i))
 		writeArchive(t, evil, evilImg)
 		done := s.build(t, fmt.Sprintf("name: evil%d\nfrom: {archive: %s}\n", i, evil))
-		if i == 1 && done.State != api.OpFailed {
+		if done.State != api.OpFailed {
 			t.Errorf("malicious archive %d: %+v", i, done)
 		}
 		t.Logf("malicious archive %d: %s %s", i, done.State, done.Error)
@@ -669,7 +669,7 @@ config:
 
 	out, _, code = s.cli(t, "template", "list", "-o", "json")
 	var list []api.Template
-	if code != 0 || json.Unmarshal([]byte(out), &list) != nil || len(list) != 5 {
+	if code != 0 || json.Unmarshal([]byte(out), &list) != nil || len(list) != 4 {
 		t.Errorf("template list: %d %s", code, out)
 	}
 	// A failing build through the CLI exits non-zero.

@@ -285,6 +285,9 @@ func copyTree(ctx context.Context, src, dst *os.Root, progress func(string)) (ex
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(tarTree(ctx, src, pw)) }()
 	st, err := extractTar(ctx, dst, pr, progress)
+	if err == nil {
+		_, err = io.Copy(io.Discard, pr) // the walk's error, if it failed after the last entry
+	}
 	pr.CloseWithError(errors.New("extraction ended"))
 	return st, err
 }

@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -11,6 +12,10 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
 type entry struct {
@@ -259,5 +264,42 @@ func TestCopyTree(t *testing.T) {
 	}
 	if l, _ := os.Readlink(filepath.Join(dst, "shadow")); !strings.HasSuffix(l, "shadow") {
 		t.Errorf("link target = %q", l)
+	}
+}
+
+// TestExtractImageReportsLateErrors: mutate.Extract reports a failure after it ended
+// its tar stream; extractImage must still fail (not commit a partial tree).
+func TestExtractImageReportsLateErrors(t *testing.T) {
+	data, err := io.ReadAll(tarOf(t,
+		entry{name: "ok", typ: tar.TypeReg, body: "fine"},
+		entry{name: "../escaped", typ: tar.TypeReg, body: "x"},
+	))
+	if err != nil {
+		t.Fatal(err)
+	}
+	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := t.TempDir()
+	dir := filepath.Join(base, "root")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	err = extractImage(context.Background(), img, root, func(string) {})
+	if err == nil || !strings.Contains(err.Error(), "unsafe") {
+		t.Fatalf("extractImage = %v, want the unsafe entry reported", err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "escaped")); err == nil {
+		t.Fatal("the entry was written outside")
 	}
 }

@@ -158,6 +158,12 @@ func extractImage(ctx context.Context, img v1.Image, root *os.Root, progress fun
 	if err != nil {
 		return fmt.Errorf("extract image: %w", err)
 	}
+	// mutate.Extract ends its tar stream before it reports a failure (a layer that
+	// cannot be fetched or verified, an unsafe entry): the error only comes after the
+	// end-of-archive marker, so read on to it.
+	if _, err := io.Copy(io.Discard, rc); err != nil {
+		return fmt.Errorf("extract image: %w", err)
+	}
 	progress(fmt.Sprintf("extracted %d files, %d directories, %d links (%.1f MiB)", st.Files, st.Dirs, st.Links, float64(st.Bytes)/(1<<20)))
 	return nil
 }
