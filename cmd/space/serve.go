@@ -23,6 +23,7 @@ import (
 
 	"github.com/spacedev/space/internal/cli"
 	"github.com/spacedev/space/internal/controller"
+	"github.com/spacedev/space/internal/e2b"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
@@ -59,6 +60,9 @@ type serveConfig struct {
 	agentReadyWait time.Duration
 	idleTimeout    time.Duration
 	baseSnapshots  bool
+	e2bListen      string
+	e2bListenSet   bool
+	e2bDomain      string
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -87,6 +91,7 @@ On first start space creates an admin API key, prints it once and writes it to
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c.dataDir = env.DataDir
 			c.roles = strings.Split(roles, ",")
+			c.e2bListenSet = cmd.Flags().Changed("e2b-listen")
 			for _, r := range c.roles {
 				if !slices.Contains([]string{"api", "controller", "node"}, r) {
 					return fmt.Errorf("--roles: unknown role %q (roles are api, controller, node)", r)
@@ -117,6 +122,8 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", 60*time.Second, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", 6*time.Hour, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
+	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables)")
+	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
 	return cmd
 }
 
@@ -213,6 +220,21 @@ func serve(ctx context.Context, c *serveConfig) error {
 		})
 		run("api", a.Run)
 		mux.Handle("/", a.Handler())
+		if c.e2bListen != "" {
+			gw, err := e2b.New(ctx, e2b.Config{API: a, Store: st, Logger: log.With("component", "e2b"),
+				Domain: c.e2bDomain, BuiltinTemplates: []string{node.BaseTemplate}})
+			if err != nil {
+				return err
+			}
+			if eln, err := net.Listen("tcp", c.e2bListen); err == nil {
+				defer eln.Close()
+				run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, eln) })
+			} else if c.e2bListenSet {
+				return fmt.Errorf("--e2b-listen: %w", err)
+			} else {
+				log.Warn("E2B-compatible API not started: its default address is taken", "listen", c.e2bListen, "err", err)
+			}
+		}
 	}
 	if c.has("controller") {
 		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller")})

@@ -183,7 +183,9 @@ func (n *Node) runBuild(ctx context.Context, b specBuilder, op *store.Operation)
 // afterBuild runs after a build's release is committed and recorded, before its
 // operation succeeds: base snapshots are taken here. Failures are logged, not fatal
 // (sandboxes then boot instead of restoring).
-func (n *Node) afterBuild(ctx context.Context, rel storage.Release) {}
+func (n *Node) afterBuild(ctx context.Context, rel storage.Release) {
+	n.ensureBaseSnapshotLater(rel.Digest, store.SandboxSpec{CPU: n.cfg.DefaultCPU, MemoryMB: n.cfg.DefaultMemoryMB})
+}
 
 // buildInput decodes a build operation's spec and resolves its parent release.
 func (n *Node) buildInput(ctx context.Context, op *store.Operation) (*template.Spec, *template.Parent, error) {

@@ -455,9 +455,10 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 	if err := n.setIdentity(ctx, sb); err != nil {
 		return fmt.Errorf("give sandbox its identity: %w", err)
 	}
-	n.mu.Lock()
-	n.ready[sb.ID] = true
-	n.mu.Unlock()
+	if err := n.runTemplateStart(ctx, sb); err != nil {
+		return err
+	}
+	n.setReady(sb.ID, true)
 	return nil
 }
 

@@ -90,8 +90,12 @@ func (n *Node) failInterruptedBuilds(ctx context.Context) error {
 		return err
 	}
 	for _, op := range ops {
-		if node, _ := op.Params["node"].(string); node == n.cfg.ID {
-			if err := n.st.UpdateOperation(ctx, op.ID, api.OpFailed, "interrupted", "the build was interrupted by a restart of its node; it is retried on the next create"); err != nil {
+		if node, _ := op.Params["node"].(string); node == n.cfg.ID && op.State == api.OpRunning {
+			msg := "the build was interrupted by a restart of its node; submit it again"
+			if op.Params["spec"] == nil {
+				msg = "the build was interrupted by a restart of its node; the next create builds base again"
+			}
+			if err := n.st.UpdateOperation(ctx, op.ID, api.OpFailed, "interrupted", msg); err != nil {
 				return err
 			}
 		}

@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -57,11 +58,15 @@ func (a *API) newSandbox(ctx context.Context, p *Principal, req *api.CreateSandb
 	if err != nil {
 		return nil, fault.Wrap(fault.Invalid, err)
 	}
-	if req.CPU == 0 {
-		req.CPU = a.cfg.DefaultCPU
-	}
-	if req.MemoryMB == 0 {
-		req.MemoryMB = a.cfg.DefaultMemoryMB
+	// Resources: the request's, else the template's defaults, else the server's.
+	if req.CPU == 0 || req.MemoryMB == 0 {
+		cpu, mem := a.templateDefaults(ctx, ref)
+		if req.CPU == 0 {
+			req.CPU = cmp.Or(cpu, a.cfg.DefaultCPU)
+		}
+		if req.MemoryMB == 0 {
+			req.MemoryMB = cmp.Or(mem, a.cfg.DefaultMemoryMB)
+		}
 	}
 	if req.CPU < 1 || req.CPU > a.cfg.MaxCPU {
 		return nil, invalid("cpu must be between 1 and %d", a.cfg.MaxCPU)
@@ -369,4 +374,26 @@ func (a *API) create(ctx context.Context, p *Principal, req *api.CreateSandboxRe
 		return nil, nil, nil, err
 	}
 	return sb, op, resp, nil
+}
+
+// templateDefaults returns the cpu and memory a template's release asks for (0 if none).
+func (a *API) templateDefaults(ctx context.Context, ref api.TemplateRef) (int, int) {
+	digest := ref.Digest
+	if digest == "" {
+		d, err := a.st.ResolveTag(ctx, ref.Name, ref.Tag)
+		if err != nil || d == "" {
+			return 0, 0
+		}
+		digest = d
+	}
+	rel, err := a.st.GetRelease(ctx, digest)
+	if err != nil {
+		return 0, 0
+	}
+	var cfg struct {
+		CPU      int `json:"cpu"`
+		MemoryMB int `json:"memory_mb"`
+	}
+	_ = json.Unmarshal(rel.Config, &cfg)
+	return cfg.CPU, cfg.MemoryMB
 }

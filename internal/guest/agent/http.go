@@ -118,6 +118,7 @@ func (a *Agent) routes() http.Handler {
 	mux.HandleFunc("POST /v1/files/move", a.handle(a.handleMove))
 	mux.HandleFunc("DELETE /v1/files", a.handle(a.handleRemove))
 	mux.HandleFunc("GET /v1/files/watch", a.handle(a.handleWatch))
+	a.registerEnvd(mux) // E2B's envd under /envd (envd.go)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/health" {
 			a.touch()

@@ -583,7 +583,7 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	if filepath.Clean(rec.StateDir) != filepath.Clean(spec.StateDir) {
 		return fmt.Errorf("qemu adopt %s: runs from %s, not %s", spec.ID, rec.StateDir, spec.StateDir)
 	}
-	if rec.PID != pid {
+	if _, rerr := r.readRecord(spec.ID); rerr != nil || rec.PID != pid {
 		pi, err := readProc(pid)
 		if err != nil {
 			return fmt.Errorf("qemu adopt %s: %w", spec.ID, err)

@@ -1,0 +1,160 @@
+// Package e2b owns space's E2B-compatible gateway: the listener (--e2b-listen) that
+// unmodified E2B SDKs talk to. It serves E2B's control-plane REST API (v1 and v2
+// sandbox endpoints) on top of the API's operations (server.API's facade), and routes
+// envd traffic — requests carrying E2b-Sandbox-Id / E2b-Sandbox-Port headers, or for
+// a <port>-<sandbox id>.<domain> host — to the sandbox's agent, which implements envd
+// (internal/guest/agent). The wire details it must match are in
+// ../shared/research/e2b-protocol.md; the user-facing guide is docs/e2b.md.
+//
+// Mapping: an E2B pause is a space suspend, resume/connect is a wake; E2B's timeout
+// is the sandbox's expiry (deleted at endAt, or suspended when created with
+// autoPause). The envd access token of a sandbox is an HMAC of its id, so it is the
+// same for every replica, across pause/resume, and can be returned again.
+package e2b
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/store"
+)
+
+// Platform is what the gateway needs from space's API (implemented by *server.API).
+type Platform interface {
+	AuthenticateKey(ctx context.Context, secret, kind string) (*server.Principal, error)
+	Create(ctx context.Context, p *server.Principal, req api.CreateSandboxRequest) (*store.Sandbox, *store.Operation, error)
+	Sandbox(ctx context.Context, p *server.Principal, id string) (*store.Sandbox, error)
+	Verb(ctx context.Context, p *server.Principal, id, kind, reason string) (*store.Operation, error)
+	Delete(ctx context.Context, p *server.Principal, id string) (*store.Operation, error)
+	Wait(ctx context.Context, opID string) (*store.Operation, error)
+	Wake(ctx context.Context, p *server.Principal, sb *store.Sandbox) (*store.Sandbox, error)
+	ProxyToAgent(w http.ResponseWriter, r *http.Request, sb *store.Sandbox, agentPath string, query url.Values) error
+	AgentCall(ctx context.Context, sb *store.Sandbox, method, path string, in, out any) error
+	SetExpiry(ctx context.Context, sb *store.Sandbox, at *time.Time, action string) error
+	StatusOf(err error) int
+}
+
+var (
+	_ Platform = (*server.API)(nil)
+	_ Store    = (*store.Store)(nil)
+)
+
+// Store is what the gateway reads directly: sandbox and template listings, and its
+// token key.
+type Store interface {
+	ListSandboxes(ctx context.Context, f store.SandboxFilter) ([]*store.Sandbox, error)
+	ListReleases(ctx context.Context) ([]*store.Release, error)
+	SigningKey(ctx context.Context, id string) ([]byte, error)
+}
+
+// Config configures the gateway.
+type Config struct {
+	API    Platform
+	Store  Store
+	Logger *slog.Logger
+	// Domain is the sandbox domain returned to SDKs (they build <port>-<id>.<domain>
+	// host names from it). Empty derives it from the request's Host: "api.<domain>"
+	// gives <domain>, localhost or an IP address itself.
+	Domain string
+	// MaxTimeout caps sandbox timeouts (default 24 h).
+	MaxTimeout time.Duration
+	// BuiltinTemplates are listed although they may not be built yet (base).
+	BuiltinTemplates []string
+}
+
+// Gateway is the E2B-compatible HTTP front end.
+type Gateway struct {
+	cfg      Config
+	api      Platform
+	st       Store
+	log      *slog.Logger
+	tokenKey []byte
+	// envdCaller is the principal envd requests act as once their access token is
+	// verified (the token names one sandbox; tenants do not apply).
+	envdCaller *server.Principal
+	handler    http.Handler
+}
+
+// tokenKeyID is the signing key the envd access tokens derive from.
+const tokenKeyID = "e2b-envd-v1"
+
+// New returns the gateway; it reads (or creates) its token key in the store.
+func New(ctx context.Context, cfg Config) (*Gateway, error) {
+	if cfg.API == nil || cfg.Store == nil {
+		return nil, errors.New("e2b: Config.API and Config.Store are required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.MaxTimeout <= 0 {
+		cfg.MaxTimeout = 24 * time.Hour
+	}
+	key, err := cfg.Store.SigningKey(ctx, tokenKeyID)
+	if err != nil {
+		return nil, fmt.Errorf("e2b: token key: %w", err)
+	}
+	g := &Gateway{cfg: cfg, api: cfg.API, st: cfg.Store, log: cfg.Logger, tokenKey: key,
+		envdCaller: &server.Principal{KeyID: "e2b-envd", Admin: true}}
+	g.handler = g.routes()
+	return g, nil
+}
+
+// ServeHTTP sends sandbox (envd) traffic to the sandbox plane and everything else to
+// the control plane.
+func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	id, port, isSandbox, err := route(r)
+	switch {
+	case err != nil:
+		writeError(w, http.StatusBadRequest, err.Error())
+	case isSandbox:
+		g.serveSandbox(w, r, id, port)
+	default:
+		g.handler.ServeHTTP(w, r)
+	}
+}
+
+// Serve serves ln until ctx ends, then shuts down (giving open streams 5 s).
+func (g *Gateway) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           g,
+		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    64 << 10,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ErrorLog:          slog.NewLogLogger(g.log.Handler(), slog.LevelDebug),
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(sctx); err != nil {
+			_ = srv.Close()
+		}
+	}()
+	g.log.Info("E2B-compatible API serving", "listen", ln.Addr().String())
+	err := srv.Serve(ln)
+	if errors.Is(err, http.ErrServerClosed) {
+		<-done
+		return nil
+	}
+	return err
+}
+
+// accessToken is the envd access token of a sandbox.
+func (g *Gateway) accessToken(id string) string {
+	m := hmac.New(sha256.New, g.tokenKey)
+	m.Write([]byte("envd-access-token\x00" + id))
+	return hex.EncodeToString(m.Sum(nil))
+}

@@ -1,0 +1,237 @@
+package e2b
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/envdpb"
+	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/store"
+)
+
+// The sandbox plane: envd requests of the SDKs, relayed to the sandbox's agent.
+
+var (
+	// hostRe matches E2B's sandbox host names, <port>-<sandbox id>.<domain>.
+	hostRe = regexp.MustCompile(`^([0-9]{1,5})-([a-z0-9]+)\.`)
+	// envdPathRe is the set of envd paths relayed to the agent; nothing else of the
+	// agent's API is reachable this way.
+	envdPathRe = regexp.MustCompile(`^/(health|files|envs|metrics|process\.Process/[A-Za-z]+|filesystem\.Filesystem/[A-Za-z]+)$`)
+)
+
+// route decides whether r is sandbox traffic and for which sandbox and port: by
+// host name <port>-<id>.<domain>, else by the E2b-Sandbox-Id and E2b-Sandbox-Port
+// headers (which must come together).
+func route(r *http.Request) (id string, port int, ok bool, err error) {
+	host := r.Host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	if m := hostRe.FindStringSubmatch(strings.ToLower(host)); m != nil {
+		port, _ = strconv.Atoi(m[1])
+		return m[2], port, true, nil
+	}
+	hid, hport := r.Header.Get("E2b-Sandbox-Id"), r.Header.Get("E2b-Sandbox-Port")
+	if hid == "" && hport == "" {
+		return "", 0, false, nil
+	}
+	if hid == "" || hport == "" {
+		return "", 0, false, errors.New("sandbox requests need both E2b-Sandbox-Id and E2b-Sandbox-Port")
+	}
+	port, err = strconv.Atoi(hport)
+	if err != nil || port < 1 || port > 65535 {
+		return "", 0, false, fmt.Errorf("invalid E2b-Sandbox-Port %q", hport)
+	}
+	return hid, port, true, nil
+}
+
+// notFound502 is E2B's answer for a sandbox that is unknown, paused or not reachable:
+// the SDKs read a 502 as "the sandbox is not running" (isRunning() false, timeout
+// errors).
+func notFound502(w http.ResponseWriter, id string) {
+	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox was not found", "code": http.StatusBadGateway})
+}
+
+// validSignature checks a signed /files URL: v1_ + base64(sha256(path:op:user:token
+// [:expiration])) without padding, not expired.
+func validSignature(r *http.Request, token string, now time.Time) bool {
+	q := r.URL.Query()
+	sig := q.Get("signature")
+	if sig == "" {
+		return false
+	}
+	op := "write"
+	if r.Method == http.MethodGet {
+		op = "read"
+	}
+	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token
+	if exp := q.Get("signature_expiration"); exp != "" {
+		n, err := strconv.ParseInt(exp, 10, 64)
+		if err != nil || now.Unix() > n {
+			return false
+		}
+		raw += ":" + exp
+	}
+	sum := sha256.Sum256([]byte(raw))
+	want := "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
+	return subtle.ConstantTimeCompare([]byte(sig), []byte(want)) == 1
+}
+
+// authorize checks envd's access rules: the access token on everything but GET
+// /health and /files; /files takes the token or a valid signature.
+func (g *Gateway) authorize(r *http.Request, id string) bool {
+	token := g.accessToken(id)
+	got := r.Header.Get("X-Access-Token")
+	match := subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1
+	switch {
+	case r.URL.Path == "/health" && r.Method == http.MethodGet:
+		return true
+	case r.URL.Path == "/files" && got == "":
+		return validSignature(r, token, time.Now())
+	}
+	return match
+}
+
+// serveSandbox relays one envd request to the sandbox's agent.
+func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string, port int) {
+	ctx := r.Context()
+	if !ids.ValidSandbox(id) {
+		notFound502(w, id)
+		return
+	}
+	if port != envdpb.Port {
+		if sb, err := g.runningSandbox(ctx, id); err == nil && sb != nil {
+			writeJSON(w, http.StatusBadGateway, map[string]any{"message": "The sandbox is running but port is not open",
+				"sandboxId": id, "port": port, "code": http.StatusBadGateway})
+			return
+		}
+		notFound502(w, id)
+		return
+	}
+	if r.URL.RawPath != "" || !envdPathRe.MatchString(r.URL.Path) {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no envd route for %s %s", r.Method, r.URL.Path))
+		return
+	}
+	if !g.authorize(r, id) {
+		writeError(w, http.StatusUnauthorized, "unauthorized access, please provide a valid access token or method signing if supported")
+		return
+	}
+	sb, err := g.runningSandbox(ctx, id)
+	if err != nil {
+		if ctx.Err() == nil {
+			g.log.Debug("envd request for a sandbox that is not running", "sandbox", id, "err", err)
+		}
+		notFound502(w, id)
+		return
+	}
+	// What the agent needs of the SDK's headers, under names the proxies leave alone;
+	// the access token stays here.
+	if a := r.Header.Get("Authorization"); a != "" {
+		r.Header.Set(envdpb.AuthHeader, a)
+	} else {
+		r.Header.Del(envdpb.AuthHeader)
+	}
+	ae := r.Header.Get("Accept-Encoding")
+	if ae == "" {
+		ae = "identity"
+	}
+	r.Header.Set(envdpb.AcceptEncodingHeader, ae)
+	r.Header.Set(envdpb.TunnelHeader, "1")
+	r.Header.Del(envdpb.StatusHeader)
+	r.Header.Del("X-Access-Token")
+	q := r.URL.Query()
+	q.Del("signature")
+	q.Del("signature_expiration")
+	uw := &untunnel{ResponseWriter: w}
+	if err := g.api.ProxyToAgent(uw, r, sb, envdpb.Prefix+r.URL.Path, q); err != nil {
+		if uw.wrote {
+			g.log.Debug("envd relay ended", "sandbox", id, "err", err)
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		g.log.Warn("envd relay failed", "sandbox", id, "path", r.URL.Path, "err", err)
+		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox is not reachable: " + err.Error(),
+			"code": http.StatusBadGateway})
+	}
+}
+
+// runningSandbox returns the sandbox once it runs: one being started or resumed is
+// waited for; a paused one is resumed only when it was created with autoResume.
+func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox, error) {
+	sb, err := g.live(ctx, g.envdCaller, id)
+	if err != nil {
+		return nil, err
+	}
+	if sb.State == api.StateRunning && sb.DesiredState == api.StateRunning {
+		return sb, nil
+	}
+	if sb.State == api.StateFailed {
+		return nil, fault.New(fault.Conflict, "sandbox %s failed", id)
+	}
+	if paused(sb) {
+		secs, err := strconv.Atoi(sb.Metadata[autoResumeKey])
+		if err != nil || secs <= 0 {
+			return nil, fault.New(fault.Conflict, "sandbox %s is paused", id)
+		}
+		g.log.Info("auto-resuming sandbox for an envd request", "sandbox", id)
+		return g.wake(ctx, g.envdCaller, sb, secs, "")
+	}
+	woken, err := g.api.Wake(ctx, g.envdCaller, sb) // starting or resuming: wait
+	if err != nil {
+		return nil, err
+	}
+	if woken.State != api.StateRunning {
+		return nil, fault.New(fault.Conflict, "sandbox %s is %s", id, woken.State)
+	}
+	return woken, nil
+}
+
+// untunnel restores the status the agent tunneled in envdpb.StatusHeader.
+type untunnel struct {
+	http.ResponseWriter
+	wrote bool
+}
+
+func (u *untunnel) WriteHeader(code int) {
+	if u.wrote {
+		return
+	}
+	u.wrote = true
+	if s := u.Header().Get(envdpb.StatusHeader); s != "" {
+		u.Header().Del(envdpb.StatusHeader)
+		if n, err := strconv.Atoi(s); err == nil && n >= 200 && n <= 599 {
+			code = n
+		}
+	}
+	u.ResponseWriter.WriteHeader(code)
+}
+
+func (u *untunnel) Write(b []byte) (int, error) {
+	if !u.wrote {
+		u.WriteHeader(http.StatusOK)
+	}
+	return u.ResponseWriter.Write(b)
+}
+
+func (u *untunnel) Flush() {
+	if !u.wrote {
+		u.WriteHeader(http.StatusOK)
+	}
+	_ = http.NewResponseController(u.ResponseWriter).Flush()
+}
+
+func (u *untunnel) Unwrap() http.ResponseWriter { return u.ResponseWriter }
