@@ -474,9 +474,14 @@ func (n *Node) ensureRunning(ctx context.Context, sb *store.Sandbox) {
 	if ctx.Err() != nil {
 		return
 	}
-	n.log.Warn("sandbox instance is gone; booting it again from its disk", "sandbox", sb.ID, "status", st, "err", err)
 	n.dropAgent(sb.ID)
 	_ = n.rt.Destroy(ctx, sb.ID)
+	// A crash between checkpointing a clone source and restoring it leaves its memory in
+	// the clone batch: restore from there rather than lose it.
+	if n.restoreFromCloneBatch(ctx, sb) {
+		return
+	}
+	n.log.Warn("sandbox instance is gone; booting it again from its disk", "sandbox", sb.ID, "status", st, "err", err)
 	root, err := n.diskPath(sb.ID)
 	if err == nil {
 		if _, statErr := os.Stat(root); statErr != nil {

@@ -276,3 +276,34 @@ func (n *Node) createClone(ctx context.Context, sb *store.Sandbox) {
 	n.log.Info("clone running", "sandbox", sb.ID, "source", sb.CloneOf)
 	n.measureDisk(ctx, sb.ID)
 }
+
+// restoreFromCloneBatch restores a running sandbox whose instance vanished from a
+// complete checkpoint left in one of its clone batches. It reports whether it did.
+func (n *Node) restoreFromCloneBatch(ctx context.Context, sb *store.Sandbox) bool {
+	snap, err := n.snapshotter()
+	if err != nil {
+		return false
+	}
+	dir, err := n.disk.SandboxDir(sb.ID)
+	if err != nil {
+		return false
+	}
+	batches, _ := filepath.Glob(filepath.Join(dir, "clones", "*", "checkpoint"))
+	root, err := n.diskPath(sb.ID)
+	if err != nil {
+		return false
+	}
+	for _, cp := range batches {
+		if !n.disk.IsComplete(cp) {
+			continue
+		}
+		if err := n.restoreFrom(ctx, snap, sb, cp, root); err != nil {
+			n.log.Warn("restore from clone checkpoint failed", "sandbox", sb.ID, "err", err)
+			continue
+		}
+		n.log.Info("restored sandbox from its clone checkpoint after a crash", "sandbox", sb.ID)
+		_ = n.disk.RemoveAll(ctx, filepath.Dir(cp))
+		return true
+	}
+	return false
+}
