@@ -133,7 +133,7 @@ func suspendWake(ctx context.Context, cfg *Config) ([]Result, error) {
 			done()
 			return nil, fmt.Errorf("touch memory: %d %v", code, err)
 		}
-		runs := min(cfg.Runs, 10)
+		runs := cfg.Runs
 		var sus, wake []float64
 		for i := 0; i < runs; i++ {
 			start := time.Now()
@@ -167,7 +167,10 @@ func clones(ctx context.Context, cfg *Config) ([]Result, error) {
 	defer done()
 	var out []Result
 	for _, n := range []int{1, 10} {
-		runs := min(cfg.Runs, 5)
+		runs := cfg.Runs
+		if n > 1 {
+			runs = max(1, cfg.Runs/4)
+		}
 		var xs, bytes []float64
 		for i := 0; i < runs; i++ {
 			start := time.Now()

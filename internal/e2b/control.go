@@ -29,6 +29,9 @@ const (
 	defaultTemplate  = "base"
 	maxListLimit     = 100
 	maxJSONBodyBytes = 1 << 20
+	// createAllowance is added to the timeout while a sandbox is being created (the
+	// clock starts once it runs).
+	createAllowance = 10 * time.Minute
 	// autoResumeKey marks, in the sandbox's metadata, a sandbox created with E2B's
 	// autoResume; its value is the timeout (seconds) a resumed sandbox gets. Keys
 	// under metadataPrefix are hidden from E2B clients.
@@ -393,15 +396,15 @@ func (g *Gateway) create(v2 bool) apiHandler {
 		ctx := r.Context()
 		sb, op, err := g.api.Create(ctx, p, api.CreateSandboxRequest{
 			Template: tmpl, Env: body.EnvVars, Metadata: md,
-			// The expiry is set again once the sandbox runs; the TTL covers a client
-			// that gives up waiting.
-			TTL:         (time.Duration(timeout) * time.Second).String(),
+			// The expiry is set again once the sandbox runs; meanwhile the TTL leaves
+			// time to start and still covers a client that gives up waiting.
+			TTL:         (time.Duration(timeout)*time.Second + createAllowance).String(),
 			IdleTimeout: "0", // E2B's timeout is the only clock
 		})
 		if err != nil {
 			return err
 		}
-		exp := time.Now().Add(time.Duration(timeout) * time.Second)
+		exp := time.Now().Add(time.Duration(timeout)*time.Second + createAllowance)
 		if err := g.api.SetExpiry(ctx, sb, &exp, action); err != nil {
 			return err
 		}
@@ -532,6 +535,9 @@ func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *server.Princi
 	if err != nil {
 		return err
 	}
+	if sb, err = g.settle(ctx, p, sb); err != nil {
+		return err
+	}
 	if paused(sb) {
 		return fault.New(fault.Conflict, "sandbox %s is already paused", sb.ID)
 	}
@@ -552,9 +558,38 @@ func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *server.Princi
 	return nil
 }
 
+// settleTimeout bounds how long a request waits for a transition in flight (a pause
+// the timeout started, a resume) before acting on the sandbox.
+const settleTimeout = 2 * time.Minute
+
+// settle waits until the node has acted on the sandbox's latest intent, so that a
+// pause or resume does not collide with one in flight.
+func (g *Gateway) settle(ctx context.Context, p *server.Principal, sb *store.Sandbox) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	for sb.ObservedGeneration < sb.Generation {
+		select {
+		case <-ctx.Done():
+			return nil, fault.New(fault.Unavailable, "sandbox %s is still %s; try again", sb.ID, sb.State)
+		case <-t.C:
+		}
+		var err error
+		if sb, err = g.live(ctx, p, sb.ID); err != nil {
+			return nil, err
+		}
+	}
+	return sb, nil
+}
+
 // wake resumes a paused sandbox (or waits for one being started) and gives it a new
 // timeout.
 func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandbox, secs int, action string) (*store.Sandbox, error) {
+	sb, err := g.settle(ctx, p, sb)
+	if err != nil {
+		return nil, err
+	}
 	woken, err := g.api.Wake(ctx, p, sb)
 	if err != nil {
 		return nil, err

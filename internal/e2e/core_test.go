@@ -169,6 +169,13 @@ func TestBadInput(t *testing.T) {
 	if err != nil || len(list) != 0 {
 		t.Fatalf("bad requests created sandboxes: %v %v", list, err)
 	}
+	// Huge headers are refused before any handler runs.
+	req0, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes", nil)
+	req0.Header.Set("Authorization", "Bearer "+s.Key)
+	req0.Header.Set("X-Filler", strings.Repeat("x", 200<<10))
+	if resp, err := http.DefaultClient.Do(req0); err != nil || resp.StatusCode != http.StatusRequestHeaderFieldsTooLarge {
+		t.Fatalf("huge header: %v %v", resp, err)
+	}
 	// X-API-Key works as well as Authorization.
 	req, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes", nil)
 	req.Header.Set("X-API-Key", s.Key)

@@ -21,7 +21,7 @@ const sandboxUrl = process.env.E2B_SANDBOX_URL
 async function waitFor (what, cond, ms = 30000) {
   const deadline = Date.now() + ms
   for (;;) {
-    const v = await cond()
+    const v = await Promise.resolve().then(cond).catch(() => false)
     if (v) return v
     if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`)
     await new Promise((resolve) => setTimeout(resolve, 50))

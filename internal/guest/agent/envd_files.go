@@ -250,8 +250,8 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// writeUpload replaces the file at path with body (atomically, keeping the mode of an
-// existing file, 0644 otherwise), owned by acct, creating missing parents.
+// writeUpload writes body to the file at path (keeping the mode of an existing file,
+// 0644 otherwise), owned by acct, creating missing parents.
 func (e *envd) writeUpload(path string, body io.Reader, acct account, md map[string]string) error {
 	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() == fs.ModeSymlink {
 		if target, err := filepath.EvalSymlinks(path); err == nil {
@@ -268,8 +268,22 @@ func (e *envd) writeUpload(path string, body io.Reader, acct account, md map[str
 	if err := ensureDirs(filepath.Dir(path), acct); err != nil {
 		return err
 	}
-	if err := replaceFile(path, body, mode, acct); err != nil {
+	// Written in place, as envd does: a watcher of the directory sees the file's own
+	// create and write events, not a temporary file renamed over it.
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := chownTo(path, acct); err != nil {
+		f.Close()
 		return err
+	}
+	_, err = io.CopyBuffer(writerOnly{f}, body, make([]byte, copyBuf))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
 	}
 	if len(md) > 0 {
 		if err := writeMetadata(path, md); err != nil {
