@@ -34,4 +34,11 @@ if ! command -v go >/dev/null; then
   echo "setup.sh: Go 1.26 or newer is required (install it to /usr/local/go)" >&2
   exit 1
 fi
+# The real E2B JS SDKs the E2B compatibility tests drive (internal/e2e/e2bsdk),
+# pinned by its lockfile. Without Node.js those tests skip.
+if command -v npm >/dev/null; then
+  (cd "$(dirname "$0")/../internal/e2e/e2bsdk" && npm ci --no-audit --no-fund --loglevel=error)
+else
+  echo "setup.sh: npm not found: the E2B SDK tests will be skipped (install Node.js 20+)" >&2
+fi
 echo "setup.sh: ready ($(go version | cut -d' ' -f3), $(runsc --version 2>/dev/null | head -1))"

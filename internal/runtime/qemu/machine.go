@@ -61,7 +61,7 @@ const maxCmdline = 2000
 // kernelCmdline is the guest kernel's command line: console on the virtio console,
 // quiet (console output is slow under TCG), no reboot (a dead agent ends the VM) and
 // the agent's environment (see package vmboot).
-func kernelCmdline(agentEnv map[string]string) (string, error) {
+func kernelCmdline(agentEnv map[string]string, tscKHz int64) (string, error) {
 	env := map[string]string{}
 	for k, v := range agentEnv {
 		env[k] = v
@@ -71,15 +71,19 @@ func kernelCmdline(agentEnv map[string]string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	s := strings.Join([]string{
+	args := []string{
 		"console=hvc0", vmboot.VMFlag, "quiet", "panic=-1", "reboot=t",
 		// No PS/2 controller or PCI bus to probe on microvm; QEMU's TSC is stable
 		// (under TCG the watchdog would otherwise demote it to jiffies); no crypto
 		// self-tests, no audit: each saves boot time under TCG.
 		"i8042.noaux", "i8042.nomux", "i8042.nopnp", "pci=off",
-		"tsc=reliable", "no_timer_check", "cryptomgr.notests", "audit=0",
-		envArg,
-	}, " ")
+		"tsc=reliable", "cryptomgr.notests", "audit=0",
+	}
+	if tscKHz > 0 {
+		// See hostTSCkHz: without it a TCG guest hangs now and then at boot.
+		args = append(args, "tsc_early_khz="+strconv.FormatInt(tscKHz, 10))
+	}
+	s := strings.Join(append(args, envArg), " ")
 	if len(s) > maxCmdline {
 		return "", fmt.Errorf("kernel command line too long (%d bytes): agent environment too large", len(s))
 	}

@@ -92,6 +92,7 @@ type Runtime struct {
 	version     string   // QEMU's version
 	modules     []string // module files for the initramfs, in load order
 	rootKey     string   // short hash of RootDir, part of every process name
+	tscKHz      int64    // the host's TSC frequency, given to TCG guests (0: unknown)
 
 	buildMu sync.Mutex // initramfs builds
 	hashMu  sync.Mutex
@@ -173,7 +174,12 @@ func New(cfg Config) (*Runtime, error) {
 		return nil, fmt.Errorf("qemu: create root dir: %w", err)
 	}
 	key := sha256.Sum256([]byte(cfg.RootDir))
+	var tscKHz int64
+	if accel == AccelTCG {
+		tscKHz = hostTSCkHz()
+	}
 	r := &Runtime{
+		tscKHz:      tscKHz,
 		cfg:         cfg,
 		log:         logger.With("runtime", "qemu"),
 		accel:       accel,
@@ -184,7 +190,7 @@ func New(cfg Config) (*Runtime, error) {
 		hashes:      map[string]string{},
 		insts:       map[string]*instance{},
 	}
-	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version)
+	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version, "tsc_khz", tscKHz)
 	return r, nil
 }
 
@@ -292,7 +298,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}
-	cmdline, err := kernelCmdline(spec.AgentEnv)
+	cmdline, err := kernelCmdline(spec.AgentEnv, r.tscKHz)
 	if err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}

@@ -37,7 +37,7 @@ func testLogger(t *testing.T) *slog.Logger {
 // inherited descriptor, so two instances (or a checkpoint and its restore) differ only in
 // their -name.
 func TestArgsGolden(t *testing.T) {
-	cmdline, err := kernelCmdline(map[string]string{"SPACE_AGENT_LOG_LEVEL": "debug"})
+	cmdline, err := kernelCmdline(map[string]string{"SPACE_AGENT_LOG_LEVEL": "debug"}, 2596150)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +75,7 @@ func TestArgsGolden(t *testing.T) {
 }
 
 func TestKernelCmdlineLimit(t *testing.T) {
-	if _, err := kernelCmdline(map[string]string{"BIG": strings.Repeat("x", 3000)}); err == nil {
+	if _, err := kernelCmdline(map[string]string{"BIG": strings.Repeat("x", 3000)}, 0); err == nil {
 		t.Error("a 3000-byte environment fits on the kernel command line")
 	}
 }
@@ -168,6 +168,17 @@ func TestDefaultKernelOrder(t *testing.T) {
 	slices.SortFunc(in, func(a, b string) int { return compareVersions(b, a) })
 	if in[0] != "vmlinuz-6.1.0-10-cloud-amd64" || in[2] != "vmlinuz-5.10.0-28-cloud-amd64" {
 		t.Errorf("newest first: %v", in)
+	}
+}
+
+func TestHostTSC(t *testing.T) {
+	khz := hostTSCkHz()
+	t.Logf("host TSC %d kHz", khz)
+	if khz < 100_000 || khz > 10_000_000 {
+		t.Errorf("host TSC frequency %d kHz is implausible", khz)
+	}
+	if again := hostTSCkHz(); again < khz*999/1000 || again > khz*1001/1000 {
+		t.Errorf("measurements disagree by more than 0.1%%: %d and %d kHz", khz, again)
 	}
 }
 

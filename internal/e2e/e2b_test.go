@@ -1,0 +1,208 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/client"
+)
+
+// e2bSDKDir holds the Node.js scripts that drive the real E2B JS SDK
+// (internal/e2e/e2bsdk, installed by scripts/setup.sh with npm ci).
+func e2bSDKDir(t *testing.T) string {
+	t.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	dir := filepath.Join(filepath.Dir(file), "e2bsdk")
+	if _, err := exec.LookPath("node"); err != nil {
+		t.Skip("needs node (Node.js 20+) for the E2B SDK tests")
+	}
+	for _, pkg := range []string{"e2b", "e2b-old"} {
+		if _, err := os.Stat(filepath.Join(dir, "node_modules", pkg, "package.json")); err != nil {
+			t.Skipf("E2B SDK %s not installed: run `npm ci` in %s (scripts/setup.sh does)", pkg, dir)
+		}
+	}
+	return dir
+}
+
+// e2bServer starts space serve with the E2B listener and makes an E2B key.
+func e2bServer(t *testing.T) (s *srv, e2bURL, key string) {
+	addr := freeAddr(t)
+	s = start(t, options{args: []string{"--e2b-listen", addr}})
+	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
+	if code != 0 {
+		t.Fatalf("apikey create --e2b: %s", errOut)
+	}
+	return s, "http://" + addr, strings.TrimSpace(out)
+}
+
+// TestE2BSDK runs the unmodified E2B JS SDK's scenarios (suite.mjs) against space: the
+// current SDK (v2 create/connect endpoints) and an older 2.x (v1 endpoints).
+func TestE2BSDK(t *testing.T) {
+	dir := e2bSDKDir(t)
+	s, url, key := e2bServer(t)
+	for _, sdk := range []string{"e2b", "e2b-old"} {
+		t.Run(sdk, func(t *testing.T) {
+			cmd := exec.CommandContext(ctx(t, 4*time.Minute), "node", "--test", "--test-reporter=spec", "suite.mjs")
+			cmd.Dir = dir
+			cmd.Env = append(os.Environ(), "E2B_SDK="+sdk, "E2B_API_KEY="+key, "E2B_API_URL="+url, "E2B_SANDBOX_URL="+url,
+				"E2B_DOMAIN=", "E2B_DEBUG=")
+			var out bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			start := time.Now()
+			err := cmd.Run()
+			t.Logf("%s suite took %s", sdk, time.Since(start).Round(time.Millisecond))
+			if err != nil {
+				t.Fatalf("E2B SDK suite (%s) failed: %v\n%s", sdk, err, out.String())
+			}
+			if testing.Verbose() {
+				t.Log(out.String())
+			}
+		})
+	}
+	if t.Failed() {
+		return
+	}
+	// Everything the suites created is gone (killed, or expired) except what the
+	// lifecycle tests left paused… which they kill too.
+	waitFor(t, time.Minute, "the suites' sandboxes to be deleted", func() bool {
+		list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
+		return err == nil && len(list) == 0
+	})
+}
+
+// TestE2BWire checks what the SDK suites cannot see: status codes, error bodies and
+// routing rules of the E2B listener, with plain HTTP.
+func TestE2BWire(t *testing.T) {
+	_, url, key := e2bServer(t)
+	do := func(method, path string, body any, hdr map[string]string) (int, map[string]any, http.Header) {
+		t.Helper()
+		var rd io.Reader
+		if body != nil {
+			b, _ := json.Marshal(body)
+			rd = bytes.NewReader(b)
+		}
+		req, err := http.NewRequest(method, url+path, rd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("X-API-KEY", key)
+		for k, v := range hdr {
+			if v == "" {
+				req.Header.Del(k)
+			} else {
+				req.Header.Set(k, v)
+			}
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		var m map[string]any
+		_ = json.Unmarshal(b, &m)
+		return resp.StatusCode, m, resp.Header
+	}
+	wantError := func(what string, status int, gotStatus int, m map[string]any) {
+		t.Helper()
+		if gotStatus != status || m["code"] != float64(status) || m["message"] == "" {
+			t.Errorf("%s: %d %v, want %d with an E2B error body", what, gotStatus, m, status)
+		}
+	}
+
+	code, m, _ := do("GET", "/v2/sandboxes", nil, map[string]string{"X-API-KEY": "e2b_" + strings.Repeat("0", 40)})
+	wantError("bad key", 401, code, m)
+	code, m, _ = do("GET", "/sandboxes/nosuchsandbox00000000", nil, nil)
+	wantError("unknown sandbox", 404, code, m)
+	code, m, _ = do("POST", "/v2/sandboxes", map[string]any{"templateID": "base", "timeout": -1}, nil)
+	wantError("negative timeout", 400, code, m)
+	code, m, _ = do("POST", "/v2/sandboxes", map[string]any{"templateID": "base", "timeout": 100 * 3600}, nil)
+	wantError("timeout over the cap", 400, code, m)
+
+	// v1 create (Python and older JS), with the space key form the E2B CLI sends.
+	code, sb, _ := do("POST", "/sandboxes", map[string]any{"templateID": "base", "timeout": 300, "metadata": map[string]string{"k": "v"},
+		"secure": true, "allow_internet_access": true}, map[string]string{"X-API-KEY": "", "Authorization": "Bearer " + key})
+	if code != 201 {
+		t.Fatalf("v1 create: %d %v", code, sb)
+	}
+	for _, f := range []string{"sandboxID", "templateID", "clientID", "envdVersion", "envdAccessToken", "domain"} {
+		if v, _ := sb[f].(string); v == "" {
+			t.Errorf("create answer lacks %s: %v", f, sb)
+		}
+	}
+	id, token := sb["sandboxID"].(string), sb["envdAccessToken"].(string)
+	code, detail, _ := do("GET", "/sandboxes/"+id, nil, nil)
+	if code != 200 || detail["envdAccessToken"] != token || detail["state"] != "running" {
+		t.Errorf("get: %d %v", code, detail)
+	}
+	for _, f := range []string{"startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB", "clientID", "envdVersion"} {
+		if _, ok := detail[f]; !ok {
+			t.Errorf("detail lacks %s", f)
+		}
+	}
+	code, _, hdr := do("GET", "/v2/sandboxes?state=running&metadata=k%3Dv", nil, nil)
+	if code != 200 || hdr.Get("X-Total-Running") != "1" {
+		t.Errorf("list: %d %v", code, hdr)
+	}
+	code, m, _ = do("POST", "/v2/sandboxes/"+id+"/connect", map[string]any{}, nil)
+	if code != 200 || m["envdAccessToken"] != token {
+		t.Errorf("connect running: %d %v", code, m)
+	}
+	code, m, _ = do("POST", "/sandboxes/"+id+"/resume", map[string]any{}, nil)
+	wantError("resume a running sandbox", 409, code, m)
+
+	// The sandbox plane: header routing, access token, 502 for what is not there.
+	envd := map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "49983", "X-API-KEY": ""}
+	if code, _, _ := do("GET", "/health", nil, envd); code != 204 {
+		t.Errorf("envd health: %d", code)
+	}
+	code, m, _ = do("GET", "/envs", nil, envd)
+	wantError("envd without access token", 401, code, m)
+	envd["X-Access-Token"] = token
+	if code, _, _ := do("GET", "/envs", nil, envd); code != 200 {
+		t.Errorf("envd envs: %d", code)
+	}
+	code, m, _ = do("GET", "/files?path=/nope", nil, envd)
+	wantError("envd missing file", 404, code, m)
+	code, m, _ = do("GET", "/v1/processes", nil, envd)
+	wantError("agent path through envd", 404, code, m)
+	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "8080"})
+	if code != 502 || m["message"] != "The sandbox is running but port is not open" {
+		t.Errorf("closed port: %d %v", code, m)
+	}
+	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": "nosuchsandbox00000000", "E2b-Sandbox-Port": "49983"})
+	if code != 502 || m["code"] != float64(502) || m["sandboxId"] != "nosuchsandbox00000000" {
+		t.Errorf("unknown sandbox on the envd plane: %d %v", code, m)
+	}
+	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id})
+	wantError("sandbox id without port", 400, code, m)
+	// Host routing: <port>-<id>.<domain>.
+	req, _ := http.NewRequest("GET", url+"/health", nil)
+	req.Host = "49983-" + id + ".sandbox.example"
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 204 {
+		t.Errorf("host-routed health: %d", resp.StatusCode)
+	}
+
+	if code, _, _ := do("DELETE", "/sandboxes/"+id, nil, nil); code != 204 {
+		t.Errorf("kill: %d", code)
+	}
+	code, m, _ = do("DELETE", "/sandboxes/"+id, nil, nil)
+	wantError("kill twice", 404, code, m)
+	if code, _, _ := do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "49983", "X-API-KEY": ""}); code != 502 {
+		t.Errorf("envd of a killed sandbox: %d", code)
+	}
+}
