@@ -17,6 +17,7 @@
 //
 //	space.vm=1            marks a space VM
 //	space.env=B64         base64url (unpadded) JSON object: the agent's environment
+//	                      (settings, not secrets: /proc/cmdline is world-readable)
 //	<mod>.<param>=V       passed to module <mod> when it is loaded (as modprobe does)
 //
 // The root disk is /dev/vda (ext4). In the new root the agent binary appears read-only

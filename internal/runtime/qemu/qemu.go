@@ -103,11 +103,13 @@ type Runtime struct {
 }
 
 // instance is the in-memory side of one instance: a lock serializing its lifecycle and
-// QMP use (QEMU serves one QMP client at a time), and its agent session.
+// QMP use (QEMU serves one QMP client at a time), and its agent session. It is dropped
+// from Runtime.insts when nobody uses it and it has no session.
 type instance struct {
 	lock chan struct{} // QMP and lifecycle
 	conn chan struct{} // agent session (re)connection
-	sess *agentSession
+	refs int           // holders of lock or conn, and waiters; guarded by Runtime.mu
+	sess *agentSession // guarded by Runtime.mu
 }
 
 var (
@@ -258,8 +260,9 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 	}, nil
 }
 
-// inst returns the in-memory side of instance id.
-func (r *Runtime) inst(id string) *instance {
+// acquire returns the in-memory side of instance id, counting the caller as a user
+// until release.
+func (r *Runtime) acquire(id string) *instance {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	in := r.insts[id]
@@ -267,18 +270,38 @@ func (r *Runtime) inst(id string) *instance {
 		in = &instance{lock: make(chan struct{}, 1), conn: make(chan struct{}, 1)}
 		r.insts[id] = in
 	}
+	in.refs++
 	return in
+}
+
+func (r *Runtime) release(id string, in *instance) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	in.refs--
+	if in.refs == 0 && in.sess == nil && r.insts[id] == in {
+		delete(r.insts, id)
+	}
+}
+
+// take takes one of the instance's locks (ch is in.lock or in.conn), waiting at most
+// until ctx is done.
+func (r *Runtime) take(ctx context.Context, id string, ch func(*instance) chan struct{}) (func(), error) {
+	in := r.acquire(id)
+	select {
+	case ch(in) <- struct{}{}:
+		return func() {
+			<-ch(in)
+			r.release(id, in)
+		}, nil
+	case <-ctx.Done():
+		r.release(id, in)
+		return nil, fmt.Errorf("instance %s busy: %w", id, ctx.Err())
+	}
 }
 
 // lock takes the instance's lifecycle lock, waiting at most until ctx is done.
 func (r *Runtime) lock(ctx context.Context, id string) (func(), error) {
-	in := r.inst(id)
-	select {
-	case in.lock <- struct{}{}:
-		return func() { <-in.lock }, nil
-	case <-ctx.Done():
-		return nil, fmt.Errorf("instance %s busy: %w", id, ctx.Err())
-	}
+	return r.take(ctx, id, func(in *instance) chan struct{} { return in.lock })
 }
 
 // Create starts a VM booting spec.RootFS (an ext4 image) with the agent. It returns once

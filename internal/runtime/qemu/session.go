@@ -20,14 +20,13 @@ type agentSession struct {
 // handshaking first if there is none or it died (the VM was restored, the agent
 // restarted, or this is a new Runtime after a node restart).
 func (r *Runtime) session(ctx context.Context, id string) (*agentSession, error) {
-	in := r.inst(id)
-	select {
-	case in.conn <- struct{}{}:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	unlock, err := r.take(ctx, id, func(in *instance) chan struct{} { return in.conn })
+	if err != nil {
+		return nil, err
 	}
-	defer func() { <-in.conn }()
+	defer unlock()
 	r.mu.Lock()
+	in := r.insts[id] // kept by take until unlock
 	s := in.sess
 	r.mu.Unlock()
 	if s != nil && !s.sess.IsClosed() {
@@ -69,6 +68,9 @@ func (r *Runtime) dropSession(id string, s *agentSession) {
 	}
 	old := in.sess
 	in.sess = nil
+	if in.refs == 0 {
+		delete(r.insts, id)
+	}
 	r.mu.Unlock()
 	old.sess.Close()
 }
