@@ -193,6 +193,10 @@ func (c *Controller) schedule(ctx context.Context) {
 		}
 		n, why := Pick(nodes, load, sb.Spec.Runtime)
 		if n == nil {
+			if sb.Spec.Runtime != "" && time.Since(sb.CreatedAt) > unplaceable {
+				c.failUnplaceable(ctx, sb, why)
+				continue
+			}
 			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "waiting for a node: "+why)
 			continue
 		}
@@ -287,4 +291,18 @@ func (c *Controller) purge(ctx context.Context) {
 	if err := c.st.PurgeIdempotency(ctx, time.Now().Add(-24*time.Hour)); err != nil {
 		c.log.Warn("purge idempotency keys", "err", err)
 	}
+}
+
+// unplaceable is how long a sandbox asking for a runtime no node offers waits before
+// its create fails.
+const unplaceable = time.Minute
+
+func (c *Controller) failUnplaceable(ctx context.Context, sb *store.Sandbox, why string) {
+	reason := "no node can run it: " + why
+	ok, err := c.st.FailUnassigned(ctx, sb.ID, sb.Generation, reason)
+	if err != nil || !ok {
+		return
+	}
+	_ = c.st.FinishSandboxOperations(ctx, sb.ID, sb.Generation, api.OpFailed, reason)
+	c.log.Warn("sandbox cannot be placed", "sandbox", sb.ID, "runtime", sb.Spec.Runtime, "why", why)
 }

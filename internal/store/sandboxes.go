@@ -532,3 +532,13 @@ func (s *Store) SetExpiry(ctx context.Context, id string, at *time.Time, action 
 	}
 	return nil
 }
+
+// FailUnassigned marks a sandbox that could not be placed on any node as failed.
+func (s *Store) FailUnassigned(ctx context.Context, id string, gen int64, reason string) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET state='failed', error=$3, observed_generation=$2, updated_at=now(),
+		status_changed_at=now() WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL AND state='pending'`, id, gen, reason)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
