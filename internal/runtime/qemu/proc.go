@@ -120,6 +120,15 @@ func (r *Runtime) orphanIDs() []string {
 	return ids
 }
 
+// threads counts the threads of a process. A thread group's leader turns zombie as soon
+// as it exits, while its other threads (QEMU's vCPU and I/O threads) may still be
+// exiting and holding the process's files (the disk image, the StateDir): the process is
+// only gone when they are.
+func threads(pid int) int {
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	return len(tasks)
+}
+
 // waitGone polls until pid is no longer a live process of this instance. After grace it
 // sends SIGKILL, then keeps polling until ctx ends.
 func waitGone(ctx context.Context, pid int, startTime uint64, grace time.Duration) error {
@@ -129,7 +138,7 @@ func waitGone(ctx context.Context, pid int, startTime uint64, grace time.Duratio
 	killed := false
 	for {
 		pi, err := readProc(pid)
-		if err != nil || !pi.live() || pi.startTime != startTime {
+		if err != nil || pi.startTime != startTime || (!pi.live() && threads(pid) <= 1) {
 			return nil
 		}
 		if !killed && time.Now().After(killAt) {

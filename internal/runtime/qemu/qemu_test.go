@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/template/templatetest"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -327,4 +328,38 @@ func regexpMatchLine(pattern, text string) bool {
 		}
 	}
 	return false
+}
+
+// TestDestroyReleasesDisk: once Destroy returns, no thread of QEMU holds the disk: the
+// file system it lives on unmounts at once (a thread group's leader is a zombie while
+// its vCPU thread may still be exiting with the process's files).
+func TestDestroyReleasesDisk(t *testing.T) {
+	rt, spec := needQEMU(t)
+	store := templatetest.Store(t)
+	ctx := context.Background()
+	for i := range 3 {
+		spec.ID = fmt.Sprintf("rel%d%d", i, time.Now().UnixNano())
+		spec.RootFS = filepath.Join(store.Root(), spec.ID+".ext4")
+		if err := os.WriteFile(spec.RootFS, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(spec.RootFS, 64<<20); err != nil {
+			t.Fatal(err)
+		}
+		if err := rt.Create(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		// Let the guest kernel run (its vCPU thread busy) before pulling the plug.
+		time.Sleep(300 * time.Millisecond)
+		if err := rt.Destroy(ctx, spec.ID); err != nil {
+			t.Fatal(err)
+		}
+		assertGone(t, rt, spec)
+		if err := os.Remove(spec.RootFS); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := store.Unmount(ctx); err != nil {
+		t.Fatalf("store busy after Destroy: %v", err)
+	}
 }
