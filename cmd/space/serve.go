@@ -29,6 +29,7 @@ import (
 	"github.com/spacedev/space/internal/pgmanaged"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/runtime/qemu"
 	"github.com/spacedev/space/internal/server"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/store"
@@ -60,6 +61,8 @@ type serveConfig struct {
 	agentReadyWait time.Duration
 	idleTimeout    time.Duration
 	baseSnapshots  bool
+	vmKernel       string
+	qemuAccel      string
 	e2bListen      string
 	e2bListenSet   bool
 	e2bDomain      string
@@ -104,7 +107,9 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
-	f.StringVar(&c.runtime, "runtime", "auto", "sandbox runtime: auto, gvisor (qemu and firecracker come with their runtimes)")
+	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
+	f.StringVar(&c.vmKernel, "vm-kernel", "", "guest kernel for VM runtimes (default: the newest Debian cloud kernel in /boot)")
+	f.StringVar(&c.qemuAccel, "qemu-accel", "auto", "qemu accelerator: auto (kvm when the CPU has vmx/svm and /dev/kvm works, else tcg), kvm or tcg")
 	f.StringVar(&c.advertiseURL, "advertise-url", "", "URL clients use to reach this node's data plane (default: http://<listen>)")
 	f.StringVar(&c.nodeName, "node-name", "", "this node's name (default: the host name)")
 	f.DurationVar(&c.tokenTTL, "token-ttl", 15*time.Minute, "default lifetime of attachment tokens")
@@ -346,10 +351,11 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	if err != nil {
 		return nil, nil, fmt.Errorf("open btrfs store: %w", err)
 	}
-	rt, err := selectRuntime(c, dataDir, log)
+	rt, why, err := selectRuntime(c, dataDir, log)
 	if err != nil {
 		return nil, nil, err
 	}
+	log.Info("runtime selected", "reason", why)
 	id, err := node.LoadOrCreateID(dataDir)
 	if err != nil {
 		return nil, nil, err
@@ -391,34 +397,59 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	return n, dp, nil
 }
 
-// selectRuntime picks the sandbox runtime and logs why.
-func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Runtime, error) {
-	switch c.runtime {
-	case "auto", "gvisor":
-	case "qemu", "firecracker":
-		return nil, fmt.Errorf("--runtime %s is not available in this build; use gvisor", c.runtime)
-	default:
-		return nil, fmt.Errorf("--runtime must be auto, gvisor, qemu or firecracker")
-	}
-	// runsc state lives on tmpfs (it does not survive a reboot, and neither do the
+// selectRuntime picks the sandbox runtime and logs why: --runtime auto prefers
+// firecracker (binaries and hardware KVM), then qemu with hardware KVM, then gVisor.
+func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Runtime, string, error) {
+	// Runtime state lives on tmpfs (it does not survive a reboot, and neither do the
 	// sandboxes); one directory per data dir so that several servers on one host never
 	// see each other's sandboxes.
 	sum := sha256.Sum256([]byte(dataDir))
-	rt, err := gvisor.New(gvisor.Config{
-		RootDir:  filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6])),
-		Platform: c.runscPlatform,
-		Logger:   log.With("component", "gvisor"),
-	})
-	if err != nil {
-		return nil, err
+	suffix := hex.EncodeToString(sum[:6])
+	newGVisor := func() (runtime.Runtime, error) {
+		return gvisor.New(gvisor.Config{
+			RootDir:  filepath.Join("/run/space", "runsc-"+suffix),
+			Platform: c.runscPlatform,
+			Logger:   log.With("component", "gvisor"),
+		})
 	}
-	log.Info("runtime selected", "runtime", "gvisor", "reason", reasonFor(c.runtime))
-	return rt, nil
+	newQEMU := func() (*qemu.Runtime, error) {
+		return qemu.New(qemu.Config{
+			RootDir:    filepath.Join("/run/space", "qemu-"+suffix),
+			KernelPath: c.vmKernel,
+			Accel:      c.qemuAccel,
+			Logger:     log.With("component", "qemu"),
+		})
+	}
+	switch c.runtime {
+	case "gvisor":
+		rt, err := newGVisor()
+		return rt, "requested with --runtime gvisor", err
+	case "qemu":
+		rt, err := newQEMU()
+		if err != nil {
+			return nil, "", err
+		}
+		info, _ := rt.Info(context.Background())
+		return rt, fmt.Sprintf("requested with --runtime qemu (accel %s: %s)", info.Details["accel"], info.Details["accel_reason"]), nil
+	case "firecracker":
+		return nil, "", fmt.Errorf("--runtime firecracker: %w", errNoFirecracker)
+	case "auto":
+	default:
+		return nil, "", fmt.Errorf("--runtime must be auto, gvisor, qemu or firecracker")
+	}
+	why := []string{"firecracker: " + errNoFirecracker.Error()}
+	if q, err := newQEMU(); err != nil {
+		why = append(why, "qemu: "+err.Error())
+	} else {
+		info, _ := q.Info(context.Background())
+		if info.Details["accel"] == "kvm" {
+			return q, "auto: qemu with hardware KVM (" + strings.Join(why, "; ") + ")", nil
+		}
+		_ = q.Close()
+		why = append(why, "qemu: no hardware KVM ("+info.Details["accel_reason"]+"), and TCG is too slow to be the default")
+	}
+	rt, err := newGVisor()
+	return rt, "auto: gVisor (" + strings.Join(why, "; ") + ")", err
 }
 
-func reasonFor(flag string) string {
-	if flag == "gvisor" {
-		return "requested with --runtime gvisor"
-	}
-	return "auto: gVisor runs on any Linux host (microVM runtimes are not built in yet)"
-}
+var errNoFirecracker = errors.New("not available on this host (needs the firecracker and jailer binaries and hardware KVM)")

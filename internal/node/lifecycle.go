@@ -221,7 +221,14 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	if err := n.agentJSON(ctx, id, http.MethodPost, "/v1/quiesce", nil, nil); err != nil {
+	// The agent freezes user processes until its next identity; under gVisor it also
+	// closes its host socket (runsc cannot checkpoint one) and later reads its identity
+	// from a resume file, while VM transports stay up across a restore.
+	path := "/v1/quiesce?transport=keep"
+	if n.info.Details["agent_resume"] == "file" {
+		path = "/v1/quiesce"
+	}
+	if err := n.agentJSON(ctx, id, http.MethodPost, path, nil, nil); err != nil {
 		return fmt.Errorf("quiesce agent: %w", err)
 	}
 	n.dropAgent(id)

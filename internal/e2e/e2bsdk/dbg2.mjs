@@ -9,7 +9,7 @@ async function waitFor (what, cond, ms = 10000) {
     await new Promise((resolve) => setTimeout(resolve, 50))
   }
 }
-const test = async (name, fn) => { try { await fn() ; console.log('ok', name) } catch (e) { console.log('FAIL', name, e.stack) } }
+const test = async (name, fn) => { try { await fn() ; console.log('ok', name) } catch (e) { console.log('FAIL', name, e.stack, globalThis.EV) } }
 const sbx = await Sandbox.create()
 await test('files: write, read, list, exists, getInfo, makeDir, rename, remove, watchDir', async () => {
   const w = await sbx.files.write('notes/hello.txt', 'hello world')
@@ -52,7 +52,7 @@ await test('files: write, read, list, exists, getInfo, makeDir, rename, remove, 
   const events = []
   const wh = await sbx.files.watchDir('/tmp/newdir', (ev) => events.push(ev), { recursive: true })
   await sbx.files.write('/tmp/newdir/inner/w.txt', 'x')
-  await waitFor('watch event', () => events.some((ev) => ev.name === 'inner/w.txt' && ev.type === FilesystemEventType.CREATE))
+  globalThis.EV = events; await waitFor('watch event', () => events.some((ev) => ev.name === 'inner/w.txt' && ev.type === FilesystemEventType.CREATE))
   console.log(events); await wh.stop()
 })
 await sbx.kill()

@@ -93,6 +93,9 @@ type Agent struct {
 	seq    uint64
 
 	quiesce chan struct{}
+
+	freezeMu sync.Mutex
+	frozen   bool
 }
 
 // New checks cfg and returns an agent that serves nothing until Run.

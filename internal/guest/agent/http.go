@@ -127,9 +127,17 @@ func (a *Agent) routes() http.Handler {
 	})
 }
 
+// handleQuiesce prepares a checkpoint: user processes are frozen until the next
+// identity. ?transport=keep leaves the listener up (VM transports, which survive a
+// restore); otherwise the agent closes it and waits for the resume file (gVisor, which
+// cannot checkpoint a host socket).
 func (a *Agent) handleQuiesce(w http.ResponseWriter, r *http.Request) {
+	a.freeze()
 	w.WriteHeader(http.StatusNoContent)
 	_ = http.NewResponseController(w).Flush()
+	if r.URL.Query().Get("transport") == "keep" {
+		return
+	}
 	select {
 	case a.quiesce <- struct{}{}:
 	default:

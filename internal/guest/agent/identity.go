@@ -14,6 +14,9 @@ import (
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
+// rndReseedCRNG is the RNDRESEEDCRNG ioctl (_IO('R', 0x07)).
+const rndReseedCRNG = 0x5207
+
 // clockSkew is the difference from the host's clock that makes the agent set the clock.
 const clockSkew = 50 * time.Millisecond
 
@@ -52,6 +55,8 @@ func (a *Agent) applyIdentity(id wire.Identity) error {
 	}
 	a.defaultEnv = maps.Clone(id.Env)
 	a.generation = id.Generation
+	// User code may run again now that the sandbox has its own entropy and clock.
+	a.thaw()
 	return nil
 }
 
@@ -70,6 +75,9 @@ func addEntropy(seed []byte) error {
 	copy(info[8:], seed)
 	ioctlErr := ioctlPtr(int(f.Fd()), unix.RNDADDENTROPY, unsafe.Pointer(&info[0]))
 	if ioctlErr == nil {
+		// Make the kernel's CRNG use the new entropy now, not at its next timed reseed:
+		// clones restored from one snapshot would read identical bytes until then.
+		_ = unix.IoctlSetInt(int(f.Fd()), rndReseedCRNG, 0)
 		return nil
 	}
 	if _, err := f.Write(seed); err != nil {

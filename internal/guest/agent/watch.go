@@ -148,6 +148,7 @@ func (w *watcher) loop() {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := w.f.Read(buf)
+		w.log.Info("DEBUG inotify read", "n", n, "err", err)
 		if err != nil {
 			if !errors.Is(err, os.ErrClosed) {
 				w.log.Debug("inotify read", "err", err)
