@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -68,7 +69,16 @@ func Store(t testing.TB) *storage.Store {
 		t.Fatalf("templatetest: open store: %v", err)
 	}
 	t.Cleanup(func() {
-		if err := s.Unmount(ctx); err != nil {
+		// A process that just exited may hold the mount for a moment (EBUSY): retry
+		// for a few seconds before reporting.
+		var err error
+		for deadline := time.Now().Add(10 * time.Second); ; {
+			if err = s.Unmount(ctx); err == nil || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		if err != nil {
 			t.Errorf("templatetest: unmount store: %v", err)
 		}
 	})
