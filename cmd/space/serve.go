@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/user"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -28,6 +29,7 @@ import (
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/firecracker"
 	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/runtime/qemu"
 	"github.com/spacedev/space/internal/server"
@@ -63,6 +65,10 @@ type serveConfig struct {
 	baseSnapshots  bool
 	vmKernel       string
 	qemuAccel      string
+	fcBin          string
+	jailerBin      string
+	fcKernel       string
+	fcUser         string
 	e2bListen      string
 	e2bListenSet   bool
 	e2bDomain      string
@@ -109,6 +115,10 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
 	f.StringVar(&c.vmKernel, "vm-kernel", "", "guest kernel for VM runtimes (default: the newest Debian cloud kernel in /boot)")
+	f.StringVar(&c.fcBin, "firecracker-bin", os.Getenv("SPACE_FIRECRACKER_BIN"), "firecracker binary (env SPACE_FIRECRACKER_BIN; default: firecracker on PATH)")
+	f.StringVar(&c.jailerBin, "jailer-bin", os.Getenv("SPACE_JAILER_BIN"), "jailer binary (env SPACE_JAILER_BIN; default: jailer beside firecracker, else on PATH)")
+	f.StringVar(&c.fcKernel, "firecracker-kernel", os.Getenv("SPACE_FIRECRACKER_KERNEL"), "uncompressed vmlinux for Firecracker guests (env SPACE_FIRECRACKER_KERNEL)")
+	f.StringVar(&c.fcUser, "firecracker-user", "", "unprivileged user the jailer runs Firecracker as (empty: run without the jailer, for development only)")
 	f.StringVar(&c.qemuAccel, "qemu-accel", "auto", "qemu accelerator: auto (kvm when the CPU has vmx/svm and /dev/kvm works, else tcg), kvm or tcg")
 	f.StringVar(&c.advertiseURL, "advertise-url", "", "URL clients use to reach this node's data plane (default: http://<listen>)")
 	f.StringVar(&c.nodeName, "node-name", "", "this node's name (default: the host name)")
@@ -432,12 +442,21 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 		info, _ := rt.Info(context.Background())
 		return rt, fmt.Sprintf("requested with --runtime qemu (accel %s: %s)", info.Details["accel"], info.Details["accel_reason"]), nil
 	case "firecracker":
-		return nil, "", fmt.Errorf("--runtime firecracker: %w", errNoFirecracker)
+		rt, err := newFirecracker(c, dataDir, log)
+		if err != nil {
+			return nil, "", fmt.Errorf("--runtime firecracker: %w", err)
+		}
+		return rt, "requested with --runtime firecracker", nil
 	case "auto":
 	default:
 		return nil, "", fmt.Errorf("--runtime must be auto, gvisor, qemu or firecracker")
 	}
-	why := []string{"firecracker: " + errNoFirecracker.Error()}
+	var why []string
+	if fc, err := newFirecracker(c, dataDir, log); err == nil {
+		return fc, "auto: firecracker (binaries and hardware KVM present)", nil
+	} else {
+		why = append(why, "firecracker: "+err.Error())
+	}
 	if q, err := newQEMU(); err != nil {
 		why = append(why, "qemu: "+err.Error())
 	} else {
@@ -452,4 +471,24 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 	return rt, "auto: gVisor (" + strings.Join(why, "; ") + ")", err
 }
 
-var errNoFirecracker = errors.New("not available on this host (needs the firecracker and jailer binaries and hardware KVM)")
+// newFirecracker builds the firecracker runtime if the host can run it: hardware KVM,
+// the binaries and a kernel.
+func newFirecracker(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Runtime, error) {
+	if err := firecracker.CheckKVM(); err != nil {
+		return nil, err
+	}
+	cfg := firecracker.Config{
+		FirecrackerPath: c.fcBin, JailerPath: c.jailerBin, KernelPath: c.fcKernel,
+		RootDir: filepath.Join(dataDir, "firecracker"), NoJailer: c.fcUser == "",
+		Logger: log.With("component", "firecracker"),
+	}
+	if c.fcUser != "" {
+		u, err := user.Lookup(c.fcUser)
+		if err != nil {
+			return nil, fmt.Errorf("--firecracker-user: %w", err)
+		}
+		cfg.UID, _ = strconv.Atoi(u.Uid)
+		cfg.GID, _ = strconv.Atoi(u.Gid)
+	}
+	return firecracker.New(cfg)
+}

@@ -56,8 +56,8 @@ func (g *Gateway) routes() http.Handler {
 	h("POST /sandboxes/{id}/refreshes", g.refresh)
 	h("POST /sandboxes/{id}/pause", g.pause)
 	h("POST /sandboxes/{id}/resume", g.resume)
-	h("POST /sandboxes/{id}/connect", g.connect(false))
-	h("POST /v2/sandboxes/{id}/connect", g.connect(true))
+	h("POST /sandboxes/{id}/connect", g.connect())
+	h("POST /v2/sandboxes/{id}/connect", g.connect())
 	h("GET /sandboxes/{id}/metrics", g.metrics)
 	h("GET /templates", g.templates)
 	h("GET /templates/aliases/{alias}", g.templateAlias)
@@ -607,10 +607,10 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 	return woken, nil
 }
 
-// connect handles POST /sandboxes/{id}/connect (v1, timeout required) and POST
-// /v2/sandboxes/{id}/connect (timeout optional, 300 s): 200 when the sandbox was
-// running (its timeout only grows), 201 when it was resumed.
-func (g *Gateway) connect(v2 bool) apiHandler {
+// connect handles POST /sandboxes/{id}/connect and POST /v2/sandboxes/{id}/connect
+// (timeout optional, 300 s): 200 when the sandbox was running (its timeout only
+// grows), 201 when it was resumed.
+func (g *Gateway) connect() apiHandler {
 	return func(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
 		var body struct {
 			Timeout *int `json:"timeout"`
@@ -621,8 +621,6 @@ func (g *Gateway) connect(v2 bool) apiHandler {
 		secs := defaultTimeout
 		if body.Timeout != nil {
 			secs = *body.Timeout
-		} else if !v2 {
-			return fault.New(fault.Invalid, "timeout is required")
 		}
 		if err := g.checkTimeout(secs); err != nil {
 			return err
@@ -639,10 +637,14 @@ func (g *Gateway) connect(v2 bool) apiHandler {
 			writeJSON(w, http.StatusOK, g.sandboxJSON(r, sb))
 			return nil
 		}
+		status := http.StatusOK // starting: waited for, not resumed
+		if paused(sb) {
+			status = http.StatusCreated
+		}
 		if sb, err = g.wake(ctx, p, sb, secs, ""); err != nil {
 			return err
 		}
-		writeJSON(w, http.StatusCreated, g.sandboxJSON(r, sb))
+		writeJSON(w, status, g.sandboxJSON(r, sb))
 		return nil
 	}
 }

@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -273,8 +274,12 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	_ = s.flush()
 	br := bufio.NewReaderSize(resp.Body, 256<<10)
 	buf := make([]byte, wire.MaxFramePayload)
+	merged := make([]byte, 0, maxEventBytes)
 	for {
 		f, err := wire.ReadFrame(br, buf)
+		if err == nil && (f.Type == wire.FrameStdout || f.Type == wire.FrameStderr) {
+			f.Payload = coalesce(br, f, merged[:0], buf)
+		}
 		if err != nil {
 			if ctx.Err() == nil && err != io.EOF {
 				_ = s.event("", api.EventError, map[string]string{"message": "agent stream ended: " + err.Error()})
@@ -422,4 +427,32 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 	}
 	proxy.ServeHTTP(w, r)
 	return nil
+}
+
+// maxEventBytes bounds the output carried by one SSE event.
+const maxEventBytes = 1 << 20
+
+// coalesce appends to first's payload the payloads of the frames already buffered in br
+// that continue it (same stream, contiguous offsets), up to maxEventBytes. Processes
+// write in small pieces (a pipe read is often 4 KiB); one event per piece would make the
+// stream's cost per byte high.
+func coalesce(br *bufio.Reader, first wire.Frame, merged, scratch []byte) []byte {
+	merged = append(merged, first.Payload...)
+	for len(merged) < maxEventBytes && br.Buffered() >= wire.FrameHeaderSize {
+		hdr, err := br.Peek(wire.FrameHeaderSize)
+		if err != nil || hdr[0] != first.Type {
+			break
+		}
+		off := int64(binary.BigEndian.Uint64(hdr[1:9]))
+		n := int(binary.BigEndian.Uint32(hdr[9:13]))
+		if off != first.Offset+int64(len(merged)) || br.Buffered() < wire.FrameHeaderSize+n || len(merged)+n > maxEventBytes {
+			break
+		}
+		f, err := wire.ReadFrame(br, scratch)
+		if err != nil {
+			break
+		}
+		merged = append(merged, f.Payload...)
+	}
+	return merged
 }

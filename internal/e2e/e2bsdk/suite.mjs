@@ -173,7 +173,7 @@ test('files: write, read, list, exists, getInfo, makeDir, rename, remove, watchD
   await wh.stop()
 })
 
-test('files: metadata, gzip and octet-stream uploads', async () => {
+test('files: metadata, gzip, octet-stream and streams', async () => {
   const info = await sbx.files.write('/tmp/meta.txt', 'with metadata', { metadata: { owner: 'suite' } })
   assert.deepEqual(info.metadata, { owner: 'suite' })
   assert.deepEqual((await sbx.files.getInfo('/tmp/meta.txt')).metadata, { owner: 'suite' })
@@ -181,6 +181,12 @@ test('files: metadata, gzip and octet-stream uploads', async () => {
   assert.equal(await sbx.files.read('/tmp/gz.txt', { gzip: true }), 'zipped content')
   await sbx.files.write('/tmp/oct.txt', 'octets', { useOctetStream: true })
   assert.equal(await sbx.files.read('/tmp/oct.txt'), 'octets')
+  const enc = new TextEncoder()
+  const body = new ReadableStream({ start (c) { c.enqueue(enc.encode('streamed ')); c.enqueue(enc.encode('data')); c.close() } })
+  await sbx.files.write('/tmp/stream.txt', body)
+  let streamed = ''
+  for await (const chunk of await sbx.files.read('/tmp/stream.txt', { format: 'stream' })) streamed += new TextDecoder().decode(chunk)
+  assert.equal(streamed, 'streamed data')
 })
 
 test('signed upload and download URLs', async () => {

@@ -298,10 +298,11 @@ func (s *envdFilesystem) WatchDir(ctx context.Context, req *connect.Request[file
 		return err
 	}
 	defer w.close()
+	dbgN := 0                                                                                                         // TEMPDEBUG
+	defer func() { s.e.a.log.Info("TEMPDEBUG watch end", "events", dbgN, "reads", w.dbgReads, "wds", len(w.wds)) }() // TEMPDEBUG
 	if err := stream.Send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Start{Start: &filesystempb.WatchDirResponse_StartEvent{}}}); err != nil {
 		return err
 	}
-	s.e.a.log.Info("DEBUG watch started", "path", req.Msg.GetPath())
 	interval := keepaliveInterval(req.Header())
 	ka := time.NewTimer(interval)
 	defer ka.Stop()
@@ -312,7 +313,7 @@ func (s *envdFilesystem) WatchDir(ctx context.Context, req *connect.Request[file
 				return nil // the directory itself is gone
 			}
 			fe, ok := s.e.fsEvent(ev, req.Msg.GetIncludeEntry())
-			s.e.a.log.Info("DEBUG watch event", "ev", ev.Name, "type", ev.Type)
+			dbgN++ // TEMPDEBUG
 			if !ok {
 				continue
 			}

@@ -53,6 +53,8 @@ func listen(ctx context.Context, s string) (net.Listener, error) {
 		return listenUnix(ctx, ls.address)
 	case "serial":
 		return listenSerial(ctx, ls.address)
+	case "vsock":
+		return listenVsock(ctx, ls.address)
 	default:
 		return nil, fmt.Errorf("listen %s: transport %q not implemented yet", s, ls.network)
 	}

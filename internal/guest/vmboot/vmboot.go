@@ -116,7 +116,7 @@ func Boot(log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	if err := useConsole(ConsoleDev); err != nil {
+	if err := useConsole(consoleFrom(cmdline)); err != nil {
 		// Keep going without a console: the agent's transport matters, not its logs.
 		log.Warn("no console", "err", err)
 	}
@@ -127,8 +127,11 @@ func Boot(log *slog.Logger) error {
 	if err := switchRoot(); err != nil {
 		return err
 	}
-	if err := waitFor(func() error { _, err := ResolvePort(PortName); return err }); err != nil {
-		return fmt.Errorf("agent port: %w", err)
+	// The serial transport needs its port device; vsock (Firecracker) needs nothing.
+	if listen := agentEnv["SPACE_AGENT_LISTEN"]; listen == "" || strings.HasPrefix(listen, "serial:") {
+		if err := waitFor(func() error { _, err := ResolvePort(PortName); return err }); err != nil {
+			return fmt.Errorf("agent port: %w", err)
+		}
 	}
 	if err := loopbackUp(); err != nil {
 		log.Warn("loopback", "err", err)
@@ -312,4 +315,17 @@ func agentEnvironment(extra map[string]string) []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// consoleFrom returns the device of the last console= on the kernel command line
+// (ttyS0 for Firecracker, hvc0 for QEMU), else ConsoleDev.
+func consoleFrom(cmdline []string) string {
+	dev := ConsoleDev
+	for _, f := range cmdline {
+		if v, ok := strings.CutPrefix(f, "console="); ok && v != "" {
+			name, _, _ := strings.Cut(v, ",")
+			dev = "/dev/" + name
+		}
+	}
+	return dev
 }

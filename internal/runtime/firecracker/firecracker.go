@@ -319,8 +319,8 @@ func checkKernel(p string) error {
 	return nil
 }
 
-// readableBy checks the permission bits of p (and search permission on its directories)
-// for uid and gid.
+// readableBy checks that p's permission bits let uid or gid read it (the jail holds a
+// hard link to it, so only the file's own bits matter to the jailed process).
 func readableBy(p string, uid, gid int) error {
 	check := func(p string, want uint32) error {
 		var st syscall.Stat_t

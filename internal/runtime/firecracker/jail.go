@@ -102,8 +102,9 @@ func (r *Runtime) newRecord(spec specFiles, m machine) (record, error) {
 // specFiles is what newRecord needs of a spec.
 type specFiles struct{ ID, RootFS, StateDir string }
 
-// prepareJail creates the chroot with the kernel, the initramfs and the disk under their
-// fixed names, plus the directories firecracker writes to (owned by the jailer user).
+// prepareJail creates the chroot with the kernel and the initramfs (unless initrd is
+// empty) and the disk under their fixed names, plus the directories firecracker writes
+// to (owned by the jailer user).
 func (r *Runtime) prepareJail(rec record, initrd string) error {
 	// A jail without a record is a leftover of this id (the record is claimed first).
 	if err := removeJail(rec); err != nil {
@@ -113,11 +114,13 @@ func (r *Runtime) prepareJail(rec record, initrd string) error {
 	if err := os.MkdirAll(chroot, 0o700); err != nil {
 		return fmt.Errorf("create jail: %w", err)
 	}
-	if err := placeFile(r.cfg.KernelPath, filepath.Join(chroot, kernelName)); err != nil {
-		return fmt.Errorf("kernel into jail: %w", err)
-	}
-	if err := placeFile(initrd, filepath.Join(chroot, initrdName)); err != nil {
-		return fmt.Errorf("initramfs into jail: %w", err)
+	if initrd != "" { // a restore needs no kernel: it is in the snapshot's memory
+		if err := placeFile(r.cfg.KernelPath, filepath.Join(chroot, kernelName)); err != nil {
+			return fmt.Errorf("kernel into jail: %w", err)
+		}
+		if err := placeFile(initrd, filepath.Join(chroot, initrdName)); err != nil {
+			return fmt.Errorf("initramfs into jail: %w", err)
+		}
 	}
 	disk := filepath.Join(chroot, diskName)
 	if err := os.Link(rec.RootFS, disk); err != nil {

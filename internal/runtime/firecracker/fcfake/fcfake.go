@@ -195,11 +195,10 @@ func (s *Server) Listen(path string) (net.Listener, error) {
 	if err := s.checkCreate(p); err != nil {
 		return nil, fmt.Errorf("failed to open the API socket at %s: %w", path, err)
 	}
-	ln, err := net.Listen("unix", p)
+	ln, err := listenUnix(p)
 	if err != nil {
 		return nil, fmt.Errorf("failed to open the API socket at %s: %w", path, err)
 	}
-	ln.(*net.UnixListener).SetUnlinkOnClose(false) // firecracker never removes it
 	s.own(p)
 	return ln, nil
 }
@@ -301,7 +300,8 @@ const (
 )
 
 // route dispatches a request. Handlers run under s.mu: firecracker handles API requests
-// one at a time.
+// one at a time. As in Firecracker, a body is parsed (and refused if malformed) before
+// the VMM looks at whether the request fits the instance's state.
 func (s *Server) route(method, path string, body []byte) response {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -356,12 +356,12 @@ func (s *Server) preBoot() (response, bool) {
 }
 
 func (s *Server) putLogger(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var l logger
 	if err := s.decode(body, &l); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	if l.Level != nil && !oneOfFold(*l.Level, "Error", "Warning", "Info", "Debug", "Trace", "Off") {
 		return fault("%s", deserializeMsg(fmt.Sprintf("unknown variant `%s`, expected one of `Error`, `Warning`, `Info`, `Debug`, `Trace`, `Off`", *l.Level)))
@@ -375,12 +375,12 @@ func (s *Server) putLogger(body []byte) response {
 }
 
 func (s *Server) putMetrics(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var m metrics
 	if err := s.decode(body, &m); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	if m.MetricsPath == nil {
 		return fault("%s", deserializeMsg("missing field `metrics_path`"))
@@ -392,12 +392,12 @@ func (s *Server) putMetrics(body []byte) response {
 }
 
 func (s *Server) putBootSource(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var b bootSource
 	if err := s.decode(body, &b); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	if b.KernelImagePath == nil {
 		return fault("%s", deserializeMsg("missing field `kernel_image_path`"))
@@ -416,12 +416,12 @@ func (s *Server) putBootSource(body []byte) response {
 }
 
 func (s *Server) putDrive(id string, body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var d drive
 	if err := s.decode(body, &d); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	switch {
 	case d.DriveID == nil:
@@ -494,12 +494,12 @@ func (s *Server) patchDrive(id string, body []byte) response {
 }
 
 func (s *Server) putInterface(id string, body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var n networkInterface
 	if err := s.decode(body, &n); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	switch {
 	case n.IfaceID == nil:
@@ -525,12 +525,12 @@ func (s *Server) putInterface(id string, body []byte) response {
 }
 
 func (s *Server) putMachineConfig(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var m machineConfig
 	if err := s.decode(body, &m); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	switch {
 	case m.VcpuCount == nil:
@@ -567,12 +567,12 @@ func (s *Server) putMachineConfig(body []byte) response {
 }
 
 func (s *Server) putVsock(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var v vsockDevice
 	if err := s.decode(body, &v); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	switch {
 	case v.GuestCID == nil:
@@ -595,12 +595,12 @@ func (s *Server) putVsock(body []byte) response {
 }
 
 func (s *Server) putEntropy(body []byte) response {
-	if r, ok := s.preBoot(); !ok {
-		return r
-	}
 	var e entropy
 	if err := s.decode(body, &e); err != nil {
 		return fault("%v", err)
+	}
+	if r, ok := s.preBoot(); !ok {
+		return r
 	}
 	s.bootConfig = true
 	return noContent

@@ -8,9 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/guest/vmboot"
 )
@@ -31,11 +34,10 @@ func (s *Server) bindVsockLocked(uds string) error {
 	if err := s.checkCreate(hp); err != nil {
 		return err
 	}
-	ln, err := net.Listen("unix", hp)
+	ln, err := listenUnix(hp)
 	if err != nil {
 		return err
 	}
-	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	s.own(hp)
 	s.vsockLn = ln
 	s.wg.Add(1)
@@ -237,4 +239,25 @@ func DialUnixGuest(path string) GuestDialer {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", path)
 	}
+}
+
+// listenUnix binds a unix socket at hp, which firecracker never removes. A jailed
+// firecracker binds short in-chroot paths; their host paths can exceed what a
+// sockaddr_un holds, so long ones are bound through a descriptor of their directory.
+func listenUnix(hp string) (net.Listener, error) {
+	name := hp
+	if len(hp) > 107 {
+		fd, err := unix.Open(filepath.Dir(hp), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		defer unix.Close(fd)
+		name = "/proc/self/fd/" + strconv.Itoa(fd) + "/" + filepath.Base(hp)
+	}
+	ln, err := net.Listen("unix", name)
+	if err != nil {
+		return nil, err
+	}
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	return ln, nil
 }
