@@ -29,9 +29,9 @@ import (
 
 // Config configures an Agent. Zero values take the documented defaults.
 type Config struct {
-	// Listen is where the agent serves: "unix:/path/agent.sock". "vsock:PORT" and
-	// "serial:/dev/vportNpM" (yamux over a virtio-serial port) are reserved for VM
-	// runtimes and not implemented yet.
+	// Listen is where the agent serves: "unix:/path/agent.sock" (gVisor), "vsock:PORT"
+	// (Firecracker's hybrid vsock) or "serial:/dev/vportNpM" (yamux over a virtio-serial
+	// port, QEMU).
 	Listen string
 	// RunDir is the directory in which the host drops the resume file after a quiesce
 	// (wire.ResumeFileName). Default: the directory of a unix socket, else
