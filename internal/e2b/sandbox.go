@@ -157,7 +157,7 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	uw := &untunnel{ResponseWriter: w}
 	if err := g.api.ProxyToAgent(uw, r, sb, envdpb.Prefix+r.URL.Path, q); err != nil {
 		if uw.wrote {
-			g.log.Debug("envd relay ended", "sandbox", id, "err", err)
+			g.log.Info("TEMPDEBUG envd relay ended", "sandbox", id, "err", err, "ctxerr", ctx.Err(), "path", r.URL.Path)
 			return
 		}
 		if ctx.Err() != nil {

@@ -64,7 +64,7 @@ func TestBackPressure(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	absent, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Command: "yes | head -c 1G"})
+	absent, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Command: "yes | head -c 256M"})
 	if err != nil {
 		t.Fatal(err)
 	}

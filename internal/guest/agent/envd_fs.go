@@ -299,7 +299,9 @@ func (s *envdFilesystem) WatchDir(ctx context.Context, req *connect.Request[file
 	}
 	defer w.close()
 	dbgN := 0                                                                                                         // TEMPDEBUG
-	defer func() { s.e.a.log.Info("TEMPDEBUG watch end", "events", dbgN, "reads", w.dbgReads, "wds", len(w.wds)) }() // TEMPDEBUG
+	dbgT := time.Now()                                                                                                                                                                                                    // TEMPDEBUG
+	dl, _ := ctx.Deadline()                                                                                                                                                                                               // TEMPDEBUG
+	defer func() { s.e.a.log.Info("TEMPDEBUG watch end", "events", dbgN, "reads", w.dbgReads, "ctxerr", ctx.Err(), "elapsed", time.Since(dbgT), "deadline_in", time.Until(dl), "hdr", req.Header().Get("Connect-Timeout-Ms")) }() // TEMPDEBUG
 	if err := stream.Send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Start{Start: &filesystempb.WatchDirResponse_StartEvent{}}}); err != nil {
 		return err
 	}
