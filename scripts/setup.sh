@@ -15,6 +15,9 @@ pkgs=(
   debootstrap      # builds the base template (Debian bookworm)
   postgresql-15    # initdb/postgres for the embedded private cluster
   e2fsprogs util-linux iproute2 ca-certificates curl git
+  qemu-system-x86  # the qemu runtime (microvm; KVM where the CPU has it, else TCG)
+  linux-image-cloud-amd64  # the guest kernel of VM runtimes
+  cpio busybox-static  # initramfs building and VM tests
 )
 missing=()
 for p in "${pkgs[@]}"; do
@@ -35,7 +38,10 @@ if ! command -v go >/dev/null; then
   exit 1
 fi
 # The real E2B JS SDKs the E2B compatibility tests drive (internal/e2e/e2bsdk),
-# pinned by its lockfile. Without Node.js those tests skip.
+# pinned by its lockfile. Debian's nodejs/npm when the machine has none.
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nodejs npm || true
+fi
 if command -v npm >/dev/null; then
   (cd "$(dirname "$0")/../internal/e2e/e2bsdk" && npm ci --no-audit --no-fund --loglevel=error)
 else

@@ -133,6 +133,16 @@ func suspendWake(ctx context.Context, cfg *Config) ([]Result, error) {
 			done()
 			return nil, fmt.Errorf("touch memory: %d %v", code, err)
 		}
+		// Make sure the memory is really held before measuring.
+		if err := waitFor(ctx, time.Minute, func() bool {
+			var out strings.Builder
+			_, err := cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Command: "ps -C python3 -o rss= | sort -n | tail -1"}, client.Output{Stdout: &out})
+			kb, _ := strconv.Atoi(strings.TrimSpace(out.String()))
+			return err == nil && kb >= mib*1024*9/10
+		}); err != nil {
+			done()
+			return nil, fmt.Errorf("the sandbox does not hold %d MiB: %w", mib, err)
+		}
 		runs := cfg.Runs
 		var sus, wake []float64
 		for i := 0; i < runs; i++ {

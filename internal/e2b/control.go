@@ -590,6 +590,12 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 	if err != nil {
 		return nil, err
 	}
+	// The old expiry may have passed (an auto-pause): move it first, or the
+	// controller would pause the sandbox again as soon as it runs.
+	exp := time.Now().Add(time.Duration(secs)*time.Second + createAllowance)
+	if err := g.api.SetExpiry(ctx, sb, &exp, action); err != nil {
+		return nil, err
+	}
 	woken, err := g.api.Wake(ctx, p, sb)
 	if err != nil {
 		return nil, err
@@ -600,7 +606,7 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 		}
 		return nil, fault.New(fault.Unavailable, "sandbox %s is %s; try again", sb.ID, woken.State)
 	}
-	exp := time.Now().Add(time.Duration(secs) * time.Second)
+	exp = time.Now().Add(time.Duration(secs) * time.Second)
 	if err := g.api.SetExpiry(ctx, woken, &exp, action); err != nil {
 		return nil, err
 	}

@@ -154,10 +154,14 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	q := r.URL.Query()
 	q.Del("signature")
 	q.Del("signature_expiration")
+	// The agent answers as soon as it has read the request, while the relay may still
+	// be finishing its read of the body: without full duplex, Go's HTTP/1 server
+	// would close the body when the answer starts and the relay would cut the stream.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	uw := &untunnel{ResponseWriter: w}
 	if err := g.api.ProxyToAgent(uw, r, sb, envdpb.Prefix+r.URL.Path, q); err != nil {
 		if uw.wrote {
-			g.log.Info("TEMPDEBUG envd relay ended", "sandbox", id, "err", err, "ctxerr", ctx.Err(), "path", r.URL.Path)
+			g.log.Debug("envd relay ended", "sandbox", id, "err", err)
 			return
 		}
 		if ctx.Err() != nil {

@@ -425,6 +425,10 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 			writeError(w, r, d.log, fault.New(fault.Unavailable, "sandbox agent unreachable: %v", err))
 		},
 	}
+	// The agent may answer before it has read the whole request body; without full
+	// duplex Go's server closes the body when the answer starts, which cuts the
+	// upstream connection mid-stream.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	proxy.ServeHTTP(w, r)
 	return nil
 }

@@ -83,6 +83,7 @@ func (a *API) proxyToAgent(w http.ResponseWriter, r *http.Request, sb *store.San
 			proxyErr = err
 		},
 	}
+	_ = http.NewResponseController(w).EnableFullDuplex() // see DataPlane.agentProxy
 	p.ServeHTTP(w, r)
 	if proxyErr != nil {
 		if fault.KindOf(proxyErr) == fault.Internal && r.Context().Err() == nil {

@@ -278,13 +278,14 @@ test('lifecycle: the timeout kills, or pauses with onTimeout pause', async () =>
     try { await short.getInfo(); return false } catch (e) { return e instanceof SandboxNotFoundError }
   })
   if (pkg !== 'e2b') return // the older SDK covers the v1 paths above; this is the same server logic
-  const ap = await Sandbox.create({ timeoutMs: 2000, lifecycle: { onTimeout: 'pause' } })
+  // Paused at the timeout; with autoResume the next envd request wakes it.
+  const ap = await Sandbox.create({ timeoutMs: 2000, lifecycle: { onTimeout: 'pause', autoResume: true } })
   await ap.files.write('/tmp/keep.txt', 'kept')
-  assert.equal((await ap.getInfo()).lifecycle?.onTimeout, 'pause')
+  assert.deepEqual((await ap.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: true })
   await waitFor('auto-pause', async () => (await ap.getInfo()).state === 'paused')
-  const back = await Sandbox.connect(ap.sandboxId, { timeoutMs: 60_000 })
-  assert.equal(await back.files.read('/tmp/keep.txt'), 'kept')
-  assert.equal(await back.kill(), true)
+  assert.equal(await ap.files.read('/tmp/keep.txt'), 'kept')
+  assert.equal((await ap.getInfo()).state, 'running')
+  assert.equal(await ap.kill(), true)
 })
 
 test('errors: unknown sandbox and bad API key', async () => {

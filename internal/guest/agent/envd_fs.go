@@ -298,10 +298,6 @@ func (s *envdFilesystem) WatchDir(ctx context.Context, req *connect.Request[file
 		return err
 	}
 	defer w.close()
-	dbgN := 0                                                                                                         // TEMPDEBUG
-	dbgT := time.Now()                                                                                                                                                                                                    // TEMPDEBUG
-	dl, _ := ctx.Deadline()                                                                                                                                                                                               // TEMPDEBUG
-	defer func() { s.e.a.log.Info("TEMPDEBUG watch end", "events", dbgN, "reads", w.dbgReads, "ctxerr", ctx.Err(), "elapsed", time.Since(dbgT), "deadline_in", time.Until(dl), "hdr", req.Header().Get("Connect-Timeout-Ms")) }() // TEMPDEBUG
 	if err := stream.Send(&filesystempb.WatchDirResponse{Event: &filesystempb.WatchDirResponse_Start{Start: &filesystempb.WatchDirResponse_StartEvent{}}}); err != nil {
 		return err
 	}
@@ -315,7 +311,6 @@ func (s *envdFilesystem) WatchDir(ctx context.Context, req *connect.Request[file
 				return nil // the directory itself is gone
 			}
 			fe, ok := s.e.fsEvent(ev, req.Msg.GetIncludeEntry())
-			dbgN++ // TEMPDEBUG
 			if !ok {
 				continue
 			}

@@ -406,6 +406,18 @@ func TestEnvdFiles(t *testing.T) {
 	if resp, _ := e.envdHTTP(t, "GET", "/health", nil, nil); resp.StatusCode != 204 {
 		t.Errorf("health: %d", resp.StatusCode)
 	}
+	resp, b = e.envdHTTP(t, "GET", "/metrics", nil, nil)
+	var m struct {
+		CPUCount  int   `json:"cpu_count"`
+		MemTotal  int64 `json:"mem_total"`
+		DiskTotal int64 `json:"disk_total"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal(b, &m) != nil || m.CPUCount < 1 || m.MemTotal <= 0 || m.DiskTotal <= 0 {
+		t.Errorf("metrics: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := e.envdHTTP(t, "GET", "/envs", nil, nil); resp.StatusCode != 200 || !json.Valid(b) {
+		t.Errorf("envs: %d %s", resp.StatusCode, b)
+	}
 
 	// The filesystem service.
 	st, err := e.fs.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: "z.txt"}))

@@ -38,7 +38,6 @@ type watcher struct {
 	log       *slog.Logger
 	wds       map[int32]string // only touched by newWatcher, then by the loop goroutine
 	events    chan wire.WatchEvent
-	dbgReads  int // TEMPDEBUG
 	stop      chan struct{}
 	done      chan struct{}
 }
@@ -149,9 +148,7 @@ func (w *watcher) loop() {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := w.f.Read(buf)
-		w.dbgReads++ // TEMPDEBUG
 		if err != nil {
-			w.log.Info("TEMPDEBUG inotify read error", "err", err, "reads", w.dbgReads)
 			if !errors.Is(err, os.ErrClosed) {
 				w.log.Debug("inotify read", "err", err)
 			}
