@@ -145,7 +145,7 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, during, reason
 	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, Reason: reason})
 	n.finishOps(ctx, sb, nil)
 	n.log.Info("sandbox "+state, "sandbox", sb.ID, "took", time.Since(start).Round(time.Millisecond))
-	n.measureDisk(ctx, sb.ID)
+	n.measureLater(sb.ID)
 	return nil
 }
 
@@ -431,6 +431,32 @@ func (n *Node) setReady(id string, ready bool) {
 		n.ready[id] = true
 	} else {
 		delete(n.ready, id)
+	}
+}
+
+// measureLater queues a disk usage measurement. Measuring walks the sandbox's extents
+// (btrfs filesystem du), which costs CPU: it runs in the background every few seconds
+// rather than on the path of a create or a transition.
+func (n *Node) measureLater(id string) {
+	n.mu.Lock()
+	n.toMeasure[id] = true
+	n.mu.Unlock()
+}
+
+// measureQueued measures the sandboxes queued by measureLater.
+func (n *Node) measureQueued(ctx context.Context) {
+	n.mu.Lock()
+	ids := make([]string, 0, len(n.toMeasure))
+	for id := range n.toMeasure {
+		ids = append(ids, id)
+	}
+	clear(n.toMeasure)
+	n.mu.Unlock()
+	for _, id := range ids {
+		if ctx.Err() != nil {
+			return
+		}
+		n.measureDisk(ctx, id)
 	}
 }
 

@@ -88,6 +88,8 @@ type Node struct {
 	agents   map[string]*http.Transport
 	active   map[string]time.Time
 	ready    map[string]bool
+	// toMeasure holds sandboxes whose disk usage is to be measured.
+	toMeasure map[string]bool
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
@@ -116,7 +118,7 @@ func New(cfg Config) (*Node, error) {
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*http.Transport{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
-		seenOutput: map[string]time.Time{},
+		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{},
 	}, nil
 }
 
@@ -175,6 +177,18 @@ func (n *Node) Run(ctx context.Context) error {
 	}
 	close(n.adopted)
 	go n.runBuilds(ctx)
+	go func() {
+		t := time.NewTicker(3 * time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				n.measureQueued(ctx)
+			}
+		}
+	}()
 
 	errc := make(chan error, 1)
 	go func() {
@@ -409,7 +423,7 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) {
 	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: path, TemplateDigest: digest})
 	n.finishOps(ctx, sb, nil)
 	n.log.Info("sandbox "+state, "sandbox", sb.ID, "start_path", path)
-	n.measureDisk(ctx, sb.ID)
+	n.measureLater(sb.ID)
 }
 
 // startNew makes the disk of a new sandbox and starts it, from the release's base

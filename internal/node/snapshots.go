@@ -274,7 +274,7 @@ func (n *Node) createClone(ctx context.Context, sb *store.Sandbox) {
 	sb = n.report(ctx, sb, store.Observed{State: api.StateRunning, ObservedGeneration: sb.Generation, StartPath: "snapshot"})
 	n.finishOps(ctx, sb, nil)
 	n.log.Info("clone running", "sandbox", sb.ID, "source", sb.CloneOf)
-	n.measureDisk(ctx, sb.ID)
+	n.measureLater(sb.ID)
 }
 
 // restoreFromCloneBatch restores a running sandbox whose instance vanished from a
