@@ -93,8 +93,9 @@ type Node struct {
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
-	buildMu  sync.Mutex
-	snapJobs snapshotJobs
+	buildMu   sync.Mutex
+	snapJobs  snapshotJobs
+	agentHash string // of the agent binary sandboxes run
 }
 
 // New returns a node. Run starts it.
@@ -156,6 +157,11 @@ func (n *Node) Run(ctx context.Context) error {
 		return fmt.Errorf("runtime info: %w", err)
 	}
 	n.info = info
+	agent, hash, err := installAgent(n.cfg.DataDir, n.cfg.AgentPath)
+	if err != nil {
+		return err
+	}
+	n.cfg.AgentPath, n.agentHash = agent, hash
 	details := map[string]any{"version": info.Version}
 	for k, v := range info.Details {
 		details[k] = v

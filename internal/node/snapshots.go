@@ -27,7 +27,8 @@ func (n *Node) baseKey(spec store.SandboxSpec) string {
 		}
 		return '_'
 	}, n.info.Version)
-	return fmt.Sprintf("%s-%s-%dcpu-%dmb", n.info.Name, v, spec.CPU, spec.MemoryMB)
+	// The agent binary is part of the snapshot's memory: a new agent gets new snapshots.
+	return fmt.Sprintf("%s-%s-agent%s-%dcpu-%dmb", n.info.Name, v, n.agentHash[:8], spec.CPU, spec.MemoryMB)
 }
 
 // baseSnapshotFor returns the complete base snapshot that fits a new sandbox.
