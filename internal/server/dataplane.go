@@ -3,8 +3,8 @@ package server
 import (
 	"bufio"
 	"context"
-	"encoding/binary"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
