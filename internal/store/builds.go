@@ -38,16 +38,7 @@ func (s *Store) QueuedBuilds(ctx context.Context, nodeID string) ([]*Operation, 
 	if err != nil {
 		return nil, err
 	}
-	defer rows.Close()
-	var out []*Operation
-	for rows.Next() {
-		o, err := scanOp(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, rows.Err()
+	return collectOps(rows)
 }
 
 // ClaimBuild moves a pending build to running with message. It returns false if the

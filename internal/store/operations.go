@@ -103,16 +103,7 @@ func (s *Store) OpenOperations(ctx context.Context, sandboxID string) ([]*Operat
 	if err != nil {
 		return nil, err
 	}
-	defer rows.Close()
-	var out []*Operation
-	for rows.Next() {
-		o, err := scanOp(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, rows.Err()
+	return collectOps(rows)
 }
 
 // OpenOperationsOfKind lists unfinished operations of one kind (e.g. template builds).
@@ -121,16 +112,7 @@ func (s *Store) OpenOperationsOfKind(ctx context.Context, kind string) ([]*Opera
 	if err != nil {
 		return nil, err
 	}
-	defer rows.Close()
-	var out []*Operation
-	for rows.Next() {
-		o, err := scanOp(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, rows.Err()
+	return collectOps(rows)
 }
 
 // UpdateOperation sets an operation's state and message; a terminal state also sets
@@ -229,6 +211,11 @@ func (s *Store) SandboxOperations(ctx context.Context, sandboxID string, limit i
 	if err != nil {
 		return nil, err
 	}
+	return collectOps(rows)
+}
+
+// collectOps scans every row of rows as an operation and closes rows.
+func collectOps(rows pgx.Rows) ([]*Operation, error) {
 	defer rows.Close()
 	var out []*Operation
 	for rows.Next() {
