@@ -25,9 +25,14 @@ func TestQEMUNode(t *testing.T) {
 	}
 	s := start(t, options{args: []string{"--runtime", "qemu", "--default-memory", "256"}})
 	c := ctx(t, 8*time.Minute)
-	nodes, err := s.C.ListNodes(c)
-	if err != nil || len(nodes) != 1 || nodes[0].Runtime != "qemu" {
-		t.Fatalf("nodes: %+v %v", nodes, err)
+	var nodes []api.Node
+	waitFor(t, time.Minute, "the node to register", func() bool {
+		var err error
+		nodes, err = s.C.ListNodes(c)
+		return err == nil && len(nodes) == 1
+	})
+	if nodes[0].Runtime != "qemu" {
+		t.Fatalf("nodes: %+v", nodes)
 	}
 	out, _, _ := s.cli(t, "node", "list")
 	if !strings.Contains(out, "qemu") || !strings.Contains(out, "accel=") {
