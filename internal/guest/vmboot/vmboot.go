@@ -5,7 +5,8 @@
 // the agent's HTTP connections as yamux streams over a virtio-serial port (Listen on the
 // guest, Connect on the host; the handshake is described in handshake.go).
 //
-// The initramfs contract, shared with the VM runtime that builds the initramfs:
+// The initramfs contract, shared with package runtime/initramfs that builds it for the
+// VM runtimes:
 //
 //	/init                 the space-agent binary
 //	/dev/console          character device 5:1 (the kernel opens it for init's stdio)

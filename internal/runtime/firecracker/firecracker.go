@@ -3,10 +3,10 @@
 // Firecracker's jailer (chroot, unprivileged uid/gid, cgroup v2 limits, the sandbox's
 // network namespace) and driven over its REST API.
 //
-// The guest boots an uncompressed kernel (Config.KernelPath) with an initramfs this
-// package builds and caches (space-agent as /init plus the modules the kernel lacks, see
-// package vmboot); the agent mounts the sandbox's ext4 disk (Spec.RootFS, the VM's root
-// drive) and listens on AF_VSOCK port AgentVsockPort. The host reaches it through
+// The guest boots an uncompressed kernel (Config.KernelPath) with an initramfs built and
+// cached by package initramfs (space-agent as /init plus the modules the kernel lacks,
+// see package vmboot); the agent mounts the sandbox's ext4 disk (Spec.RootFS, the VM's
+// root drive) and listens on AF_VSOCK port AgentVsockPort. The host reaches it through
 // Firecracker's hybrid vsock: a unix socket in the jail and a "CONNECT <port>" line per
 // connection (Dial).
 //
@@ -49,6 +49,8 @@ import (
 
 	"github.com/spacedev/space/internal/guest/vmboot"
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/initramfs"
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // Config configures the Firecracker runtime. Zero values take the documented defaults.
@@ -129,13 +131,10 @@ type Runtime struct {
 	execName   string  // firecracker's file name: a jail path level and how its processes are named
 	version    version // of the firecracker binary
 	cgroupRoot string
-	modules    []string // module files for the initramfs, in load order
-	rootKey    string   // short hash of RootDir, part of every jail id
+	rootKey    string // short hash of RootDir, part of every jail id
 
 	fallbackOnce sync.Once
-	buildMu      sync.Mutex // initramfs builds
-	hashMu       sync.Mutex
-	hashes       map[string]string
+	initrds      *initramfs.Cache
 
 	mu    sync.Mutex
 	locks map[string]chan struct{}
@@ -214,9 +213,13 @@ func New(cfg Config) (*Runtime, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	modules, err := resolveModules(cfg.ModulesDir, guestModules())
-	if err != nil {
-		return nil, fmt.Errorf("firecracker: %w", err)
+	// Without a modules directory (or modules.dep in it) the kernel is assumed to have
+	// everything built in, as Firecracker's recommended guest configurations do.
+	var modules []string
+	if cfg.ModulesDir != "" {
+		if modules, err = initramfs.ResolveModules(cfg.ModulesDir, guestModules(), nil); err != nil {
+			return nil, fmt.Errorf("firecracker: %w", err)
+		}
 	}
 	ver, err := binaryVersion(cfg.FirecrackerPath, "Firecracker v")
 	if err != nil {
@@ -228,9 +231,16 @@ func New(cfg Config) (*Runtime, error) {
 		jailed:   jailed,
 		execName: filepath.Base(cfg.FirecrackerPath),
 		version:  ver,
-		modules:  modules,
-		hashes:   map[string]string{},
 		locks:    map[string]chan struct{}{},
+	}
+	// Initramfs images are keyed by the agent's content and the modules' identity (not
+	// the kernel's); each jail holds a hard link or copy of its image. They are readable
+	// by everyone: the jailed firecracker opens them as the jailer user.
+	r.initrds = &initramfs.Cache{
+		Dir:           filepath.Join(cfg.RootDir, initramfsDir),
+		Modules:       modules,
+		WorldReadable: true,
+		Logger:        r.log,
 	}
 	if jailed {
 		jv, err := binaryVersion(cfg.JailerPath, "Jailer v")
@@ -491,7 +501,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) error {
 		return fmt.Errorf("firecracker create %s: %w", spec.ID, err)
 	}
 	defer unlock()
-	initrd, err := r.initramfs(ctx, spec.AgentPath)
+	initrd, err := r.initrds.Build(ctx, spec.AgentPath)
 	if err != nil {
 		return fmt.Errorf("firecracker create %s: %w", spec.ID, err)
 	}
@@ -701,12 +711,12 @@ func (r *Runtime) findInstance(id string) (record, error) {
 	if pid == 0 {
 		return record{}, runtime.ErrNotFound
 	}
-	pi, err := readProc(pid)
+	pi, err := instances.ReadProc(pid)
 	if err != nil {
 		return record{}, runtime.ErrNotFound
 	}
 	jid := r.jailID(id)
-	rec = record{ID: id, JailID: jid, PID: pid, StartTime: pi.startTime, Jailed: r.jailed}
+	rec = record{ID: id, JailID: jid, PID: pid, StartTime: pi.StartTime, Jailed: r.jailed}
 	if d := filepath.Join(r.cfg.ChrootBaseDir, r.execName, jid); dirExists(d) {
 		rec.JailDir = d
 	}
@@ -768,11 +778,11 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 		return fmt.Errorf("firecracker adopt %s: its jail is unknown (record lost and not under %s)", spec.ID, r.cfg.ChrootBaseDir)
 	}
 	if _, rerr := r.readRecord(spec.ID); rerr != nil || rec.PID != pid {
-		pi, err := readProc(pid)
+		pi, err := instances.ReadProc(pid)
 		if err != nil {
 			return fmt.Errorf("firecracker adopt %s: %w", spec.ID, err)
 		}
-		rec.PID, rec.StartTime, rec.StateDir = pid, pi.startTime, spec.StateDir
+		rec.PID, rec.StartTime, rec.StateDir = pid, pi.StartTime, spec.StateDir
 		if rec.RootFS == "" {
 			rec.RootFS = spec.RootFS
 		}
@@ -823,10 +833,10 @@ func (r *Runtime) destroy(ctx context.Context, id string) error {
 		if pid == 0 {
 			break
 		}
-		pi, err := readProc(pid)
+		pi, err := instances.ReadProc(pid)
 		if err == nil {
 			kctx, cancel := context.WithTimeout(ctx, killTimeout)
-			err = kill(kctx, pid, pi.startTime)
+			err = kill(kctx, pid, pi.StartTime)
 			cancel()
 			if err != nil {
 				return err

@@ -25,6 +25,7 @@ import (
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker/fcfake"
+	"github.com/spacedev/space/internal/runtime/instances"
 	"github.com/spacedev/space/internal/testenv"
 )
 
@@ -237,7 +238,7 @@ func (f *fixture) assertGone(spec runtime.Spec, rec record) {
 		f.t.Errorf("List after Destroy: %v %v", list, err)
 	}
 	if rec.JailID != "" {
-		if pids := f.rt.scan(func(argv []string) bool { return argID(argv) == rec.JailID }); len(pids) > 0 {
+		if pids := instances.Scan(func(argv []string) bool { return argID(argv) == rec.JailID }); len(pids) > 0 {
 			f.t.Errorf("processes left: %v", pids)
 		}
 	}

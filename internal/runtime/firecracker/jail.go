@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // Every file a VM uses sits in its chroot under a fixed name, and the API is given that
@@ -254,7 +256,7 @@ func (r *Runtime) start(ctx context.Context, rec record, netns string) (pid int,
 		_ = cmd.Wait()
 		close(exited)
 	}()
-	pi, err := readProc(pid)
+	pi, err := instances.ReadProc(pid)
 	if err != nil {
 		<-exited
 		return 0, 0, fmt.Errorf("firecracker exited at once: %s", tail(logPath, 2048))
@@ -262,9 +264,9 @@ func (r *Runtime) start(ctx context.Context, rec record, netns string) (pid int,
 	sctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	if err := waitSocket(sctx, filepath.Join(rec.chroot(), apiSocket), exited); err != nil {
-		return pid, pi.startTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
+		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
 	}
-	return pid, pi.startTime, nil
+	return pid, pi.StartTime, nil
 }
 
 // waitSocket polls until the unix socket at path accepts a connection, the process

@@ -1,14 +1,10 @@
 package firecracker
 
 import (
-	"encoding/json"
-	"errors"
-	"fmt"
-	"io/fs"
-	"os"
 	"path/filepath"
-	"strings"
 	"time"
+
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // recordsDir holds one record per instance under the root dir.
@@ -39,88 +35,25 @@ type record struct {
 // chroot is the host path of the instance's chroot.
 func (rec record) chroot() string { return filepath.Join(rec.JailDir, "root") }
 
-func (r *Runtime) recordPath(id string) string {
-	return filepath.Join(r.cfg.RootDir, recordsDir, id+".json")
+// records is the store of the instances' records, under the root dir.
+func (r *Runtime) records() instances.Records[record] {
+	return instances.Records[record]{Dir: filepath.Join(r.cfg.RootDir, recordsDir)}
 }
+
+func (r *Runtime) recordPath(id string) string { return r.records().Path(id) }
 
 // claimRecord writes the record of a new instance, failing with fs.ErrExist when the id
-// has one (temporary file hard-linked into place: atomic and never half-written).
-func (r *Runtime) claimRecord(rec record) error { return r.putRecord(rec, true) }
+// has one.
+func (r *Runtime) claimRecord(rec record) error { return r.records().Claim(rec.ID, rec) }
 
 // updateRecord replaces an instance's record atomically.
-func (r *Runtime) updateRecord(rec record) error { return r.putRecord(rec, false) }
-
-func (r *Runtime) putRecord(rec record, claim bool) error {
-	dir := filepath.Join(r.cfg.RootDir, recordsDir)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("records dir: %w", err)
-	}
-	data, err := json.Marshal(rec)
-	if err != nil {
-		return fmt.Errorf("encode record: %w", err)
-	}
-	tmp, err := os.CreateTemp(dir, ".tmp-"+rec.ID+"-")
-	if err != nil {
-		return fmt.Errorf("write record: %w", err)
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return fmt.Errorf("write record: %w", err)
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return fmt.Errorf("write record: %w", err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("write record: %w", err)
-	}
-	if claim {
-		err = os.Link(tmp.Name(), r.recordPath(rec.ID))
-	} else {
-		err = os.Rename(tmp.Name(), r.recordPath(rec.ID))
-	}
-	if err != nil {
-		return fmt.Errorf("write record: %w", err)
-	}
-	return nil
-}
+func (r *Runtime) updateRecord(rec record) error { return r.records().Update(rec.ID, rec) }
 
 // readRecord returns the instance's record; the error wraps fs.ErrNotExist when there
 // is none.
-func (r *Runtime) readRecord(id string) (record, error) {
-	data, err := os.ReadFile(r.recordPath(id))
-	if err != nil {
-		return record{}, fmt.Errorf("read record: %w", err)
-	}
-	var rec record
-	if err := json.Unmarshal(data, &rec); err != nil {
-		return record{}, fmt.Errorf("read record %s: %w", r.recordPath(id), err)
-	}
-	return rec, nil
-}
+func (r *Runtime) readRecord(id string) (record, error) { return r.records().Read(id) }
 
-func (r *Runtime) removeRecord(id string) error {
-	if err := os.Remove(r.recordPath(id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove record: %w", err)
-	}
-	return nil
-}
+func (r *Runtime) removeRecord(id string) error { return r.records().Remove(id) }
 
 // recordIDs lists the ids that have a record.
-func (r *Runtime) recordIDs() ([]string, error) {
-	entries, err := os.ReadDir(filepath.Join(r.cfg.RootDir, recordsDir))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list records: %w", err)
-	}
-	var ids []string
-	for _, e := range entries {
-		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok && validID(id) {
-			ids = append(ids, id)
-		}
-	}
-	return ids, nil
-}
+func (r *Runtime) recordIDs() ([]string, error) { return r.records().IDs(validID) }

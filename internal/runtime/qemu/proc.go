@@ -1,17 +1,16 @@
 package qemu
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // procName is the -name of an instance's QEMU process: it carries the runtime's root
@@ -19,43 +18,6 @@ import (
 // record, and never confused with another runtime's (another root dir) or with a reused
 // pid.
 func (r *Runtime) procName(id string) string { return "space-" + r.rootKey + "-" + id }
-
-// procInfo is what /proc says about a process.
-type procInfo struct {
-	argv      []string
-	state     byte // R, S, D, Z, ...
-	startTime uint64
-}
-
-func readProc(pid int) (procInfo, error) {
-	var pi procInfo
-	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return pi, err
-	}
-	// The command name (field 2) is in parentheses and may hold spaces: parse after it.
-	i := bytes.LastIndexByte(stat, ')')
-	if i < 0 {
-		return pi, fmt.Errorf("parse /proc/%d/stat", pid)
-	}
-	f := strings.Fields(string(stat[i+1:]))
-	if len(f) < 20 {
-		return pi, fmt.Errorf("parse /proc/%d/stat", pid)
-	}
-	pi.state = f[0][0]
-	if pi.startTime, err = strconv.ParseUint(f[19], 10, 64); err != nil {
-		return pi, fmt.Errorf("parse /proc/%d/stat: %w", pid, err)
-	}
-	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil {
-		return pi, err
-	}
-	pi.argv = strings.Split(strings.TrimSuffix(string(cmdline), "\x00"), "\x00")
-	return pi, nil
-}
-
-// live reports whether the process runs (exists and is not a zombie).
-func (pi procInfo) live() bool { return pi.state != 'Z' && pi.state != 'X' }
 
 // isQEMU reports whether argv is this runtime's QEMU for instance id.
 func (r *Runtime) isQEMU(argv []string, id string) bool {
@@ -69,44 +31,19 @@ func (r *Runtime) isQEMU(argv []string, id string) bool {
 // instancePID returns the pid of the instance's live QEMU process, or 0: the recorded
 // one if it is still that process, else one found by its name in /proc.
 func (r *Runtime) instancePID(id string, rec *record) int {
-	if rec != nil && rec.PID > 0 {
-		if pi, err := readProc(rec.PID); err == nil && pi.live() && pi.startTime == rec.StartTime && r.isQEMU(pi.argv, id) {
-			return rec.PID
-		}
+	var pid int
+	var startTime uint64
+	if rec != nil {
+		pid, startTime = rec.PID, rec.StartTime
 	}
-	pids := r.scan(func(argv []string) bool { return r.isQEMU(argv, id) })
-	if len(pids) > 0 {
-		return pids[0]
-	}
-	return 0
-}
-
-// scan returns the live processes whose argv matches.
-func (r *Runtime) scan(match func(argv []string) bool) []int {
-	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	var pids []int
-	for _, d := range dirs {
-		pid, err := strconv.Atoi(filepath.Base(d))
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		pi, err := readProc(pid)
-		if err != nil || !pi.live() {
-			continue
-		}
-		if match(pi.argv) {
-			pids = append(pids, pid)
-		}
-	}
-	slices.Sort(pids)
-	return pids
+	return instances.FindPID(pid, startTime, func(argv []string) bool { return r.isQEMU(argv, id) })
 }
 
 // orphanIDs returns the ids of this runtime's QEMU processes found in /proc.
 func (r *Runtime) orphanIDs() []string {
 	prefix := "space-" + r.rootKey + "-"
 	var ids []string
-	r.scan(func(argv []string) bool {
+	instances.Scan(func(argv []string) bool {
 		if len(argv) < 3 || argv[0] != r.cfg.QemuPath {
 			return false
 		}
@@ -137,8 +74,8 @@ func waitGone(ctx context.Context, pid int, startTime uint64, grace time.Duratio
 	defer t.Stop()
 	killed := false
 	for {
-		pi, err := readProc(pid)
-		if err != nil || pi.startTime != startTime || (!pi.live() && threads(pid) <= 1) {
+		pi, err := instances.ReadProc(pid)
+		if err != nil || pi.StartTime != startTime || (!pi.Live() && threads(pid) <= 1) {
 			return nil
 		}
 		if !killed && time.Now().After(killAt) {

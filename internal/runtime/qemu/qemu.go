@@ -2,8 +2,8 @@
 // machine: one qemu-system-x86_64 process per sandbox, KVM where the host has hardware
 // virtualization, TCG (software emulation) elsewhere.
 //
-// The guest is Debian's cloud kernel booted with an initramfs this package builds and
-// caches (space-agent as /init plus the virtio modules, see package vmboot); the agent
+// The guest is Debian's cloud kernel booted with an initramfs built and cached by package
+// initramfs (space-agent as /init plus the virtio modules, see package vmboot); the agent
 // mounts the sandbox's ext4 disk (Spec.RootFS, a virtio-blk device), switches to it and
 // serves the agent protocol as yamux streams over a virtio-serial port whose host end is
 // a unix socket in the StateDir (package vmboot's serial transport). The runtime keeps
@@ -45,6 +45,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/initramfs"
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // Config configures the QEMU runtime. Zero values take the documented defaults.
@@ -89,14 +91,11 @@ type Runtime struct {
 	log         *slog.Logger
 	accel       string
 	accelReason string
-	version     string   // QEMU's version
-	modules     []string // module files for the initramfs, in load order
-	rootKey     string   // short hash of RootDir, part of every process name
-	tscKHz      int64    // the host's TSC frequency, given to TCG guests (0: unknown)
+	version     string // QEMU's version
+	rootKey     string // short hash of RootDir, part of every process name
+	tscKHz      int64  // the host's TSC frequency, given to TCG guests (0: unknown)
 
-	buildMu sync.Mutex // initramfs builds
-	hashMu  sync.Mutex
-	hashes  map[string]string
+	initrds *initramfs.Cache
 
 	mu    sync.Mutex
 	insts map[string]*instance
@@ -162,7 +161,7 @@ func New(cfg Config) (*Runtime, error) {
 	if err != nil {
 		return nil, fmt.Errorf("qemu: %w", err)
 	}
-	modules, err := resolveModules(cfg.ModulesDir, guestModules())
+	modules, err := initramfs.ResolveModules(cfg.ModulesDir, guestModules(), optionalModule)
 	if err != nil {
 		return nil, fmt.Errorf("qemu: %w", err)
 	}
@@ -187,10 +186,14 @@ func New(cfg Config) (*Runtime, error) {
 		accel:       accel,
 		accelReason: reason,
 		version:     version,
-		modules:     modules,
 		rootKey:     hex.EncodeToString(key[:4]),
-		hashes:      map[string]string{},
 		insts:       map[string]*instance{},
+	}
+	r.initrds = &initramfs.Cache{
+		Dir:        filepath.Join(cfg.RootDir, initramfsDir),
+		KernelPath: cfg.KernelPath,
+		Modules:    modules,
+		Logger:     r.log,
 	}
 	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version, "tsc_khz", tscKHz)
 	return r, nil
@@ -317,7 +320,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}
 	defer unlock()
-	initrd, err := r.initramfs(ctx, spec.AgentPath)
+	initrd, err := r.initrds.Build(ctx, spec.AgentPath)
 	if err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}
@@ -420,16 +423,16 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, incom
 		_ = cmd.Wait()
 		close(exited)
 	}()
-	pi, err := readProc(pid)
+	pi, err := instances.ReadProc(pid)
 	if err != nil {
 		return 0, 0, fmt.Errorf("qemu exited at once: %s", tail(logPath, 2048))
 	}
 	sctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	if err := r.waitQMP(sctx, spec.StateDir, exited); err != nil {
-		return pid, pi.startTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
+		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
 	}
-	return pid, pi.startTime, nil
+	return pid, pi.StartTime, nil
 }
 
 // waitQMP polls until QEMU answers on its QMP socket, the process exits or ctx ends.
@@ -562,13 +565,13 @@ func (r *Runtime) findInstance(id string) (record, error) {
 	if pid == 0 {
 		return record{}, runtime.ErrNotFound
 	}
-	pi, err := readProc(pid)
+	pi, err := instances.ReadProc(pid)
 	if err != nil {
 		return record{}, runtime.ErrNotFound
 	}
 	stateDir, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fdStateDir))
 	rootfs, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fdDisk))
-	return record{ID: id, PID: pid, StartTime: pi.startTime, StateDir: stateDir, RootFS: rootfs}, nil
+	return record{ID: id, PID: pid, StartTime: pi.StartTime, StateDir: stateDir, RootFS: rootfs}, nil
 }
 
 // List reports every instance with a record or a QEMU process, sorted by id.
@@ -613,11 +616,11 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 		return fmt.Errorf("qemu adopt %s: runs from %s, not %s", spec.ID, rec.StateDir, spec.StateDir)
 	}
 	if _, rerr := r.readRecord(spec.ID); rerr != nil || rec.PID != pid {
-		pi, err := readProc(pid)
+		pi, err := instances.ReadProc(pid)
 		if err != nil {
 			return fmt.Errorf("qemu adopt %s: %w", spec.ID, err)
 		}
-		rec.PID, rec.StartTime = pid, pi.startTime
+		rec.PID, rec.StartTime = pid, pi.StartTime
 		if rec.CreatedAt.IsZero() {
 			rec.CreatedAt = time.Now().UTC()
 		}
@@ -691,8 +694,8 @@ func (r *Runtime) destroy(ctx context.Context, id string) error {
 
 // stopQEMU asks QEMU to quit and kills it if it is still there after quitTimeout.
 func (r *Runtime) stopQEMU(ctx context.Context, pid int, stateDir string) error {
-	pi, err := readProc(pid)
-	if err != nil || !pi.live() {
+	pi, err := instances.ReadProc(pid)
+	if err != nil || !pi.Live() {
 		return nil
 	}
 	if stateDir != "" {
@@ -703,7 +706,7 @@ func (r *Runtime) stopQEMU(ctx context.Context, pid int, stateDir string) error 
 			r.log.DebugContext(ctx, "qmp quit failed, killing", "pid", pid, "err", err)
 		}
 	}
-	return waitGone(ctx, pid, pi.startTime, quitTimeout)
+	return waitGone(ctx, pid, pi.StartTime, quitTimeout)
 }
 
 // Close drops the runtime's agent sessions. VMs keep running; a new Runtime adopts them.

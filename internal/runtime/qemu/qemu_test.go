@@ -1,7 +1,6 @@
 package qemu
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -11,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -88,79 +86,6 @@ func writeFile(t *testing.T, p, content string) {
 	}
 	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
 		t.Fatal(err)
-	}
-}
-
-func TestResolveModules(t *testing.T) {
-	dir := t.TempDir()
-	writeFile(t, filepath.Join(dir, "modules.dep"), strings.Join([]string{
-		"kernel/drivers/virtio/virtio_ring.ko:",
-		"kernel/drivers/virtio/virtio.ko: kernel/drivers/virtio/virtio_ring.ko",
-		"kernel/drivers/virtio/virtio_mmio.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko",
-		"kernel/drivers/block/virtio_blk.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko",
-		"kernel/drivers/char/virtio_console.ko: kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko",
-		"",
-	}, "\n"))
-	writeFile(t, filepath.Join(dir, "modules.builtin"), "kernel/fs/ext4/ext4.ko\n")
-	got, err := resolveModules(dir, guestModules())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, p := range got {
-		rel, _ := filepath.Rel(dir, p)
-		names = append(names, filepath.Base(rel))
-	}
-	want := []string{"virtio_ring.ko", "virtio.ko", "virtio_mmio.ko", "virtio_blk.ko", "virtio_console.ko"}
-	if !slices.Equal(names, want) {
-		t.Errorf("modules %v, want %v (dependencies first, built-ins and a missing optional module skipped)", names, want)
-	}
-	if _, err := resolveModules(dir, []string{"virtio_net"}); err == nil {
-		t.Error("a missing required module resolved")
-	}
-	if got, err := resolveModules(t.TempDir(), guestModules()); err != nil || len(got) != 0 {
-		t.Errorf("kernel without modules.dep: %v %v, want everything built in", got, err)
-	}
-}
-
-func TestInitramfs(t *testing.T) {
-	cpio, err := exec.LookPath("cpio")
-	if err != nil {
-		t.Skip("needs cpio")
-	}
-	dir := t.TempDir()
-	agent := filepath.Join(dir, "agent")
-	writeFile(t, agent, "#!agent\n")
-	mods := []string{filepath.Join(dir, "m/virtio.ko"), filepath.Join(dir, "m/virtio-rng.ko")}
-	for _, m := range mods {
-		writeFile(t, m, "module "+filepath.Base(m))
-	}
-	var buf bytes.Buffer
-	if err := writeInitramfs(&buf, agent, mods); err != nil {
-		t.Fatal(err)
-	}
-	if buf.Len()%4 != 0 {
-		t.Errorf("archive length %d not 4-aligned", buf.Len())
-	}
-	list := exec.Command(cpio, "-itv", "--quiet")
-	list.Stdin = bytes.NewReader(buf.Bytes())
-	out, err := list.CombinedOutput()
-	if err != nil {
-		t.Fatalf("cpio -t: %v\n%s", err, out)
-	}
-	for _, want := range []string{
-		`-rwxr-xr-x .* 8 .* init$`, `crw------- .* 5, +1 .* dev/console$`, `crw-rw-rw- .* 1, +3 .* dev/null$`,
-		`drwxr-xr-x .* proc$`, `-rw-r--r-- .* modules/virtio-rng.ko$`, `-rw-r--r-- .* modules/order$`,
-	} {
-		if !regexpMatchLine(want, string(out)) {
-			t.Errorf("no entry matching %q in:\n%s", want, out)
-		}
-	}
-	extract := exec.Command(cpio, "-i", "--quiet", "--to-stdout", "modules/order")
-	extract.Stdin = bytes.NewReader(buf.Bytes())
-	order, err := extract.Output()
-	if err != nil || string(order) != "virtio.ko\nvirtio-rng.ko\n" {
-		t.Errorf("modules/order: %q %v", order, err)
 	}
 }
 
@@ -318,16 +243,6 @@ func TestNetworkUnsupported(t *testing.T) {
 		t.Errorf("Create with network: %v", err)
 	}
 	assertGone(t, rt, spec)
-}
-
-func regexpMatchLine(pattern, text string) bool {
-	re := regexp.MustCompile(pattern)
-	for _, line := range strings.Split(text, "\n") {
-		if re.MatchString(line) {
-			return true
-		}
-	}
-	return false
 }
 
 // TestDestroyReleasesDisk: once Destroy returns, no thread of QEMU holds the disk: the

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // maxBandwidth lifts QEMU's default migration bandwidth limit: a checkpoint goes to a
@@ -144,8 +145,8 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 	// From here on the checkpoint is complete: the VM is not resumed on failure.
 	state = ""
 	_ = q.exec(ctx, "quit", nil, nil) // QEMU may close the connection before answering
-	if pi, perr := readProc(rec.PID); perr == nil {
-		if err := waitGone(ctx, rec.PID, pi.startTime, quitTimeout); err != nil {
+	if pi, perr := instances.ReadProc(rec.PID); perr == nil {
+		if err := waitGone(ctx, rec.PID, pi.StartTime, quitTimeout); err != nil {
 			return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 		}
 	}
@@ -204,7 +205,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) er
 	if _, err := os.Stat(m.Initrd); err != nil {
 		// The initramfs cache is on tmpfs: rebuild it. Its content is not part of the
 		// migration stream (the guest booted from it long ago); QEMU only needs a file.
-		if m.Initrd, err = r.initramfs(ctx, spec.AgentPath); err != nil {
+		if m.Initrd, err = r.initrds.Build(ctx, spec.AgentPath); err != nil {
 			return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 		}
 	}
