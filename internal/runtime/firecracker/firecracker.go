@@ -735,19 +735,9 @@ func (r *Runtime) List(ctx context.Context) ([]runtime.Instance, error) {
 	if err != nil {
 		return nil, fmt.Errorf("firecracker list: %w", err)
 	}
-	ids = append(ids, r.orphanIDs()...)
-	slices.Sort(ids)
-	ids = slices.Compact(ids)
-	var out []runtime.Instance
-	for _, id := range ids {
-		st, err := r.Status(ctx, id)
-		if errors.Is(err, runtime.ErrNotFound) {
-			continue // destroyed meanwhile
-		}
-		if err != nil {
-			return nil, fmt.Errorf("firecracker list: %w", err)
-		}
-		out = append(out, runtime.Instance{ID: id, Status: st})
+	out, err := instances.List(ctx, append(ids, r.orphanIDs()...), r.Status)
+	if err != nil {
+		return nil, fmt.Errorf("firecracker list: %w", err)
 	}
 	return out, nil
 }

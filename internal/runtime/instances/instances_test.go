@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 )
 
 type rec struct {
@@ -68,7 +69,15 @@ func TestProcs(t *testing.T) {
 	defer sleep.Wait()
 	defer sleep.Process.Kill()
 	pid := sleep.Process.Pid
-	pi, err := ReadProc(pid)
+	// Start returns once the child's close-on-exec pipe closed, which the kernel does
+	// before it lays out the new argv: wait for /proc to show it.
+	var pi Proc
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if pi, err = ReadProc(pid); err != nil || len(pi.Argv) > 1 {
+			break
+		}
+	}
 	if err != nil || !pi.Live() || pi.StartTime == 0 || !slices.Equal(pi.Argv, []string{"instances-test", "60"}) {
 		t.Fatalf("ReadProc: %+v %v", pi, err)
 	}

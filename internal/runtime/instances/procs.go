@@ -74,7 +74,9 @@ func Scan(match func(argv []string) bool) []int {
 // is none), else the first match found by Scan.
 func FindPID(pid int, startTime uint64, match func(argv []string) bool) int {
 	if pid > 0 {
-		if pi, err := ReadProc(pid); err == nil && pi.Live() && pi.StartTime == startTime && match(pi.Argv) {
+		// An empty argv is a process still inside execve (the kernel lays out the new
+		// argv after the exec is committed): pid and start time already identify it.
+		if pi, err := ReadProc(pid); err == nil && pi.Live() && pi.StartTime == startTime && (match(pi.Argv) || slices.Equal(pi.Argv, []string{""})) {
 			return pid
 		}
 	}
