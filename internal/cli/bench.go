@@ -19,10 +19,7 @@ Scenarios: ` + joinNames() + `.`,
 		Example: "  space bench --runs 20\n  space bench --only cold-create -o json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}

@@ -91,6 +91,37 @@ func (a *app) checkOutput() error {
 	return nil
 }
 
+// connect checks --output and returns the API client: how every command that prints
+// a result starts, so a bad --output fails before any request is made.
+func (a *app) connect() (*client.Client, error) {
+	if err := a.checkOutput(); err != nil {
+		return nil, err
+	}
+	return a.client()
+}
+
+// printList prints items as a JSON array (empty, never null) or as a table under
+// header with the cells row gives for each item.
+func printList[T any](a *app, items []T, header []string, row func(T) []any) error {
+	if a.json() {
+		if items == nil {
+			items = []T{}
+		}
+		return a.printJSON(items)
+	}
+	tw := a.table(header...)
+	for _, it := range items {
+		for i, cell := range row(it) {
+			if i > 0 {
+				fmt.Fprint(tw, "\t")
+			}
+			fmt.Fprint(tw, cell)
+		}
+		fmt.Fprintln(tw)
+	}
+	return tw.Flush()
+}
+
 // print writes v as indented JSON.
 func (a *app) printJSON(v any) error {
 	enc := json.NewEncoder(a.env.Stdout)

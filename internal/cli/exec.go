@@ -83,10 +83,7 @@ func (a *app) opCmd() *cobra.Command {
 		Short: "Show an operation",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -102,10 +99,7 @@ func (a *app) opCmd() *cobra.Command {
 		Short: "Wait until an operation is done; exit 1 if it failed",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -134,10 +128,7 @@ func (a *app) apikeyCmd() *cobra.Command {
 		Short: "Create an API key and print its secret (shown only once)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -164,10 +155,7 @@ func (a *app) apikeyCmd() *cobra.Command {
 		Short:   "List API keys",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -175,18 +163,13 @@ func (a *app) apikeyCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				return a.printJSON(keys)
-			}
-			tw := a.table("ID", "NAME", "PREFIX", "KIND", "ADMIN", "CREATED", "REVOKED")
-			for _, k := range keys {
+			return printList(a, keys, []string{"ID", "NAME", "PREFIX", "KIND", "ADMIN", "CREATED", "REVOKED"}, func(k api.APIKey) []any {
 				revoked := "-"
 				if k.RevokedAt != nil {
 					revoked = ago(*k.RevokedAt)
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s…\t%s\t%v\t%s\t%s\n", k.ID, k.Name, k.Prefix, k.Kind, k.Admin, ago(k.CreatedAt), revoked)
-			}
-			return tw.Flush()
+				return []any{k.ID, k.Name, k.Prefix + "…", k.Kind, k.Admin, ago(k.CreatedAt), revoked}
+			})
 		},
 	}
 	revoke := &cobra.Command{
@@ -221,10 +204,7 @@ func (a *app) nodeCmd() *cobra.Command {
 		Short:   "List nodes with their runtime",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -232,14 +212,9 @@ func (a *app) nodeCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				return a.printJSON(nodes)
-			}
-			tw := a.table("NAME", "STATE", "RUNTIME", "DETAILS", "SANDBOXES", "HEARTBEAT", "DATA PLANE")
-			for _, n := range nodes {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\n", n.Name, n.State, n.Runtime, details(n.RuntimeInfo), n.Sandboxes, ago(n.HeartbeatAt), n.DataPlaneURL)
-			}
-			return tw.Flush()
+			return printList(a, nodes, []string{"NAME", "STATE", "RUNTIME", "DETAILS", "SANDBOXES", "HEARTBEAT", "DATA PLANE"}, func(n api.Node) []any {
+				return []any{n.Name, n.State, n.Runtime, details(n.RuntimeInfo), n.Sandboxes, ago(n.HeartbeatAt), n.DataPlaneURL}
+			})
 		},
 	})
 	return cmd

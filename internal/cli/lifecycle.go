@@ -27,10 +27,7 @@ func (a *app) lifecycleCmds() []*cobra.Command {
 			Short: v.short,
 			Args:  cobra.MinimumNArgs(1),
 			RunE: func(cmd *cobra.Command, args []string) error {
-				if err := a.checkOutput(); err != nil {
-					return err
-				}
-				c, err := a.client()
+				c, err := a.connect()
 				if err != nil {
 					return err
 				}
@@ -74,10 +71,7 @@ func (a *app) cloneCmd() *cobra.Command {
 		Short: "Make copies of a running or suspended sandbox (memory and disk, copy-on-write); prints their ids",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -152,10 +146,7 @@ func (a *app) poolCmd() *cobra.Command {
 		Short:   "List warm pools and how many sandboxes are ready in each",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -163,17 +154,9 @@ func (a *app) poolCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				if pools == nil {
-					pools = []api.Pool{}
-				}
-				return a.printJSON(pools)
-			}
-			tw := a.table("TEMPLATE", "CPU", "MEMORY", "SIZE", "READY")
-			for _, p := range pools {
-				fmt.Fprintf(tw, "%s\t%d\t%dMiB\t%d\t%d\n", p.Template, p.CPU, p.MemoryMB, p.Size, p.Ready)
-			}
-			return tw.Flush()
+			return printList(a, pools, []string{"TEMPLATE", "CPU", "MEMORY", "SIZE", "READY"}, func(p api.Pool) []any {
+				return []any{p.Template, p.CPU, fmt.Sprintf("%dMiB", p.MemoryMB), p.Size, p.Ready}
+			})
 		},
 	}
 	cmd.AddCommand(set, list)

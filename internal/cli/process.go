@@ -29,10 +29,7 @@ func (a *app) psCmd() *cobra.Command {
 		Short: "List a sandbox's processes (running and recently exited)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -40,14 +37,7 @@ func (a *app) psCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				if list == nil {
-					list = []api.Process{}
-				}
-				return a.printJSON(list)
-			}
-			tw := a.table("PID", "STATE", "EXIT", "USER", "STARTED", "COMMAND")
-			for _, p := range list {
+			return printList(a, list, []string{"PID", "STATE", "EXIT", "USER", "STARTED", "COMMAND"}, func(p api.Process) []any {
 				exit := "-"
 				switch {
 				case p.ExitCode != nil:
@@ -59,9 +49,8 @@ func (a *app) psCmd() *cobra.Command {
 				if p.StartedAt != nil {
 					started = ago(*p.StartedAt)
 				}
-				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", p.PID, p.State, exit, p.User, started, strings.Join(p.Argv, " "))
-			}
-			return tw.Flush()
+				return []any{p.PID, p.State, exit, p.User, started, strings.Join(p.Argv, " ")}
+			})
 		},
 	}
 }

@@ -115,17 +115,9 @@ func (a *app) sandboxList() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				if list == nil {
-					list = []api.Sandbox{}
-				}
-				return a.printJSON(list)
-			}
-			tw := a.table("ID", "STATE", "TEMPLATE", "CPU", "MEMORY", "NODE", "CREATED")
-			for _, s := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%dMiB\t%s\t%s\n", s.ID, s.State, s.Template, s.CPU, s.MemoryMB, s.Node, ago(s.CreatedAt))
-			}
-			return tw.Flush()
+			return printList(a, list, []string{"ID", "STATE", "TEMPLATE", "CPU", "MEMORY", "NODE", "CREATED"}, func(s api.Sandbox) []any {
+				return []any{s.ID, s.State, s.Template, s.CPU, fmt.Sprintf("%dMiB", s.MemoryMB), s.Node, ago(s.CreatedAt)}
+			})
 		},
 	}
 	cmd.Flags().StringArrayVar(&states, "state", nil, "only sandboxes in this state (repeatable)")
@@ -139,10 +131,7 @@ func (a *app) sandboxGet() *cobra.Command {
 		Short: "Show a sandbox",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -200,10 +189,7 @@ func (a *app) sandboxRm() *cobra.Command {
 		Short:   "Delete sandboxes",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}

@@ -34,10 +34,7 @@ func (a *app) templateListCmd() *cobra.Command {
 		Short:   "List template releases and their tags",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -45,14 +42,9 @@ func (a *app) templateListCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if a.json() {
-				return a.printJSON(list)
-			}
-			tw := a.table("NAME", "TAGS", "DIGEST", "SIZE", "CREATED")
-			for _, t := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", t.Name, strings.Join(t.Tags, ","), t.Digest, humanBytes(t.SizeBytes), ago(t.CreatedAt))
-			}
-			return tw.Flush()
+			return printList(a, list, []string{"NAME", "TAGS", "DIGEST", "SIZE", "CREATED"}, func(t api.Template) []any {
+				return []any{t.Name, strings.Join(t.Tags, ","), t.Digest, humanBytes(t.SizeBytes), ago(t.CreatedAt)}
+			})
 		},
 	}
 }
@@ -78,10 +70,7 @@ func (a *app) templateGetCmd() *cobra.Command {
 		Short: "Show a template's releases, tags and configs",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
@@ -126,10 +115,7 @@ be deleted (delete those sandboxes first).`,
 		Aliases: []string{"delete"},
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.checkOutput(); err != nil {
-				return err
-			}
-			c, err := a.client()
+			c, err := a.connect()
 			if err != nil {
 				return err
 			}
