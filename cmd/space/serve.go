@@ -457,15 +457,15 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 	} else {
 		why = append(why, "firecracker: "+err.Error())
 	}
-	if q, err := newQEMU(); err != nil {
+	// Probe before building: a runtime that is not chosen must leave nothing on the host.
+	if accel, reason, err := qemu.DetectAccel(c.qemuAccel); err != nil {
+		why = append(why, "qemu: "+err.Error())
+	} else if accel != qemu.AccelKVM {
+		why = append(why, "qemu: no hardware KVM ("+reason+"), and TCG is too slow to be the default")
+	} else if q, err := newQEMU(); err != nil {
 		why = append(why, "qemu: "+err.Error())
 	} else {
-		info, _ := q.Info(context.Background())
-		if info.Details["accel"] == "kvm" {
-			return q, "auto: qemu with hardware KVM (" + strings.Join(why, "; ") + ")", nil
-		}
-		_ = q.Close()
-		why = append(why, "qemu: no hardware KVM ("+info.Details["accel_reason"]+"), and TCG is too slow to be the default")
+		return q, "auto: qemu with hardware KVM (" + strings.Join(why, "; ") + ")", nil
 	}
 	rt, err := newGVisor()
 	return rt, "auto: gVisor (" + strings.Join(why, "; ") + ")", err

@@ -248,6 +248,7 @@ func (s *srv) cleanup() {
 		}
 	}
 	_ = os.RemoveAll(s.RunscRoot())
+	_ = os.RemoveAll(strings.Replace(s.RunscRoot(), "/runsc-", "/qemu-", 1))
 	store := filepath.Join(s.dataDir, "store")
 	for i := 0; i < 50; i++ {
 		if err := syscall.Unmount(store, 0); err == nil || err == syscall.EINVAL || err == syscall.ENOENT {

@@ -13,10 +13,11 @@ const (
 	AccelTCG  = "tcg"
 )
 
-// detectAccel picks the accelerator for mode and says why. KVM needs both /dev/kvm and
-// hardware virtualization (vmx or svm in /proc/cpuinfo): some hosts expose /dev/kvm for
-// a paravirtual mode only (e.g. kvm_pvm), under which ordinary guest kernels hang.
-func detectAccel(mode string) (accel, reason string, err error) {
+// DetectAccel picks the accelerator for mode and says why: what New would use, found
+// without building a runtime. KVM needs both /dev/kvm and hardware virtualization (vmx
+// or svm in /proc/cpuinfo): some hosts expose /dev/kvm for a paravirtual mode only
+// (e.g. kvm_pvm), under which ordinary guest kernels hang.
+func DetectAccel(mode string) (accel, reason string, err error) {
 	hw, kvmErr := kvmUsable()
 	switch mode {
 	case AccelTCG:

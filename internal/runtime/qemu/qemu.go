@@ -157,7 +157,7 @@ func New(cfg Config) (*Runtime, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	accel, reason, err := detectAccel(cfg.Accel)
+	accel, reason, err := DetectAccel(cfg.Accel)
 	if err != nil {
 		return nil, fmt.Errorf("qemu: %w", err)
 	}

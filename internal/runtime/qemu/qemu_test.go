@@ -109,13 +109,13 @@ func TestHostTSC(t *testing.T) {
 }
 
 func TestDetectAccel(t *testing.T) {
-	if a, _, err := detectAccel(AccelTCG); err != nil || a != AccelTCG {
+	if a, _, err := DetectAccel(AccelTCG); err != nil || a != AccelTCG {
 		t.Errorf("tcg: %s %v", a, err)
 	}
-	if _, _, err := detectAccel("hvf"); err == nil {
+	if _, _, err := DetectAccel("hvf"); err == nil {
 		t.Error("unknown accelerator accepted")
 	}
-	a, reason, err := detectAccel(AccelAuto)
+	a, reason, err := DetectAccel(AccelAuto)
 	if err != nil || reason == "" || (a != AccelKVM && a != AccelTCG) {
 		t.Errorf("auto: %s %q %v", a, reason, err)
 	}
