@@ -2,8 +2,8 @@ package qemu
 
 import (
 	"fmt"
-	"os"
-	"strings"
+
+	"github.com/spacedev/space/internal/runtime/kvm"
 )
 
 // Accelerators.
@@ -18,7 +18,7 @@ const (
 // or svm in /proc/cpuinfo): some hosts expose /dev/kvm for a paravirtual mode only
 // (e.g. kvm_pvm), under which ordinary guest kernels hang.
 func DetectAccel(mode string) (accel, reason string, err error) {
-	hw, kvmErr := kvmUsable()
+	hw, kvmErr := kvm.Check()
 	switch mode {
 	case AccelTCG:
 		return AccelTCG, "configured", nil
@@ -35,38 +35,4 @@ func DetectAccel(mode string) (accel, reason string, err error) {
 	default:
 		return "", "", fmt.Errorf("unknown accel %q (want auto, kvm or tcg)", mode)
 	}
-}
-
-// kvmUsable reports whether KVM can run ordinary guests, naming the CPU feature found.
-func kvmUsable() (string, error) {
-	data, err := os.ReadFile("/proc/cpuinfo")
-	if err != nil {
-		return "", fmt.Errorf("read /proc/cpuinfo: %w", err)
-	}
-	hw := ""
-	for _, line := range strings.Split(string(data), "\n") {
-		k, v, ok := strings.Cut(line, ":")
-		if !ok || strings.TrimSpace(k) != "flags" {
-			continue
-		}
-		for _, f := range strings.Fields(v) {
-			if f == "vmx" || f == "svm" {
-				hw = f
-			}
-		}
-		break
-	}
-	f, kvmErr := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
-	if kvmErr == nil {
-		f.Close()
-	}
-	switch {
-	case hw == "" && kvmErr == nil:
-		return "", fmt.Errorf("no vmx/svm in /proc/cpuinfo: /dev/kvm is paravirtual-only")
-	case hw == "":
-		return "", fmt.Errorf("no vmx/svm in /proc/cpuinfo and no usable /dev/kvm")
-	case kvmErr != nil:
-		return "", fmt.Errorf("%s present but /dev/kvm unusable: %w", hw, kvmErr)
-	}
-	return hw, nil
 }
