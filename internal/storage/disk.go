@@ -25,6 +25,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/durable"
 )
 
 // DefaultDiskSize is the apparent size of a release's ext4 image when the caller does
@@ -107,14 +109,14 @@ func (s *Store) buildImage(ctx context.Context, rootfs, dst string, size int64) 
 	if err := os.Chmod(img, 0o444); err != nil {
 		return err
 	}
-	if err := syncFile(img); err != nil {
+	if err := durable.Sync(img); err != nil {
 		return err
 	}
 	err = unix.Renameat2(unix.AT_FDCWD, img, unix.AT_FDCWD, dst, unix.RENAME_NOREPLACE)
 	if err != nil && !errors.Is(err, unix.EEXIST) {
 		return fmt.Errorf("publish image: %w", err)
 	}
-	return syncDir(filepath.Dir(dst))
+	return durable.Sync(filepath.Dir(dst))
 }
 
 // SandboxDisk returns the path of sandbox id's disk image (sandboxes/<id>/disk.ext4). It
@@ -183,7 +185,7 @@ func (s *Store) CreateSandboxDisk(ctx context.Context, id, digest string, size i
 			return "", fmt.Errorf("storage: sandbox %s disk: %w", id, err)
 		}
 	}
-	if err := syncFile(dst); err != nil {
+	if err := durable.Sync(dst); err != nil {
 		return "", fmt.Errorf("storage: sandbox %s disk: %w", id, err)
 	}
 	s.log.DebugContext(ctx, "storage: sandbox disk created", "id", id, "digest", digest, "size", max(size, fi.Size()))
@@ -240,20 +242,6 @@ func lockFile(ctx context.Context, path string) (func(), error) {
 		}
 	}
 }
-
-func syncFile(path string) error {
-	f, err := os.Open(path)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("fsync %s: %w", path, err)
-	}
-	return nil
-}
-
-func syncDir(path string) error { return syncFile(path) }
 
 // runE2fs runs an e2fsprogs tool and folds its output into the error.
 func runE2fs(ctx context.Context, name string, args ...string) error {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/durable"
 )
 
 // Release is the metadata of an immutable template release (templates/<hex>/release.json).
@@ -142,7 +144,7 @@ func (b *ReleaseBuild) Commit(ctx context.Context, meta Release) (rel Release, e
 	if err != nil {
 		return Release{}, fmt.Errorf("storage: %w", err)
 	}
-	if err := writeFileSync(filepath.Join(b.dir, releaseFile), append(data, '\n')); err != nil {
+	if err := durable.WriteFile(filepath.Join(b.dir, releaseFile), append(data, '\n'), 0o644); err != nil {
 		return Release{}, fmt.Errorf("storage: %w", err)
 	}
 	// Make the contents durable before the rename publishes them.
@@ -162,22 +164,6 @@ func (b *ReleaseBuild) Commit(ctx context.Context, meta Release) (rel Release, e
 	b.done = true
 	b.s.log.InfoContext(ctx, "storage: release published", "name", rel.Name, "digest", digest, "size", size)
 	return rel, nil
-}
-
-func writeFileSync(path string, data []byte) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }
 
 func syncFS(path string) error {

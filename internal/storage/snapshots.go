@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/spacedev/space/internal/durable"
 )
 
 // Snapshot layout (memory + device state from the runtime, disk from btrfs):
@@ -78,7 +80,7 @@ func (s *Store) MarkComplete(dir string) error {
 			return err
 		}
 		if d.Type().IsRegular() || d.IsDir() {
-			return syncFile(p)
+			return durable.Sync(p)
 		}
 		return nil
 	})
@@ -89,10 +91,10 @@ func (s *Store) MarkComplete(dir string) error {
 	if err := os.WriteFile(m, []byte("ok\n"), 0o600); err != nil {
 		return fmt.Errorf("storage: %w", err)
 	}
-	if err := syncFile(m); err != nil {
+	if err := durable.Sync(m); err != nil {
 		return err
 	}
-	return syncDir(dir)
+	return durable.Sync(dir)
 }
 
 // IsComplete reports whether dir holds a complete checkpoint.

@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -186,10 +187,10 @@ func (r *Runtime) checkpoint(ctx context.Context, id, dir string) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := writeFileSync(filepath.Join(dir, cpMeta), append(data, '\n')); err != nil {
+	if err := durable.WriteFile(filepath.Join(dir, cpMeta), append(data, '\n'), 0o600); err != nil {
 		return err
 	}
-	if err := syncDir(dir); err != nil {
+	if err := durable.Sync(dir); err != nil {
 		return err
 	}
 	r.log.InfoContext(ctx, "vm checkpointed", "id", id, "pause", paused, "snapshot", written-paused, "duration", time.Since(start))
@@ -320,12 +321,7 @@ func (r *Runtime) placeCheckpoint(rec record, dir string) error {
 // across file systems. dst is fsynced.
 func moveFile(src, dst string) error {
 	if err := os.Rename(src, dst); err == nil {
-		f, err := os.Open(dst)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		return f.Sync()
+		return durable.Sync(dst)
 	} else if !errors.Is(err, unix.EXDEV) {
 		return err
 	}
@@ -353,29 +349,4 @@ func moveFile(src, dst string) error {
 		return err
 	}
 	return os.Remove(src)
-}
-
-func writeFileSync(p string, data []byte) error {
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
-}
-
-func syncDir(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Sync()
 }

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/guest/vmboot"
 )
 
@@ -136,7 +137,7 @@ func writeMachine(dir string, m machine) error {
 	if err != nil {
 		return err
 	}
-	return writeFileSync(filepath.Join(dir, machineFile), append(data, '\n'))
+	return durable.WriteFile(filepath.Join(dir, machineFile), append(data, '\n'), 0o600)
 }
 
 func readMachine(dir string) (machine, error) {
@@ -152,20 +153,4 @@ func readMachine(dir string) (machine, error) {
 		return m, fmt.Errorf("%s: incomplete machine", filepath.Join(dir, machineFile))
 	}
 	return m, nil
-}
-
-func writeFileSync(p string, data []byte) error {
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/instances"
 )
@@ -132,13 +133,13 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
 	migrated := time.Since(start)
-	if err := fsyncPath(memPath); err != nil {
+	if err := durable.Sync(memPath); err != nil {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
 	if err := writeMachine(dir, rec.Machine); err != nil {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
-	if err := fsyncPath(dir); err != nil {
+	if err := durable.Sync(dir); err != nil {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
 	synced := time.Since(start)
@@ -156,18 +157,6 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 	}
 	r.log.InfoContext(ctx, "vm checkpointed", "id", id, "stop", stopped, "migrate", migrated,
 		"fsync", synced, "duration", time.Since(start), "memory_bytes", size)
-	return nil
-}
-
-func fsyncPath(p string) error {
-	f, err := os.Open(p)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("fsync %s: %w", p, err)
-	}
 	return nil
 }
 
