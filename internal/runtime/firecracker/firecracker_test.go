@@ -172,7 +172,7 @@ func (f *fixture) spec(id string) runtime.Spec {
 func (f *fixture) create(spec runtime.Spec) {
 	f.t.Helper()
 	if err := f.rt.Create(f.ctx(), spec); err != nil {
-		f.t.Fatalf("Create: %v\n%s", err, tail(filepath.Join(spec.StateDir, logFile), 4096))
+		f.t.Fatalf("Create: %v\n%s", err, runtime.LogTail(filepath.Join(spec.StateDir, logFile), 4096))
 	}
 	f.track(spec)
 }
@@ -182,7 +182,7 @@ func (f *fixture) create(spec runtime.Spec) {
 func (f *fixture) restore(spec runtime.Spec, dir string) {
 	f.t.Helper()
 	if err := f.rt.Restore(f.ctx(), spec, dir); err != nil {
-		f.t.Fatalf("Restore: %v\n%s", err, tail(filepath.Join(spec.StateDir, logFile), 4096))
+		f.t.Fatalf("Restore: %v\n%s", err, runtime.LogTail(filepath.Join(spec.StateDir, logFile), 4096))
 	}
 	f.track(spec)
 }

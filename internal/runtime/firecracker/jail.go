@@ -9,12 +9,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/instances"
 )
 
@@ -259,12 +259,12 @@ func (r *Runtime) start(ctx context.Context, rec record, netns string) (pid int,
 	pi, err := instances.ReadProc(pid)
 	if err != nil {
 		<-exited
-		return 0, 0, fmt.Errorf("firecracker exited at once: %s", tail(logPath, 2048))
+		return 0, 0, fmt.Errorf("firecracker exited at once: %s", runtime.LogTail(logPath, 2048))
 	}
 	sctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	if err := waitSocket(sctx, filepath.Join(rec.chroot(), apiSocket), exited); err != nil {
-		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
+		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, runtime.LogTail(logPath, 2048))
 	}
 	return pid, pi.StartTime, nil
 }
@@ -311,20 +311,4 @@ func removeCgroup(ctx context.Context, dir string) error {
 		case <-t.C:
 		}
 	}
-}
-
-// tail returns the last n bytes of a file (best effort, for error messages).
-func tail(p string, n int64) string {
-	f, err := os.Open(p)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > n {
-		if _, err := f.Seek(-n, io.SeekEnd); err != nil {
-			return ""
-		}
-	}
-	b, _ := io.ReadAll(io.LimitReader(f, n))
-	return strings.TrimSpace(string(b))
 }

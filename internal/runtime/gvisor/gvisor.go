@@ -13,7 +13,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -234,26 +233,9 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 	err = cmd.Run()
 	r.logRun(ctx, full, start, err)
 	if err != nil {
-		return runscError(full, err, tail(logPath, 2048))
+		return runscError(full, err, runtime.LogTail(logPath, 2048))
 	}
 	return nil
-}
-
-// tail returns the last n bytes of a file (best effort, for error messages).
-func tail(path string, n int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > n {
-		if _, err := f.Seek(-n, io.SeekEnd); err != nil {
-			return ""
-		}
-	}
-	b := make([]byte, n)
-	k, _ := f.Read(b)
-	return string(b[:k])
 }
 
 // Dial connects to the agent's unix socket in the instance's run dir.

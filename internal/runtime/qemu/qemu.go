@@ -29,7 +29,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"log/slog"
 	"net"
@@ -425,12 +424,12 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, incom
 	}()
 	pi, err := instances.ReadProc(pid)
 	if err != nil {
-		return 0, 0, fmt.Errorf("qemu exited at once: %s", tail(logPath, 2048))
+		return 0, 0, fmt.Errorf("qemu exited at once: %s", runtime.LogTail(logPath, 2048))
 	}
 	sctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	if err := r.waitQMP(sctx, spec.StateDir, exited); err != nil {
-		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, tail(logPath, 2048))
+		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, runtime.LogTail(logPath, 2048))
 	}
 	return pid, pi.StartTime, nil
 }
@@ -454,22 +453,6 @@ func (r *Runtime) waitQMP(ctx context.Context, stateDir string, exited <-chan st
 		case <-t.C:
 		}
 	}
-}
-
-// tail returns the last n bytes of a file (best effort, for error messages).
-func tail(p string, n int64) string {
-	f, err := os.Open(p)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Size() > n {
-		if _, err := f.Seek(-n, io.SeekEnd); err != nil {
-			return ""
-		}
-	}
-	b, _ := io.ReadAll(io.LimitReader(f, n))
-	return strings.TrimSpace(string(b))
 }
 
 // withQMP runs f with a QMP connection to the instance; the caller holds its lock.
