@@ -149,6 +149,15 @@ func decodeBody(r *http.Request, v any) error {
 	return nil
 }
 
+// timeout returns the E2B timeout in seconds a request gave, or def when it gave none,
+// validated by checkTimeout.
+func (g *Gateway) timeout(given *int, def int) (int, error) {
+	if given != nil {
+		def = *given
+	}
+	return def, g.checkTimeout(def)
+}
+
 // checkTimeout validates an E2B timeout in seconds.
 func (g *Gateway) checkTimeout(secs int) error {
 	if secs <= 0 {
@@ -352,14 +361,12 @@ func (g *Gateway) create(v2 bool) apiHandler {
 		if err := decodeBody(r, &body); err != nil {
 			return err
 		}
-		timeout := defaultTimeout
+		def := defaultTimeout
 		if !v2 {
-			timeout = legacyTimeout
+			def = legacyTimeout
 		}
-		if body.Timeout != nil {
-			timeout = *body.Timeout
-		}
-		if err := g.checkTimeout(timeout); err != nil {
+		timeout, err := g.timeout(body.Timeout, def)
+		if err != nil {
 			return err
 		}
 		if len(body.MCP) > 0 && string(body.MCP) != "null" {
@@ -500,11 +507,8 @@ func (g *Gateway) refresh(w http.ResponseWriter, r *http.Request, p *server.Prin
 	if err := decodeBody(r, &body); err != nil {
 		return err
 	}
-	secs := legacyTimeout
-	if body.Duration != nil {
-		secs = *body.Duration
-	}
-	if err := g.checkTimeout(secs); err != nil {
+	secs, err := g.timeout(body.Duration, legacyTimeout)
+	if err != nil {
 		return err
 	}
 	sb, err := g.running(r.Context(), p, r.PathValue("id"))
@@ -624,11 +628,8 @@ func (g *Gateway) connect() apiHandler {
 		if err := decodeBody(r, &body); err != nil {
 			return err
 		}
-		secs := defaultTimeout
-		if body.Timeout != nil {
-			secs = *body.Timeout
-		}
-		if err := g.checkTimeout(secs); err != nil {
+		secs, err := g.timeout(body.Timeout, defaultTimeout)
+		if err != nil {
 			return err
 		}
 		ctx := r.Context()
@@ -664,11 +665,8 @@ func (g *Gateway) resume(w http.ResponseWriter, r *http.Request, p *server.Princ
 	if err := decodeBody(r, &body); err != nil {
 		return err
 	}
-	secs := legacyTimeout
-	if body.Timeout != nil {
-		secs = *body.Timeout
-	}
-	if err := g.checkTimeout(secs); err != nil {
+	secs, err := g.timeout(body.Timeout, legacyTimeout)
+	if err != nil {
 		return err
 	}
 	ctx := r.Context()
