@@ -71,14 +71,14 @@ func newUserDB(etcDir string) *userDB {
 // refresh re-reads the files whose size or mtime changed. Missing files are empty.
 func (db *userDB) refresh() error {
 	if st, changed := stampOf(db.passwdPath, db.passwdStamp); changed {
-		users, err := readPasswdFile(db.passwdPath)
+		users, err := readDB(db.passwdPath, parsePasswd)
 		if err != nil {
 			return err
 		}
 		db.users, db.passwdStamp = users, st
 	}
 	if st, changed := stampOf(db.groupPath, db.groupStamp); changed {
-		groups, err := readGroupFile(db.groupPath)
+		groups, err := readDB(db.groupPath, parseGroup)
 		if err != nil {
 			return err
 		}
@@ -96,36 +96,21 @@ func stampOf(path string, old fileStamp) (fileStamp, bool) {
 	return st, st != old
 }
 
-func readPasswdFile(path string) ([]passwdEntry, error) {
+// readDB parses a passwd(5)-style file; a missing file holds no entries.
+func readDB[T any](path string, parse func(io.Reader) ([]T, error)) ([]T, error) {
 	f, err := os.Open(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("read users: %w", err)
+		return nil, fmt.Errorf("read %s: %w", path, err)
 	}
 	defer f.Close()
-	users, err := parsePasswd(f)
+	entries, err := parse(f)
 	if err != nil {
 		return nil, fmt.Errorf("parse %s: %w", path, err)
 	}
-	return users, nil
-}
-
-func readGroupFile(path string) ([]groupEntry, error) {
-	f, err := os.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read groups: %w", err)
-	}
-	defer f.Close()
-	groups, err := parseGroup(f)
-	if err != nil {
-		return nil, fmt.Errorf("parse %s: %w", path, err)
-	}
-	return groups, nil
+	return entries, nil
 }
 
 // parsePasswd parses passwd(5) lines name:password:uid:gid:gecos:home:shell. Malformed
