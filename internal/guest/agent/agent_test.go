@@ -297,9 +297,20 @@ func TestExitCodesAndStreams(t *testing.T) {
 	if got.State != wire.StateExited || got.ExitCode == nil || *got.ExitCode != 3 || got.EndedAt == nil || got.Written != 8 {
 		t.Fatalf("after exit: %+v", got)
 	}
-	_, r = e.run(t, wire.ProcessSpec{Argv: []string{"true"}})
-	if exitCode(t, r.exit) != 0 || len(r.all) != 0 {
-		t.Fatalf("true: %+v", r)
+	// A child that exits before the agent finishes recording its start must still end
+	// up exited, with its start before its end.
+	for i := 0; i < 50; i++ {
+		pi, r := e.run(t, wire.ProcessSpec{Argv: []string{"true"}})
+		if exitCode(t, r.exit) != 0 || len(r.all) != 0 {
+			t.Fatalf("true: %+v", r)
+		}
+		got, err := e.c.GetProcess(testCtx(t, 5*time.Second), pi.PID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.State != wire.StateExited || got.StartedAt == nil || got.EndedAt == nil || got.EndedAt.Before(*got.StartedAt) {
+			t.Fatalf("true, run %d: %+v", i, got)
+		}
 	}
 	_, err = e.c.GetProcess(testCtx(t, 5*time.Second), 999999)
 	wantAgentError(t, err, 404, wire.ErrCodeProcessNotFound)

@@ -198,27 +198,26 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 	}
 	sort.Strings(envList)
 	attr := &os.ProcAttr{Dir: cwd, Env: envList, Files: files, Sys: sys}
+	// A fast child can exit, and onExit run, before spawn returns: everything onExit
+	// reads is set before the child exists or inside start, which runs under the
+	// reaper's lock and so before onExit. p is not shared yet, so p.mu is not needed.
+	p.openOutputs = len(outputs)
 	pid, err := a.reaper.spawn(func() (int, error) {
 		proc, err := os.StartProcess(path, argv, attr)
 		if err != nil {
 			return 0, err
 		}
-		// Set under the reaper's lock, before onExit can run for this pid.
 		p.pid = proc.Pid
 		_ = proc.Release() // the reaper collects it; signals go to the process group
+		if !spec.Gated {
+			p.markRunningLocked()
+		}
 		return p.pid, nil
 	}, p.onExit)
 	if err != nil {
 		return fail(&apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()})
 	}
 	closeAll(childFiles)
-
-	p.mu.Lock()
-	p.openOutputs = len(outputs)
-	if !spec.Gated {
-		p.markRunningLocked()
-	}
-	p.mu.Unlock()
 	for i, f := range outputs {
 		stream := wire.FrameStdout
 		if i == 1 {
