@@ -19,24 +19,30 @@ import (
 	"github.com/spacedev/space/internal/fault"
 )
 
-// routeDir holds the server's HTTP code: every non-test .go file in it is scanned for
-// route registrations, so a route added in a new file cannot escape the document.
-const routeDir = "../internal/server"
+// routeDirs hold the HTTP code of the control plane and the data plane: every non-test
+// .go file in them is scanned for route registrations, so a route added in a new file
+// cannot escape the document.
+var routeDirs = []string{"../internal/server", "../internal/dataplane"}
 
-// routeFiles lists the non-test Go files of routeDir.
+// routeDir names the scanned directories in messages.
+var routeDir = strings.Join(routeDirs, ", ")
+
+// routeFiles lists the non-test Go files of routeDirs.
 func routeFiles(t *testing.T) []string {
 	t.Helper()
-	entries, err := os.ReadDir(filepath.FromSlash(routeDir))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var out []string
-	for _, e := range entries {
-		name := e.Name()
-		if e.IsDir() || !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
-			continue
+	for _, dir := range routeDirs {
+		entries, err := os.ReadDir(filepath.FromSlash(dir))
+		if err != nil {
+			t.Fatal(err)
 		}
-		out = append(out, filepath.Join(filepath.FromSlash(routeDir), name))
+		for _, e := range entries {
+			name := e.Name()
+			if e.IsDir() || !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
+				continue
+			}
+			out = append(out, filepath.Join(filepath.FromSlash(dir), name))
+		}
 	}
 	if len(out) == 0 {
 		t.Fatalf("%s: no Go files", routeDir)

@@ -3,12 +3,18 @@
 // encodes these types and the Go client decodes them.
 package api
 
-import "time"
+import (
+	"encoding/json"
+	"time"
+)
 
 // Sandbox states, as observed by the node that runs the sandbox.
 const (
-	StatePending    = "pending"
-	StateCreating   = "creating"
+	StatePending  = "pending"
+	StateCreating = "creating"
+	// StateStarting is a stopped sandbox booting from its disk (start, or wake of a
+	// stopped sandbox).
+	StateStarting   = "starting"
 	StateRunning    = "running"
 	StatePausing    = "pausing"
 	StatePaused     = "paused"
@@ -40,6 +46,7 @@ const (
 	OpPause         = "pause"
 	OpResume        = "resume"
 	OpSuspend       = "suspend"
+	OpRestore       = "restore"
 	OpWake          = "wake"
 	OpClone         = "clone"
 	OpTemplateBuild = "template_build"
@@ -318,6 +325,36 @@ type Template struct {
 	Digest    string    `json:"digest"`
 	SizeBytes int64     `json:"size_bytes,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
+}
+
+// TemplateDetail is the body of GET /v1/templates/{name}.
+type TemplateDetail struct {
+	Name string `json:"name"`
+	// Tags maps each tag to the digest it points at.
+	Tags     map[string]string `json:"tags"`
+	Releases []TemplateRelease   `json:"releases"`
+}
+
+// TemplateRelease describes one release of a template.
+type TemplateRelease struct {
+	// Ref is the release's immutable reference, name@sha256:….
+	Ref       string          `json:"ref"`
+	Digest    string          `json:"digest"`
+	Tags      []string        `json:"tags"`
+	SizeBytes int64           `json:"size_bytes"`
+	CreatedAt time.Time       `json:"created_at"`
+	Config    json.RawMessage `json:"config"`
+	// Nodes are the ids of the nodes that hold the release's files.
+	Nodes []string `json:"nodes"`
+}
+
+// TemplateDeleted is the body of DELETE /v1/templates/{ref}.
+type TemplateDeleted struct {
+	// Deleted is the tag (name:tag) or release (name@sha256:…) removed.
+	Deleted string `json:"deleted"`
+	Digest  string `json:"digest"`
+	// Nodes are the nodes asked to remove the release's files (release deletes only).
+	Nodes []string `json:"nodes,omitempty"`
 }
 
 // FileInfo describes one file system entry in a sandbox (symbolic links are not

@@ -8,6 +8,7 @@
 //	SPACE_AGENT_MAX_EXITED     how many exited processes are retained (default 256)
 //	SPACE_AGENT_STDIN_STALL    give up a stdin write the process does not read for this long (default 30s)
 //	SPACE_AGENT_LOG_LEVEL      debug, info (default), warn, error
+//	SPACE_AGENT_ETC_DIR        where the passwd and group files are read (default /etc)
 package main
 
 import (
@@ -47,6 +48,7 @@ func run() error {
 	cfg := agent.Config{
 		Listen:  os.Getenv("SPACE_AGENT_LISTEN"),
 		RunDir:  os.Getenv("SPACE_AGENT_RUN_DIR"),
+		EtcDir:  os.Getenv("SPACE_AGENT_ETC_DIR"),
 		Version: version,
 		Logger:  log,
 	}

@@ -15,15 +15,16 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/spacedev/space/internal/cli"
 	"github.com/spacedev/space/internal/controller"
+	"github.com/spacedev/space/internal/dataplane"
 	"github.com/spacedev/space/internal/e2b"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/node"
@@ -33,6 +34,7 @@ import (
 	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/runtime/qemu"
 	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/template"
@@ -122,11 +124,11 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.StringVar(&c.qemuAccel, "qemu-accel", "auto", "qemu accelerator: auto (kvm when the CPU has vmx/svm and /dev/kvm works, else tcg), kvm or tcg")
 	f.StringVar(&c.advertiseURL, "advertise-url", "", "URL clients use to reach this node's data plane (default: http://<listen>)")
 	f.StringVar(&c.nodeName, "node-name", "", "this node's name (default: the host name)")
-	f.DurationVar(&c.tokenTTL, "token-ttl", 15*time.Minute, "default lifetime of attachment tokens")
-	f.IntVar(&c.defaultCPU, "default-cpu", 1, "vCPUs of a sandbox that asks for none")
-	f.IntVar(&c.defaultMemory, "default-memory", 512, "memory (MiB) of a sandbox that asks for none")
-	f.IntVar(&c.maxCPU, "max-cpu", 8, "largest cpu a sandbox may ask for")
-	f.IntVar(&c.maxMemory, "max-memory", 16384, "largest memory (MiB) a sandbox may ask for")
+	f.DurationVar(&c.tokenTTL, "token-ttl", service.DefaultTokenTTL, "default lifetime of attachment tokens")
+	f.IntVar(&c.defaultCPU, "default-cpu", service.DefaultCPU, "vCPUs of a sandbox that asks for none")
+	f.IntVar(&c.defaultMemory, "default-memory", service.DefaultMemoryMB, "memory (MiB) of a sandbox that asks for none")
+	f.IntVar(&c.maxCPU, "max-cpu", service.DefaultMaxCPU, "largest cpu a sandbox may ask for")
+	f.IntVar(&c.maxMemory, "max-memory", service.DefaultMaxMemoryMB, "largest memory (MiB) a sandbox may ask for")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", 64<<30, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
@@ -134,8 +136,8 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.DurationVar(&c.retention, "output-retention", 10*time.Minute, "how long an exited process's output stays readable")
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
 	f.StringVar(&c.runscPlatform, "runsc-platform", "ptrace", "gVisor platform: ptrace or kvm")
-	f.DurationVar(&c.agentReadyWait, "agent-timeout", 60*time.Second, "how long a new sandbox's agent may take to answer")
-	f.DurationVar(&c.idleTimeout, "idle-timeout", 6*time.Hour, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
+	f.DurationVar(&c.agentReadyWait, "agent-timeout", node.DefaultAgentReadyTimeout, "how long a new sandbox's agent may take to answer")
+	f.DurationVar(&c.idleTimeout, "idle-timeout", service.DefaultIdleTimeout, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
 	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables)")
 	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
@@ -200,7 +202,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	opMetrics := server.NewOperationMetrics(reg)
+	opMetrics := node.NewOperationMetrics(reg)
 
 	ln, err := net.Listen("tcp", c.listen)
 	if err != nil {
@@ -208,18 +210,16 @@ func serve(ctx context.Context, c *serveConfig) error {
 	}
 	defer ln.Close()
 
-	var wg sync.WaitGroup
-	errc := make(chan error, 8)
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	// Every role runs in this group: the first that fails stops the others, and
+	// serve returns once all have ended.
+	g, gctx := errgroup.WithContext(ctx)
 	run := func(name string, fn func(context.Context) error) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := fn(ctx); err != nil && ctx.Err() == nil {
-				errc <- fmt.Errorf("%s: %w", name, err)
+		g.Go(func() error {
+			if err := fn(gctx); err != nil && gctx.Err() == nil {
+				return fmt.Errorf("%s: %w", name, err)
 			}
-		}()
+			return nil
+		})
 	}
 
 	mux := http.NewServeMux()
@@ -227,16 +227,17 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err := bootstrapAdminKey(ctx, st, dataDir, log); err != nil {
 			return err
 		}
-		a := server.NewAPI(server.Config{
-			Store: st, Signer: signer, Logger: log.With("component", "api"), Registry: reg,
+		svc := service.New(service.Config{
+			Store: st, Signer: signer, Logger: log.With("component", "api"),
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
 			IdleTimeout: c.idleTimeout,
 		})
-		run("api", a.Run)
+		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg})
+		run("api", svc.Run)
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
-			gw, err := e2b.New(ctx, e2b.Config{API: a, Store: st, Logger: log.With("component", "e2b"),
+			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
 				Domain: c.e2bDomain, BuiltinTemplates: []string{node.BaseTemplate}})
 			if err != nil {
 				return err
@@ -278,33 +279,34 @@ func serve(ctx context.Context, c *serveConfig) error {
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
+		BaseContext:       func(net.Listener) context.Context { return gctx },
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	g.Go(func() error {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			errc <- fmt.Errorf("http: %w", err)
+			return fmt.Errorf("http: %w", err)
 		}
-	}()
-	log.Info("space is serving", "listen", ln.Addr().String())
-
-	var runErr error
-	select {
-	case <-ctx.Done():
+		return nil
+	})
+	g.Go(func() error {
+		<-gctx.Done()
 		log.Info("shutting down")
-	case runErr = <-errc:
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownTimeout)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+		return nil
+	})
+	log.Info("space is serving", "listen", ln.Addr().String())
+	runErr := g.Wait()
+	if runErr != nil {
 		log.Error("fatal", "err", runErr)
 	}
-	cancel()
-	sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer scancel()
-	_ = srv.Shutdown(sctx)
-	wg.Wait()
 	log.Info("space stopped (sandboxes keep running)")
 	return runErr
 }
+
+// shutdownTimeout bounds how long open HTTP requests get once serve stops.
+const shutdownTimeout = 10 * time.Second
 
 // bootstrapAdminKey creates the first admin key, prints it once and writes it to
 // <data-dir>/admin.key.
@@ -352,7 +354,7 @@ func agentBinary() (string, error) {
 }
 
 func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Store, signer *token.Signer, ln net.Listener,
-	log *slog.Logger, metrics *server.OperationMetrics) (*node.Node, *server.DataPlane, error) {
+	log *slog.Logger, metrics *node.OperationMetrics) (*node.Node, *dataplane.DataPlane, error) {
 	agent, err := agentBinary()
 	if err != nil {
 		return nil, nil, err
@@ -403,7 +405,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	if err != nil {
 		return nil, nil, err
 	}
-	dp := server.NewDataPlane(server.DataPlaneConfig{Store: st, Signer: signer, Logger: log.With("component", "dataplane"), Node: n, NodeID: id})
+	dp := dataplane.New(dataplane.Config{Store: st, Signer: signer, Logger: log.With("component", "dataplane"), Node: n, NodeID: id})
 	return n, dp, nil
 }
 

@@ -13,13 +13,23 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/store"
 )
 
 // leaderLockKey is the advisory lock that elects the controller leader.
 const leaderLockKey = 0x5ace0001
+
+// Defaults of Config, the one source for each.
+const (
+	DefaultNodeTimeout  = 15 * time.Second
+	DefaultResync       = 5 * time.Second
+	DefaultRetention    = 24 * time.Hour
+	DefaultPlaceTimeout = time.Minute
+)
 
 // Config configures the controller.
 type Config struct {
@@ -32,6 +42,8 @@ type Config struct {
 	Resync time.Duration
 	// Retention is how long deleted sandboxes and finished operations are kept.
 	Retention time.Duration
+	// PlaceTimeout is how long a sandbox no node can run waits before its create fails.
+	PlaceTimeout time.Duration
 }
 
 // Controller runs the control loops.
@@ -45,22 +57,36 @@ type Controller struct {
 // New returns a controller.
 func New(cfg Config) *Controller {
 	if cfg.NodeTimeout == 0 {
-		cfg.NodeTimeout = 15 * time.Second
+		cfg.NodeTimeout = DefaultNodeTimeout
 	}
 	if cfg.Resync == 0 {
-		cfg.Resync = 5 * time.Second
+		cfg.Resync = DefaultResync
 	}
 	if cfg.Retention == 0 {
-		cfg.Retention = 24 * time.Hour
+		cfg.Retention = DefaultRetention
+	}
+	if cfg.PlaceTimeout == 0 {
+		cfg.PlaceTimeout = DefaultPlaceTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	return &Controller{cfg: cfg, st: cfg.Store, log: cfg.Logger, kick: make(chan struct{}, 1)}
 }
 
-// Run campaigns for leadership and runs the loops while leader, until ctx ends.
+// Run campaigns for leadership and runs the loops while leader, until ctx ends. Every
+// goroutine it starts has ended when it returns.
 func (c *Controller) Run(ctx context.Context) error {
-	go func() {
-		_ = c.st.Listen(ctx, c.log, func(_, _ string) { c.wake() }, store.ChannelController)
-	}()
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		return c.st.Listen(ctx, c.log, func(_, _ string) { c.wake() }, store.ChannelController)
+	})
+	g.Go(func() error { return c.campaignLoop(ctx) })
+	return g.Wait()
+}
+
+// campaignLoop campaigns for leadership and leads while it holds it.
+func (c *Controller) campaignLoop(ctx context.Context) error {
 	for ctx.Err() == nil {
 		conn, err := c.campaign(ctx)
 		if err != nil {
@@ -193,7 +219,7 @@ func (c *Controller) schedule(ctx context.Context) {
 		}
 		n, why := Pick(nodes, load, sb.Spec.Runtime)
 		if n == nil {
-			if sb.Spec.Runtime != "" && time.Since(sb.CreatedAt) > unplaceable {
+			if sb.Spec.Runtime != "" && time.Since(sb.CreatedAt) > c.cfg.PlaceTimeout {
 				c.failUnplaceable(ctx, sb, why)
 				continue
 			}
@@ -219,7 +245,7 @@ func Pick(nodes []*store.Node, load map[string]int, runtime string) (*store.Node
 	var fit []*store.Node
 	alive := 0
 	for _, n := range nodes {
-		if n.State != "alive" {
+		if n.State != store.NodeAlive {
 			continue
 		}
 		alive++
@@ -263,14 +289,18 @@ func (c *Controller) expire(ctx context.Context) {
 		c.log.Warn("list expired sandboxes", "err", err)
 		return
 	}
+	suspend, _ := lifecycle.VerbOf(api.OpSuspend)
 	for _, sb := range list {
 		desired, kind, reason := api.StateDeleted, api.OpDelete, "ttl expired"
 		if sb.ExpireAction == "suspend" {
 			desired, kind, reason = api.StateSuspended, api.OpSuspend, "timeout reached (auto-pause)"
 		}
 		err := c.request(ctx, sb.ID, desired, kind, reason, func(cur *store.Sandbox) bool {
-			return cur.DesiredState != api.StateDeleted && cur.DesiredState != desired &&
-				(desired == api.StateDeleted || cur.State == api.StateRunning || cur.State == api.StatePaused)
+			if desired == api.StateDeleted {
+				return cur.DesiredState != api.StateDeleted
+			}
+			// An auto-pause waits for a transition in flight to settle.
+			return cur.DesiredState != desired && lifecycle.Check(cur.Lifecycle(), suspend) == nil
 		})
 		if err != nil {
 			c.log.Warn("expire sandbox", "sandbox", sb.ID, "err", err)
@@ -292,10 +322,6 @@ func (c *Controller) purge(ctx context.Context) {
 		c.log.Warn("purge idempotency keys", "err", err)
 	}
 }
-
-// unplaceable is how long a sandbox asking for a runtime no node offers waits before
-// its create fails.
-const unplaceable = time.Minute
 
 func (c *Controller) failUnplaceable(ctx context.Context, sb *store.Sandbox, why string) {
 	reason := "no node can run it: " + why

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -17,11 +18,13 @@ func (c *Controller) idle(ctx context.Context) {
 		c.log.Warn("list idle sandboxes", "err", err)
 		return
 	}
+	suspend, _ := lifecycle.VerbOf(api.OpSuspend)
 	for _, sb := range list {
 		reason := fmt.Sprintf("idle for %s (no API request, attached stream or process output since %s)",
 			sb.IdleTimeout, sb.LastActivityAt.UTC().Format(time.RFC3339))
 		if err := c.request(ctx, sb.ID, api.StateSuspended, api.OpSuspend, reason, func(cur *store.Sandbox) bool {
-			return cur.State == api.StateRunning && cur.DesiredState == api.StateRunning && cur.ObservedGeneration >= cur.Generation
+			return cur.State == api.StateRunning && cur.DesiredState == api.StateRunning &&
+				lifecycle.Check(cur.Lifecycle(), suspend) == nil
 		}); err != nil {
 			c.log.Warn("idle suspend", "sandbox", sb.ID, "err", err)
 			continue
@@ -41,7 +44,7 @@ func (c *Controller) request(ctx context.Context, id, desired, kind, reason stri
 		if cur.DeletedAt != nil || !ok(cur) {
 			return nil
 		}
-		return tx.SetDesiredStateWithReason(ctx, cur, desired, reason, op)
+		return tx.SetDesiredState(ctx, cur, desired, reason, op)
 	})
 }
 
@@ -94,11 +97,12 @@ func (c *Controller) pool(ctx context.Context, p store.Pool) {
 		switch {
 		case m.TemplateDigest != "" && digest != "" && m.TemplateDigest != digest:
 			c.drain(ctx, m, "the template's tag moved to "+digest)
-		case m.State == api.StateFailed:
+		case m.State == api.StateFailed || m.State == api.StateStopped:
+			// A failed member, or one that lost its memory (stopped), is of no use.
 			if time.Since(m.UpdatedAt) < 30*time.Second {
 				recentFailure = true
 			}
-			c.drain(ctx, m, "it failed: "+m.Error)
+			c.drain(ctx, m, "it "+m.State+": "+m.Error)
 		default:
 			live = append(live, m)
 		}

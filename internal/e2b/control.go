@@ -13,8 +13,10 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/envdpb"
-	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/rest"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -40,7 +42,7 @@ const (
 )
 
 // apiHandler is a control-plane handler of an authenticated caller.
-type apiHandler func(w http.ResponseWriter, r *http.Request, p *server.Principal) error
+type apiHandler func(w http.ResponseWriter, r *http.Request, p *service.Principal) error
 
 func (g *Gateway) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -77,7 +79,7 @@ func (g *Gateway) routes() http.Handler {
 	return mux
 }
 
-func notImplemented(w http.ResponseWriter, r *http.Request, _ *server.Principal) error {
+func notImplemented(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
 	writeError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s is not supported by space's E2B-compatible API (see docs/e2b.md)", r.Method, r.URL.Path))
 	return nil
 }
@@ -90,7 +92,7 @@ func (g *Gateway) authed(h apiHandler) http.Handler {
 		if key == "" {
 			key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 		}
-		p, err := g.api.AuthenticateKey(r.Context(), key, "e2b")
+		p, err := g.api.Authenticate(r.Context(), key, service.KeyE2B)
 		if err != nil {
 			g.fail(w, r, err)
 			return
@@ -118,7 +120,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // fail writes err with the status space's one mapping gives it; internal errors are
 // logged and not shown.
 func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
-	status := g.api.StatusOf(err)
+	status := rest.StatusOf(err)
 	msg := err.Error()
 	if fault.KindOf(err) == fault.Internal {
 		if r.Context().Err() != nil {
@@ -177,7 +179,7 @@ func humanHours(d time.Duration) string {
 }
 
 // live loads a sandbox the caller may see that is not deleted (404 otherwise).
-func (g *Gateway) live(ctx context.Context, p *server.Principal, id string) (*store.Sandbox, error) {
+func (g *Gateway) live(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error) {
 	sb, err := g.api.Sandbox(ctx, p, id)
 	if err != nil {
 		return nil, err
@@ -356,7 +358,7 @@ type newSandbox struct {
 // create handles POST /sandboxes (v1) and POST /v2/sandboxes: the sandbox is created
 // and the answer comes once it runs (E2B's create is synchronous).
 func (g *Gateway) create(v2 bool) apiHandler {
-	return func(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+	return func(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 		var body newSandbox
 		if err := decodeBody(r, &body); err != nil {
 			return err
@@ -401,21 +403,22 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			action = "suspend"
 		}
 		ctx := r.Context()
-		sb, op, err := g.api.Create(ctx, p, api.CreateSandboxRequest{
+		created, err := g.api.Create(ctx, p, api.CreateSandboxRequest{
 			Template: tmpl, Env: body.EnvVars, Metadata: md,
 			// The expiry is set again once the sandbox runs; meanwhile the TTL leaves
 			// time to start and still covers a client that gives up waiting.
 			TTL:         (time.Duration(timeout)*time.Second + createAllowance).String(),
 			IdleTimeout: "0", // E2B's timeout is the only clock
-		})
+		}, nil)
 		if err != nil {
 			return err
 		}
+		sb, op := created.Sandbox, created.Op
 		exp := time.Now().Add(time.Duration(timeout)*time.Second + createAllowance)
-		if err := g.api.SetExpiry(ctx, sb, &exp, action); err != nil {
+		if err := g.api.SetExpiry(ctx, p, sb.ID, &exp, action); err != nil {
 			return err
 		}
-		op, err = g.api.Wait(ctx, op.ID)
+		op, err = g.api.WaitDone(ctx, p, op.ID)
 		if err != nil {
 			return err
 		}
@@ -431,7 +434,7 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			return err
 		}
 		exp = time.Now().Add(time.Duration(timeout) * time.Second)
-		if err := g.api.SetExpiry(ctx, sb, &exp, action); err != nil {
+		if err := g.api.SetExpiry(ctx, p, sb.ID, &exp, action); err != nil {
 			return err
 		}
 		g.log.Info("E2B sandbox created", "sandbox", sb.ID, "template", sb.TemplateRef, "timeout", timeout, "on_timeout", action)
@@ -440,7 +443,7 @@ func (g *Gateway) create(v2 bool) apiHandler {
 	}
 }
 
-func (g *Gateway) get(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) get(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	sb, err := g.live(r.Context(), p, r.PathValue("id"))
 	if err != nil {
 		return err
@@ -449,8 +452,13 @@ func (g *Gateway) get(w http.ResponseWriter, r *http.Request, p *server.Principa
 	return nil
 }
 
-func (g *Gateway) kill(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
-	if _, err := g.api.Delete(r.Context(), p, r.PathValue("id")); err != nil {
+func (g *Gateway) kill(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
+	// A sandbox already being deleted is gone for E2B (kill answers 404).
+	sb, err := g.live(r.Context(), p, r.PathValue("id"))
+	if err != nil {
+		return err
+	}
+	if _, err := g.api.Delete(r.Context(), p, sb.ID); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -459,7 +467,7 @@ func (g *Gateway) kill(w http.ResponseWriter, r *http.Request, p *server.Princip
 
 // running loads a sandbox that is running in E2B's terms (404 for paused ones, as
 // upstream: they are not "live" sandboxes there).
-func (g *Gateway) running(ctx context.Context, p *server.Principal, id string) (*store.Sandbox, error) {
+func (g *Gateway) running(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error) {
 	sb, err := g.live(ctx, p, id)
 	if err != nil {
 		return nil, err
@@ -470,7 +478,7 @@ func (g *Gateway) running(ctx context.Context, p *server.Principal, id string) (
 	return sb, nil
 }
 
-func (g *Gateway) setTimeout(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) setTimeout(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	var body struct {
 		Timeout *int `json:"timeout"`
 	}
@@ -491,7 +499,7 @@ func (g *Gateway) setTimeout(w http.ResponseWriter, r *http.Request, p *server.P
 		return err
 	}
 	exp := time.Now().Add(time.Duration(*body.Timeout) * time.Second)
-	if err := g.api.SetExpiry(r.Context(), sb, &exp, ""); err != nil {
+	if err := g.api.SetExpiry(r.Context(), p, sb.ID, &exp, ""); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -500,7 +508,7 @@ func (g *Gateway) setTimeout(w http.ResponseWriter, r *http.Request, p *server.P
 
 // refresh handles the legacy keep-alive: the timeout is extended to now+duration
 // (never shortened).
-func (g *Gateway) refresh(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) refresh(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	var body struct {
 		Duration *int `json:"duration"`
 	}
@@ -515,7 +523,7 @@ func (g *Gateway) refresh(w http.ResponseWriter, r *http.Request, p *server.Prin
 	if err != nil {
 		return err
 	}
-	if err := g.extend(r.Context(), sb, secs); err != nil {
+	if err := g.extend(r.Context(), p, sb, secs); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -523,17 +531,17 @@ func (g *Gateway) refresh(w http.ResponseWriter, r *http.Request, p *server.Prin
 }
 
 // extend moves a running sandbox's expiry to now+secs unless it is later already.
-func (g *Gateway) extend(ctx context.Context, sb *store.Sandbox, secs int) error {
+func (g *Gateway) extend(ctx context.Context, p *service.Principal, sb *store.Sandbox, secs int) error {
 	exp := time.Now().Add(time.Duration(secs) * time.Second)
 	if sb.ExpiresAt != nil && sb.ExpiresAt.After(exp) {
 		return nil
 	}
-	return g.api.SetExpiry(ctx, sb, &exp, "")
+	return g.api.SetExpiry(ctx, p, sb.ID, &exp, "")
 }
 
 // pause handles POST /sandboxes/{id}/pause: a space suspend, waited for. A paused
 // sandbox does not expire.
-func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	ctx := r.Context()
 	sb, err := g.live(ctx, p, r.PathValue("id"))
 	if err != nil {
@@ -549,10 +557,10 @@ func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *server.Princi
 	if err != nil {
 		return err
 	}
-	if err := g.api.SetExpiry(ctx, sb, nil, ""); err != nil {
+	if err := g.api.SetExpiry(ctx, p, sb.ID, nil, ""); err != nil {
 		return err
 	}
-	if op, err = g.api.Wait(ctx, op.ID); err != nil {
+	if op, err = g.api.WaitDone(ctx, p, op.ID); err != nil {
 		return err
 	}
 	if op.State == api.OpFailed {
@@ -568,7 +576,7 @@ const settleTimeout = 2 * time.Minute
 
 // settle waits until the node has acted on the sandbox's latest intent, so that a
 // pause or resume does not collide with one in flight.
-func (g *Gateway) settle(ctx context.Context, p *server.Principal, sb *store.Sandbox) (*store.Sandbox, error) {
+func (g *Gateway) settle(ctx context.Context, p *service.Principal, sb *store.Sandbox) (*store.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
 	defer cancel()
 	t := time.NewTicker(50 * time.Millisecond)
@@ -589,7 +597,7 @@ func (g *Gateway) settle(ctx context.Context, p *server.Principal, sb *store.San
 
 // wake resumes a paused sandbox (or waits for one being started) and gives it a new
 // timeout.
-func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandbox, secs int, action string) (*store.Sandbox, error) {
+func (g *Gateway) wake(ctx context.Context, p *service.Principal, sb *store.Sandbox, secs int, action string) (*store.Sandbox, error) {
 	sb, err := g.settle(ctx, p, sb)
 	if err != nil {
 		return nil, err
@@ -597,10 +605,10 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 	// The old expiry may have passed (an auto-pause): move it first, or the
 	// controller would pause the sandbox again as soon as it runs.
 	exp := time.Now().Add(time.Duration(secs)*time.Second + createAllowance)
-	if err := g.api.SetExpiry(ctx, sb, &exp, action); err != nil {
+	if err := g.api.SetExpiry(ctx, p, sb.ID, &exp, action); err != nil {
 		return nil, err
 	}
-	woken, err := g.api.Wake(ctx, p, sb)
+	woken, err := g.api.Awake(ctx, p, sb, false)
 	if err != nil {
 		return nil, err
 	}
@@ -611,7 +619,7 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 		return nil, fault.New(fault.Unavailable, "sandbox %s is %s; try again", sb.ID, woken.State)
 	}
 	exp = time.Now().Add(time.Duration(secs) * time.Second)
-	if err := g.api.SetExpiry(ctx, woken, &exp, action); err != nil {
+	if err := g.api.SetExpiry(ctx, p, woken.ID, &exp, action); err != nil {
 		return nil, err
 	}
 	return woken, nil
@@ -621,7 +629,7 @@ func (g *Gateway) wake(ctx context.Context, p *server.Principal, sb *store.Sandb
 // (timeout optional, 300 s): 200 when the sandbox was running (its timeout only
 // grows), 201 when it was resumed.
 func (g *Gateway) connect() apiHandler {
-	return func(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+	return func(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 		var body struct {
 			Timeout *int `json:"timeout"`
 		}
@@ -638,7 +646,7 @@ func (g *Gateway) connect() apiHandler {
 			return err
 		}
 		if !paused(sb) && sb.State == api.StateRunning {
-			if err := g.extend(ctx, sb, secs); err != nil {
+			if err := g.extend(ctx, p, sb, secs); err != nil {
 				return err
 			}
 			writeJSON(w, http.StatusOK, g.sandboxJSON(r, sb))
@@ -657,7 +665,7 @@ func (g *Gateway) connect() apiHandler {
 }
 
 // resume handles the legacy POST /sandboxes/{id}/resume (409 when running).
-func (g *Gateway) resume(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) resume(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	var body struct {
 		Timeout   *int  `json:"timeout"`
 		AutoPause *bool `json:"autoPause"`
@@ -716,7 +724,11 @@ func (g *Gateway) sample(ctx context.Context, sb *store.Sandbox) (*sandboxMetric
 		DiskUsed   int64   `json:"disk_used"`
 		DiskTotal  int64   `json:"disk_total"`
 	}
-	if err := g.api.AgentCall(ctx, sb, http.MethodGet, envdpb.Prefix+"/metrics", nil, &m); err != nil {
+	t, err := g.api.Running(ctx, g.envdCaller, sb.ID, true)
+	if err != nil {
+		return nil, err
+	}
+	if err := g.api.Agent(t).GetJSON(ctx, envdpb.Prefix+"/metrics", &m, agentclient.MaxSmallReply); err != nil {
 		return nil, err
 	}
 	ts := time.Unix(m.TS, 0).UTC()
@@ -726,7 +738,7 @@ func (g *Gateway) sample(ctx context.Context, sb *store.Sandbox) (*sandboxMetric
 
 // metrics handles GET /sandboxes/{id}/metrics: space keeps no metrics history, so the
 // answer is one sample taken now (none for a paused sandbox or outside start..end).
-func (g *Gateway) metrics(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) metrics(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	sb, err := g.live(r.Context(), p, r.PathValue("id"))
 	if err != nil {
 		return err
@@ -760,7 +772,7 @@ func (g *Gateway) metrics(w http.ResponseWriter, r *http.Request, p *server.Prin
 }
 
 // manyMetrics handles GET /sandboxes/metrics?sandbox_ids=a,b.
-func (g *Gateway) manyMetrics(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+func (g *Gateway) manyMetrics(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	out := map[string]sandboxMetric{}
 	for _, id := range strings.Split(r.URL.Query().Get("sandbox_ids"), ",") {
 		if id = strings.TrimSpace(id); id == "" {
@@ -805,7 +817,7 @@ type templateJSON struct {
 
 // templates lists space's template tags as E2B templates (name:tag; ":latest"
 // dropped), plus builtin templates not built yet.
-func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *server.Principal) error {
+func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
 	rels, err := g.st.ListReleases(r.Context())
 	if err != nil {
 		return err
@@ -834,7 +846,7 @@ func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *server.Pr
 }
 
 // templateAlias handles GET /templates/aliases/{alias} (the SDK's existence check).
-func (g *Gateway) templateAlias(w http.ResponseWriter, r *http.Request, _ *server.Principal) error {
+func (g *Gateway) templateAlias(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
 	alias := r.PathValue("alias")
 	rels, err := g.st.ListReleases(r.Context())
 	if err != nil {

@@ -1,6 +1,6 @@
 // Package e2b owns space's E2B-compatible gateway: the listener (--e2b-listen) that
 // unmodified E2B SDKs talk to. It serves E2B's control-plane REST API (v1 and v2
-// sandbox endpoints) on top of the API's operations (server.API's facade), and routes
+// sandbox endpoints) on top of space's service layer (internal/service), and routes
 // envd traffic — requests carrying E2b-Sandbox-Id / E2b-Sandbox-Port headers, or for
 // a <port>-<sandbox id>.<domain> host — to the sandbox's agent, which implements envd
 // (internal/guest/agent). The wire details it must match are in
@@ -22,31 +22,31 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"time"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
-// Platform is what the gateway needs from space's API (implemented by *server.API).
+// Platform is what the gateway needs from space's service layer (implemented by
+// *service.Service).
 type Platform interface {
-	AuthenticateKey(ctx context.Context, secret, kind string) (*server.Principal, error)
-	Create(ctx context.Context, p *server.Principal, req api.CreateSandboxRequest) (*store.Sandbox, *store.Operation, error)
-	Sandbox(ctx context.Context, p *server.Principal, id string) (*store.Sandbox, error)
-	Verb(ctx context.Context, p *server.Principal, id, kind, reason string) (*store.Operation, error)
-	Delete(ctx context.Context, p *server.Principal, id string) (*store.Operation, error)
-	Wait(ctx context.Context, opID string) (*store.Operation, error)
-	Wake(ctx context.Context, p *server.Principal, sb *store.Sandbox) (*store.Sandbox, error)
-	ProxyToAgent(w http.ResponseWriter, r *http.Request, sb *store.Sandbox, agentPath string, query url.Values) error
-	AgentCall(ctx context.Context, sb *store.Sandbox, method, path string, in, out any) error
-	SetExpiry(ctx context.Context, sb *store.Sandbox, at *time.Time, action string) error
-	StatusOf(err error) int
+	Authenticate(ctx context.Context, secret, kind string) (*service.Principal, error)
+	Create(ctx context.Context, p *service.Principal, req api.CreateSandboxRequest, idem *service.Idempotency) (*service.Created, error)
+	Sandbox(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error)
+	Verb(ctx context.Context, p *service.Principal, id, kind, reason string) (*store.Operation, error)
+	Delete(ctx context.Context, p *service.Principal, id string) (*store.Operation, error)
+	WaitDone(ctx context.Context, p *service.Principal, opID string) (*store.Operation, error)
+	Awake(ctx context.Context, p *service.Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error)
+	Running(ctx context.Context, p *service.Principal, id string, noWake bool) (*service.Target, error)
+	Agent(t *service.Target) *agentclient.Client
+	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error
 }
 
 var (
-	_ Platform = (*server.API)(nil)
+	_ Platform = (*service.Service)(nil)
 	_ Store    = (*store.Store)(nil)
 )
 
@@ -82,7 +82,7 @@ type Gateway struct {
 	tokenKey []byte
 	// envdCaller is the principal envd requests act as once their access token is
 	// verified (the token names one sandbox; tenants do not apply).
-	envdCaller *server.Principal
+	envdCaller *service.Principal
 	handler    http.Handler
 }
 
@@ -105,7 +105,7 @@ func New(ctx context.Context, cfg Config) (*Gateway, error) {
 		return nil, fmt.Errorf("e2b: token key: %w", err)
 	}
 	g := &Gateway{cfg: cfg, api: cfg.API, st: cfg.Store, log: cfg.Logger, tokenKey: key,
-		envdCaller: &server.Principal{KeyID: "e2b-envd", Admin: true}}
+		envdCaller: &service.Principal{KeyID: "e2b-envd", Admin: true}}
 	g.handler = g.routes()
 	return g, nil
 }

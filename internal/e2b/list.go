@@ -11,7 +11,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
-	"github.com/spacedev/space/internal/server"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -99,7 +99,7 @@ func before(a, b *store.Sandbox) bool {
 // list handles GET /v2/sandboxes (filters, order, pagination) and the legacy GET
 // /sandboxes (running sandboxes, metadata filter only).
 func (g *Gateway) list(v2 bool) apiHandler {
-	return func(w http.ResponseWriter, r *http.Request, p *server.Principal) error {
+	return func(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 		q := r.URL.Query()
 		md, err := parseMetadataQuery(q.Get("metadata"))
 		if err != nil {

@@ -159,7 +159,11 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	// would close the body when the answer starts and the relay would cut the stream.
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	uw := &untunnel{ResponseWriter: w}
-	if err := g.api.ProxyToAgent(uw, r, sb, envdpb.Prefix+r.URL.Path, q); err != nil {
+	t, err := g.api.Running(ctx, g.envdCaller, sb.ID, true)
+	if err == nil {
+		err = g.api.Agent(t).Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
+	}
+	if err != nil {
 		if uw.wrote {
 			g.log.Debug("envd relay ended", "sandbox", id, "err", err)
 			return
@@ -194,7 +198,7 @@ func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox
 		g.log.Info("auto-resuming sandbox for an envd request", "sandbox", id)
 		return g.wake(ctx, g.envdCaller, sb, secs, "")
 	}
-	woken, err := g.api.Wake(ctx, g.envdCaller, sb) // starting or resuming: wait
+	woken, err := g.api.Awake(ctx, g.envdCaller, sb, false) // starting or resuming: wait
 	if err != nil {
 		return nil, err
 	}

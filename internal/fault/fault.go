@@ -1,6 +1,6 @@
 // Package fault defines the kinds of failure space's components report (not found,
 // conflict, invalid input, …). Components wrap errors with a Kind; the HTTP layer
-// (internal/server) maps kinds to status codes in exactly one place.
+// (internal/rest) maps kinds to status codes in exactly one place.
 package fault
 
 import (
@@ -25,6 +25,8 @@ const (
 	Timeout
 	Gone
 	InsufficientStorage
+	BadGateway      // a sandbox (its agent) answered badly: oversized, slow or malformed (502)
+	TooManyRequests // a rate limit was reached (429)
 )
 
 var names = map[Kind]string{
@@ -40,6 +42,8 @@ var names = map[Kind]string{
 	Timeout:             "timeout",
 	Gone:                "gone",
 	InsufficientStorage: "insufficient_storage",
+	BadGateway:          "bad_gateway",
+	TooManyRequests:     "too_many_requests",
 }
 
 // String returns the stable code used in API error bodies.

@@ -1,79 +1,97 @@
 package node
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
+	"errors"
 	"fmt"
-	"io"
 	"maps"
-	"net/http"
+	"net"
+	"os"
+	"path/filepath"
 	"time"
 
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
 )
 
-// agentJSON makes one JSON call to a sandbox's agent, ready or not.
-func (n *Node) agentJSON(ctx context.Context, id, method, path string, in, out any) error {
+// Bounds of the node's own agent calls.
+const (
+	healthTimeout  = 2 * time.Second
+	adoptTimeout   = 30 * time.Second
+	startupTimeout = 30 * time.Second
+)
+
+// Agent returns a client for the agent of a sandbox running on this node (the data
+// plane's way in). It fails with a Conflict fault when the sandbox is not running here.
+func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error) {
+	// Right after a start, wait until surviving sandboxes are adopted.
+	select {
+	case <-n.adopted:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(startupTimeout):
+		return nil, fault.New(fault.Unavailable, "node is still starting up")
+	}
 	n.mu.Lock()
-	t := n.transportLocked(id)
+	defer n.mu.Unlock()
+	if !n.ready[id] {
+		return nil, fault.New(fault.Conflict, "sandbox %s is not running on this node", id)
+	}
+	return n.agentLocked(id), nil
+}
+
+// agent returns the client of a sandbox's agent, ready or not (the node's own calls).
+func (n *Node) agent(id string) *agentclient.Client {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.agentLocked(id)
+}
+
+func (n *Node) agentLocked(id string) *agentclient.Client {
+	c := n.agents[id]
+	if c == nil {
+		c = agentclient.New(func(ctx context.Context) (net.Conn, error) { return n.rt.Dial(ctx, id) })
+		n.agents[id] = c
+	}
+	return c
+}
+
+func (n *Node) dropAgent(id string) {
+	n.mu.Lock()
+	c := n.agents[id]
+	delete(n.agents, id)
+	delete(n.ready, id)
+	delete(n.active, id)
+	delete(n.seenOutput, id)
 	n.mu.Unlock()
-	var body io.Reader
-	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
-			return err
-		}
-		body = bytes.NewReader(b)
+	if c != nil {
+		c.CloseIdleConnections()
 	}
-	req, err := http.NewRequestWithContext(ctx, method, "http://agent"+path, body)
-	if err != nil {
-		return err
+}
+
+func (n *Node) setReady(id string, ready bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if ready {
+		n.ready[id] = true
+	} else {
+		delete(n.ready, id)
 	}
-	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := t.RoundTrip(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode >= 300 {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("agent %s %s: %s: %s", method, path, resp.Status, bytes.TrimSpace(b))
-	}
-	if out != nil {
-		return json.NewDecoder(resp.Body).Decode(out)
-	}
-	return nil
 }
 
 // waitAgent polls the agent's health endpoint until it answers or the timeout passes.
-func (n *Node) waitAgent(ctx context.Context, id string, timeout time.Duration) error {
+func (n *Node) waitAgent(ctx context.Context, id string, timeout time.Duration) (wire.Health, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	delay := 2 * time.Millisecond
-	var last error
-	for {
-		var h wire.Health
-		cctx, ccancel := context.WithTimeout(ctx, 2*time.Second)
-		last = n.agentJSON(cctx, id, http.MethodGet, "/v1/health", nil, &h)
-		ccancel()
-		if last == nil {
-			return nil
-		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return fmt.Errorf("agent did not answer within %s: %v", timeout, last)
-		case <-t.C:
-		}
-		if delay < 100*time.Millisecond {
-			delay *= 2
-		}
+	h, err := n.agent(id).WaitReady(ctx)
+	if err != nil {
+		return h, fmt.Errorf("agent did not answer within %s: %w", timeout, err)
 	}
+	return h, nil
 }
 
 // identity returns a new identity for the sandbox: fresh entropy, the host's clock and
@@ -82,17 +100,13 @@ func (n *Node) identity(sb *store.Sandbox) wire.Identity {
 	env := map[string]string{}
 	if sb.TemplateDigest != "" {
 		if rel, err := n.disk.Release(sb.TemplateDigest); err == nil {
-			maps.Copy(env, rel.Config.Env)
+			if cfg, err := template.ParseConfig(rel.Config); err == nil {
+				maps.Copy(env, cfg.Env)
+			}
 		}
 	}
 	maps.Copy(env, sb.Spec.Env)
-	// A runtime may need a compatibility library preloaded into every process.
-	if p := n.info.Details["preload"]; p != "" {
-		if cur := env["LD_PRELOAD"]; cur != "" {
-			p += ":" + cur
-		}
-		env["LD_PRELOAD"] = p
-	}
+	n.preload(env)
 	return wire.Identity{
 		Generation: time.Now().UnixNano(),
 		Seed:       randomSeed(),
@@ -102,10 +116,23 @@ func (n *Node) identity(sb *store.Sandbox) wire.Identity {
 	}
 }
 
+// preload adds the library the runtime needs preloaded into every process (if any)
+// to env's LD_PRELOAD.
+func (n *Node) preload(env map[string]string) {
+	p := n.info.Caps.Preload
+	if p == "" {
+		return
+	}
+	if cur := env["LD_PRELOAD"]; cur != "" {
+		p += ":" + cur
+	}
+	env["LD_PRELOAD"] = p
+}
+
 // setIdentity gives a running agent the sandbox's identity.
 func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
 	id := n.identity(sb)
-	if err := n.agentJSON(ctx, sb.ID, http.MethodPost, "/v1/identity", id, nil); err != nil {
+	if err := n.agent(sb.ID).SetIdentity(ctx, id); err != nil {
 		return err
 	}
 	if sb.ClaimedAt != nil {
@@ -113,3 +140,98 @@ func (n *Node) setIdentity(ctx context.Context, sb *store.Sandbox) error {
 	}
 	return nil
 }
+
+// runDir is the agent's run directory on the host (file-resumed runtimes).
+func (n *Node) runDir(id string) string { return filepath.Join(n.stateDir(id), "run") }
+
+// quiesce asks the agent to freeze every user process until its next identity and,
+// for file-resumed runtimes, to close its host socket; it returns once the sandbox can
+// be checkpointed.
+func (n *Node) quiesce(ctx context.Context, id string) error {
+	byFile := n.info.Caps.AgentResume == runtime.ResumeByFile
+	if err := n.agent(id).Quiesce(ctx, !byFile); err != nil {
+		return fmt.Errorf("quiesce agent: %w", err)
+	}
+	n.dropAgent(id)
+	if byFile {
+		wctx, cancel := context.WithTimeout(ctx, adoptTimeout)
+		defer cancel()
+		return agentclient.WaitQuiesced(wctx, n.runDir(id))
+	}
+	return nil
+}
+
+// resumeAgent ends a quiesce: the agent gets a new identity (fresh entropy, the host's
+// clock, the sandbox's environment) and then lets user processes continue. A
+// file-resumed agent learns it from a resume file in its run directory (it cannot hold
+// a host socket across a checkpoint); others over their transport.
+func (n *Node) resumeAgent(ctx context.Context, sb *store.Sandbox) error {
+	id := n.identity(sb)
+	if n.info.Caps.AgentResume == runtime.ResumeByFile {
+		run := n.runDir(sb.ID)
+		if err := os.MkdirAll(run, 0o700); err != nil {
+			return err
+		}
+		if err := agentclient.WriteResume(run, id); err != nil {
+			return err
+		}
+		return n.waitGeneration(ctx, sb.ID, id.Generation)
+	}
+	if _, err := n.waitAgent(ctx, sb.ID, n.cfg.AgentReadyTimeout); err != nil {
+		return err
+	}
+	return n.agent(sb.ID).SetIdentity(ctx, id)
+}
+
+// waitGeneration waits until the agent reports identity generation gen exactly.
+func (n *Node) waitGeneration(ctx context.Context, id string, gen int64) error {
+	ctx, cancel := context.WithTimeout(ctx, n.cfg.AgentReadyTimeout)
+	defer cancel()
+	c := n.agent(id)
+	for {
+		hctx, hcancel := context.WithTimeout(ctx, healthTimeout)
+		h, err := c.Health(hctx)
+		hcancel()
+		if err == nil && h.Generation == gen {
+			return nil
+		}
+		if err == nil && h.Generation > gen {
+			return fmt.Errorf("agent reports identity generation %d, newer than the %d it was given", h.Generation, gen)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("agent did not take its new identity: %w", ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// revive makes sure the agent of a surviving instance serves with a current identity:
+// an agent still quiesced (a checkpoint or restore was interrupted) is resumed with a
+// fresh identity; one that serves normally is left as it is.
+func (n *Node) revive(ctx context.Context, sb *store.Sandbox) error {
+	ctx, cancel := context.WithTimeout(ctx, adoptTimeout)
+	defer cancel()
+	hctx, hcancel := context.WithTimeout(ctx, healthTimeout)
+	h, err := n.agent(sb.ID).Health(hctx)
+	hcancel()
+	switch {
+	case err == nil && !h.Frozen:
+		return nil
+	case err == nil:
+		// Frozen behind a kept transport (VM runtimes): give it its identity.
+		return n.agent(sb.ID).SetIdentity(ctx, n.identity(sb))
+	case n.info.Caps.AgentResume == runtime.ResumeByFile:
+		// A file-resumed agent that does not answer waits for its resume file (its
+		// quiesce, or a restore, was interrupted before the host wrote one).
+		n.dropAgent(sb.ID)
+		return n.resumeAgent(ctx, sb)
+	default:
+		if _, err := n.waitAgent(ctx, sb.ID, adoptTimeout); err != nil {
+			return err
+		}
+		return n.revive(ctx, sb)
+	}
+}
+
+var errShuttingDown = errors.New("node is shutting down")

@@ -10,6 +10,7 @@ import (
 	"os"
 	goruntime "runtime"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -23,12 +24,6 @@ import (
 	"github.com/spacedev/space/internal/template"
 )
 
-// specBuilder builds templates from build specs (implemented by *template.Builder).
-type specBuilder interface {
-	Build(ctx context.Context, spec *template.Spec, opts template.BuildOptions) (storage.Release, template.Config, error)
-	AllowedSources() template.Sources
-}
-
 // Build sandboxes get at least these resources (more if the template asks for more).
 const buildMemoryMB = 2048
 
@@ -38,7 +33,8 @@ const buildMemoryMB = 2048
 // Work is found through notifications on store.BuildChannel and, as a safety net, a
 // periodic look at the queue.
 func (n *Node) runBuilds(ctx context.Context) {
-	b, canBuild := n.cfg.Builder.(specBuilder)
+	b := n.cfg.Builder
+	canBuild := b != nil
 	if canBuild {
 		for {
 			err := n.st.SetNodeTemplateSources(ctx, n.cfg.ID, b.AllowedSources().Entries())
@@ -63,11 +59,13 @@ func (n *Node) runBuilds(ctx context.Context) {
 		default:
 		}
 	}
-	go func() {
+	var listening sync.WaitGroup
+	defer listening.Wait()
+	listening.Go(func() {
 		if err := n.st.Listen(ctx, n.log, func(string, string) { poke() }, store.BuildChannel(n.cfg.ID)); err != nil && ctx.Err() == nil {
 			n.log.Warn("listen for template builds", "err", err)
 		}
-	}()
+	})
 	tick := time.NewTicker(n.cfg.Resync)
 	defer tick.Stop()
 	poke()
@@ -100,7 +98,7 @@ func (n *Node) beginWork() bool {
 }
 
 // runQueuedBuilds runs queued builds until the queue is empty.
-func (n *Node) runQueuedBuilds(ctx context.Context, b specBuilder) {
+func (n *Node) runQueuedBuilds(ctx context.Context, b TemplateBuilder) {
 	for ctx.Err() == nil {
 		n.collectReleases(ctx) // before a build that could produce a release awaiting removal
 		ops, err := n.st.QueuedBuilds(ctx, n.cfg.ID)
@@ -120,7 +118,7 @@ func (n *Node) runQueuedBuilds(ctx context.Context, b specBuilder) {
 
 // runBuild claims one queued build and runs it to completion: the release is recorded
 // and tagged, or the operation fails and no release remains.
-func (n *Node) runBuild(ctx context.Context, b specBuilder, op *store.Operation) {
+func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operation) {
 	ref, _ := op.Params["template"].(string)
 	claimed, err := n.st.ClaimBuild(ctx, op.ID, fmt.Sprintf("building %s on node %s", ref, n.cfg.Name))
 	if err != nil || !claimed {
@@ -280,9 +278,7 @@ func (n *Node) startBuildSandbox(ctx context.Context, rootfs string, cfg templat
 	cancel()
 	if err == nil {
 		env := map[string]string{}
-		if p := n.info.Details["preload"]; p != "" {
-			env["LD_PRELOAD"] = p
-		}
+		n.preload(env)
 		err = bs.agent.SetIdentity(ctx, wire.Identity{Generation: time.Now().UnixNano(), Seed: randomSeed(),
 			UnixNano: time.Now().UnixNano(), Env: env, Hostname: "build"})
 	}
@@ -312,7 +308,7 @@ func (b *buildSandbox) Close(ctx context.Context) error {
 		return err
 	}
 	defer root.Close()
-	for _, p := range []string{wire.AgentPath, b.n.info.Details["preload"]} {
+	for _, p := range []string{wire.AgentPath, b.n.info.Caps.Preload} {
 		name := strings.TrimPrefix(p, "/")
 		if name == "" {
 			continue

@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/store"
 )
@@ -131,71 +133,63 @@ func (n *Node) buildBaseSnapshot(ctx context.Context, digest string, spec store.
 }
 
 // prepareClones snapshots a source once for its pending clones and gives each clone
-// its own copy-on-write disk and memory image. The source keeps running (it is
-// checkpointed and restored, a pause of well under a second).
-func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) *store.Sandbox {
+// its own copy-on-write disk and memory image. A running source keeps running (it is
+// checkpointed and restored, a pause of well under a second); while it is, it records
+// the clone-source transition, so that a crash meanwhile brings it back from that very
+// checkpoint (lifecycle.RestoreLeft) rather than losing its memory.
+func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) {
 	pending, err := n.st.ClonesPending(ctx, src.ID)
 	if err != nil || len(pending) == 0 {
-		return src
+		return
 	}
 	snap, err := n.snapshotter()
 	if err != nil {
 		n.failClones(ctx, pending, err)
-		return src
+		return
 	}
 	start := time.Now()
 	batch, err := n.disk.CloneBatchDir(src.ID, pending[0].CloneBatch)
 	if err != nil {
 		n.failClones(ctx, pending, err)
-		return src
+		return
 	}
-	defer func() { _ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch) }()
 	root, err := n.diskPath(src.ID)
 	if err != nil {
 		n.failClones(ctx, pending, err)
-		return src
+		return
+	}
+	// Whatever an earlier, interrupted preparation left is stale.
+	if err := n.disk.RemoveAll(ctx, batch); err != nil {
+		n.failClones(ctx, pending, err)
+		return
 	}
 	memDir := filepath.Join(batch, "checkpoint")
 	diskCopy := filepath.Join(batch, "disk")
 	if src.State == api.StateSuspended {
 		cp, err := n.disk.CheckpointDir(src.ID)
-		if err == nil && n.disk.IsComplete(cp) {
-			memDir = cp
-			diskCopy = root
-		} else {
+		if err != nil || !n.disk.IsComplete(cp) {
 			n.failClones(ctx, pending, fmt.Errorf("the source's snapshot is missing"))
-			return src
+			return
 		}
+		memDir, diskCopy = cp, root
 	} else {
-		wasPaused := src.State == api.StatePaused
-		if wasPaused {
-			if err := snap.Resume(ctx, src.ID); err != nil {
-				n.failClones(ctx, pending, err)
-				return src
+		restored, err := n.checkpointSource(ctx, snap, src, root, memDir, diskCopy)
+		if err != nil {
+			n.failClones(ctx, pending, err)
+			if !restored {
+				return
 			}
 		}
-		if err := n.checkpoint(ctx, snap, src.ID, memDir); err != nil {
-			st, cerr := n.afterFailedCheckpoint(ctx, src, memDir, err)
-			n.failClones(ctx, pending, cerr)
-			return n.report(ctx, src, store.Observed{State: st, ObservedGeneration: src.ObservedGeneration, Error: src.Error})
-		}
-		// The source is stopped now: its disk matches the checkpoint.
-		derr := n.disk.CopyDisk(ctx, root, diskCopy, true)
-		if err := n.restoreFrom(ctx, snap, src, memDir, root); err != nil {
-			n.log.Error("restoring a clone source failed; booting it from disk", "sandbox", src.ID, "err", err)
-			if berr := n.boot(ctx, src, root); berr != nil {
-				src = n.report(ctx, src, store.Observed{State: api.StateStopped, ObservedGeneration: src.ObservedGeneration, Error: "restore after clone snapshot: " + berr.Error()})
-			}
-		}
-		if wasPaused {
-			_ = snap.Pause(ctx, src.ID)
-			n.setReady(src.ID, false)
-		}
-		if derr != nil {
-			n.failClones(ctx, pending, derr)
-			return src
+		if err != nil {
+			_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
+			return
 		}
 	}
+	defer func() {
+		if src.State != api.StateSuspended {
+			_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
+		}
+	}()
 	for _, c := range pending {
 		if err := n.prepareClone(ctx, c, memDir, diskCopy); err != nil {
 			n.failClones(ctx, []*store.Sandbox{c}, err)
@@ -206,7 +200,56 @@ func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) *store.San
 		}
 	}
 	n.log.Info("clone snapshot prepared", "source", src.ID, "clones", len(pending), "took", time.Since(start).Round(time.Millisecond))
-	return src
+}
+
+// checkpointSource checkpoints a running (or paused) clone source into memDir, copies
+// its disk to diskCopy and brings it back as it was. It reports whether the source is
+// back (restored is false only when it is left to recovery: a failed restore keeps the
+// checkpoint complete, so the source's next plan restores it from there).
+func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, src *store.Sandbox, root, memDir, diskCopy string) (restored bool, err error) {
+	wasPaused := src.State == api.StatePaused
+	n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error, Transition: lifecycle.TCloneSource})
+	back := func() {
+		n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error})
+	}
+	if wasPaused {
+		if err := snap.Resume(ctx, src.ID); err != nil {
+			back()
+			return true, err
+		}
+	}
+	if err := n.checkpoint(ctx, snap, src.ID, memDir); err != nil {
+		out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, err)
+		if out.state == api.StateRunning && wasPaused {
+			_ = n.pauseInstance(ctx, src.ID)
+			out.state = api.StatePaused
+		}
+		n.report(ctx, src, store.Observed{State: out.state, ObservedGeneration: src.ObservedGeneration, Error: joinNonEmpty(lossError(out.note), src.Error)})
+		return true, cerr
+	}
+	// The source is stopped now: its disk matches the checkpoint.
+	derr := n.disk.CopyDisk(ctx, root, diskCopy, true)
+	var rerr error
+	for range 3 {
+		if rerr = n.restoreFrom(ctx, snap, src, memDir, root); rerr == nil || n.work.Err() != nil {
+			break
+		}
+		n.log.Warn("restoring a clone source failed; trying again", "sandbox", src.ID, "err", rerr)
+	}
+	if rerr != nil {
+		// The checkpoint stays complete and the transition recorded: the source's next
+		// plan restores it from there (or, if that keeps failing, boots its disk).
+		return false, fmt.Errorf("restore the source after its snapshot: %w", rerr)
+	}
+	// The checkpoint is older than the source from now on: never restore it again.
+	if err := n.disk.Unmark(memDir); err != nil {
+		n.log.Warn("retire clone checkpoint", "sandbox", src.ID, "err", err)
+	}
+	if wasPaused {
+		_ = n.pauseInstance(ctx, src.ID)
+	}
+	back()
+	return true, derr
 }
 
 // prepareClone gives one clone its disk and memory image (both O(1) copies).
@@ -229,24 +272,26 @@ func (n *Node) failClones(ctx context.Context, clones []*store.Sandbox, cause er
 		n.log.Error("clone failed", "sandbox", c.ID, "source", c.CloneOf, "err", cause)
 		n.cleanupLocal(ctx, c.ID)
 		c = n.report(ctx, c, store.Observed{State: api.StateFailed, ObservedGeneration: c.Generation, Error: "clone: " + cause.Error()})
-		n.finishOps(ctx, c, cause)
+		n.finishOps(ctx, c, cause, "")
 	}
 }
 
-// createClone starts a clone from the memory image and disk its source prepared.
-func (n *Node) createClone(ctx context.Context, sb *store.Sandbox) {
-	if !sb.CloneReady {
-		src, err := n.st.GetSandbox(ctx, sb.CloneOf)
-		if err != nil || src.DeletedAt != nil || src.DesiredState == api.StateDeleted {
-			n.failClones(ctx, []*store.Sandbox{sb}, fmt.Errorf("the source sandbox %s was deleted", sb.CloneOf))
-			return
-		}
-		if src.NodeID == n.cfg.ID {
-			n.kick(src.ID) // its worker prepares the snapshot
-		}
+// waitClone handles a clone whose source has not prepared its snapshot yet: the
+// source's worker is woken (or the clone fails when its source is gone).
+func (n *Node) waitClone(ctx context.Context, sb *store.Sandbox) {
+	src, err := n.st.GetSandbox(ctx, sb.CloneOf)
+	if fault.Is(err, fault.NotFound) || err == nil && (src.DeletedAt != nil || src.DesiredState == api.StateDeleted) {
+		n.failClones(ctx, []*store.Sandbox{sb}, fmt.Errorf("the source sandbox %s was deleted", sb.CloneOf))
 		return
 	}
-	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration})
+	if err == nil && src.NodeID == n.cfg.ID {
+		n.kick(src.ID) // its worker prepares the snapshot
+	}
+}
+
+// startClone starts a clone from the memory image and disk its source prepared.
+func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
+	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TClone})
 	err := func() error {
 		snap, err := n.snapshotter()
 		if err != nil {
@@ -263,48 +308,27 @@ func (n *Node) createClone(ctx context.Context, sb *store.Sandbox) {
 		if err := n.restoreFrom(ctx, snap, sb, cp, root); err != nil {
 			return err
 		}
+		if sb.DesiredState == api.StatePaused {
+			if err := n.pauseInstance(ctx, sb.ID); err != nil {
+				return err
+			}
+		}
 		return n.disk.RemoveAll(ctx, cp)
 	}()
 	if err != nil {
 		if n.work.Err() != nil {
-			return
+			return err
 		}
 		n.failClones(ctx, []*store.Sandbox{sb}, err)
-		return
+		return err
 	}
-	sb = n.report(ctx, sb, store.Observed{State: api.StateRunning, ObservedGeneration: sb.Generation, StartPath: "snapshot"})
-	n.finishOps(ctx, sb, nil)
+	state := api.StateRunning
+	if sb.DesiredState == api.StatePaused {
+		state = api.StatePaused
+	}
+	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: "snapshot"})
+	n.finishOps(ctx, sb, nil, "")
 	n.log.Info("clone running", "sandbox", sb.ID, "source", sb.CloneOf)
 	n.measureLater(sb.ID)
-}
-
-// restoreFromCloneBatch restores a running sandbox whose instance vanished from a
-// complete checkpoint left in one of its clone batches. It reports whether it did.
-func (n *Node) restoreFromCloneBatch(ctx context.Context, sb *store.Sandbox) bool {
-	snap, err := n.snapshotter()
-	if err != nil {
-		return false
-	}
-	dir, err := n.disk.SandboxDir(sb.ID)
-	if err != nil {
-		return false
-	}
-	batches, _ := filepath.Glob(filepath.Join(dir, "clones", "*", "checkpoint"))
-	root, err := n.diskPath(sb.ID)
-	if err != nil {
-		return false
-	}
-	for _, cp := range batches {
-		if !n.disk.IsComplete(cp) {
-			continue
-		}
-		if err := n.restoreFrom(ctx, snap, sb, cp, root); err != nil {
-			n.log.Warn("restore from clone checkpoint failed", "sandbox", sb.ID, "err", err)
-			continue
-		}
-		n.log.Info("restored sandbox from its clone checkpoint after a crash", "sandbox", sb.ID)
-		_ = n.disk.RemoveAll(ctx, filepath.Dir(cp))
-		return true
-	}
-	return false
+	return nil
 }

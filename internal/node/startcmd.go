@@ -3,8 +3,6 @@ package node
 import (
 	"context"
 	"fmt"
-	"net/http"
-	"strconv"
 	"time"
 
 	"github.com/spacedev/space/internal/guest/wire"
@@ -28,9 +26,9 @@ func (n *Node) runTemplateStart(ctx context.Context, sb *store.Sandbox) error {
 		return fmt.Errorf("template config: %w", err)
 	}
 	if len(cfg.Start) > 0 {
-		var p wire.ProcessInfo
 		spec := wire.ProcessSpec{Argv: cfg.Start, User: cfg.User, Cwd: cfg.Workdir, Tag: "template-start"}
-		if err := n.agentJSON(ctx, sb.ID, http.MethodPost, "/v1/processes", spec, &p); err != nil {
+		p, err := n.agent(sb.ID).StartProcess(ctx, spec)
+		if err != nil {
 			return fmt.Errorf("start command: %w", err)
 		}
 		n.log.Info("template start command running", "sandbox", sb.ID, "pid", p.PID)
@@ -65,12 +63,13 @@ func (n *Node) runTemplateStart(ctx context.Context, sb *store.Sandbox) error {
 
 // runCheck runs a short command through the agent and returns its exit code.
 func (n *Node) runCheck(ctx context.Context, id string, spec wire.ProcessSpec) (int, error) {
-	var p wire.ProcessInfo
-	if err := n.agentJSON(ctx, id, http.MethodPost, "/v1/processes", spec, &p); err != nil {
+	c := n.agent(id)
+	p, err := c.StartProcess(ctx, spec)
+	if err != nil {
 		return -1, err
 	}
 	for {
-		if err := n.agentJSON(ctx, id, http.MethodGet, "/v1/processes/"+strconv.Itoa(p.PID), nil, &p); err != nil {
+		if p, err = c.GetProcess(ctx, p.PID); err != nil {
 			return -1, err
 		}
 		if p.State == wire.StateExited {

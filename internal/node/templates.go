@@ -68,6 +68,10 @@ func (n *Node) buildBase(ctx context.Context, sb *store.Sandbox) (string, error)
 		n.log.Info("template build", "template", "base:latest", "line", line)
 		_ = n.st.AppendOperationLog(context.WithoutCancel(ctx), op.ID, line)
 	}
+	if n.cfg.Builder == nil {
+		_ = n.st.UpdateOperation(context.WithoutCancel(ctx), op.ID, api.OpFailed, "failed", "this node builds no templates")
+		return "", fmt.Errorf("build template base:latest: node %s builds no templates", n.cfg.Name)
+	}
 	rel, err := n.cfg.Builder.BuildBase(ctx, progress)
 	if err != nil {
 		_ = n.st.UpdateOperation(context.WithoutCancel(ctx), op.ID, api.OpFailed, "failed", err.Error())

@@ -75,10 +75,36 @@ const (
 
 // Info describes the runtime on this host.
 type Info struct {
-	Name    string            `json:"name"`
-	Disk    DiskFormat        `json:"disk"`
-	Version string            `json:"version"`
+	Name    string     `json:"name"`
+	Disk    DiskFormat `json:"disk"`
+	Version string     `json:"version"`
+	// Caps is what the node must do differently for this runtime.
+	Caps Caps `json:"caps"`
+	// Details are shown to operators (platform, accelerator and why); nothing
+	// branches on them.
 	Details map[string]string `json:"details,omitempty"`
+}
+
+// AgentResume is how an agent learns its identity after a restore.
+type AgentResume string
+
+// Ways of resuming an agent.
+const (
+	// ResumeByAPI: the agent's transport survives a checkpoint (VM transports); it
+	// keeps serving while quiesced and takes its identity over POST /v1/identity.
+	ResumeByAPI AgentResume = "api"
+	// ResumeByFile: the agent closes its host socket before a checkpoint (runsc
+	// cannot checkpoint one) and reads its identity from the resume file the host
+	// writes into its run directory (<StateDir>/run).
+	ResumeByFile AgentResume = "file"
+)
+
+// Caps are the runtime's capabilities that change what the node does.
+type Caps struct {
+	AgentResume AgentResume `json:"agent_resume"`
+	// Preload is a library every process in the sandbox needs preloaded (LD_PRELOAD),
+	// at this path inside the sandbox; empty for none.
+	Preload string `json:"preload,omitempty"`
 }
 
 // Runtime is implemented by every isolation technology.

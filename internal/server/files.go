@@ -1,22 +1,20 @@
 package server
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httputil"
 	"net/url"
 	"strconv"
 	"strings"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/wire"
-	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/rest"
+	"github.com/spacedev/space/internal/service"
 )
 
 // File endpoints stream through to the sandbox's agent (via its node): bodies are never
@@ -30,68 +28,18 @@ const maxPathLen = 4096
 // checkPath validates a guest path from a query parameter or body.
 func checkPath(name, p string) error {
 	if p == "" {
-		return invalid("%s is required", name)
+		return rest.Invalid("%s is required", name)
 	}
 	if len(p) > maxPathLen || strings.ContainsRune(p, 0) {
-		return invalid("%s is too long or contains NUL", name)
-	}
-	return nil
-}
-
-// checkUser validates an optional user name.
-func checkUser(u string) error {
-	if u != "" && !userNameRe.MatchString(u) {
-		return invalid("user %q is not a valid user name", u)
+		return rest.Invalid("%s is too long or contains NUL", name)
 	}
 	return nil
 }
 
 // proxyToAgent relays the request (method, body, selected query parameters) to the
 // agent path and streams the answer back. Agent errors become API errors.
-func (a *API) proxyToAgent(w http.ResponseWriter, r *http.Request, sb *store.Sandbox, agentPath string, query url.Values) error {
-	node, err := a.runningOn(r.Context(), sb)
-	if err != nil {
-		return err
-	}
-	tok, err := a.nodeToken(sb)
-	if err != nil {
-		return err
-	}
-	target, err := url.Parse(node.DataPlaneURL)
-	if err != nil {
-		return err
-	}
-	var proxyErr error
-	p := &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(target)
-			pr.Out.URL.Path = "/internal/v1/sandboxes/" + sb.ID + "/agent" + agentPath
-			pr.Out.URL.RawPath = ""
-			pr.Out.URL.RawQuery = query.Encode()
-			pr.Out.Header.Set("Authorization", "Bearer "+tok)
-			pr.Out.Header.Del("X-Api-Key")
-		},
-		Transport:     a.cfg.NodeClient.Transport,
-		FlushInterval: -1,
-		ModifyResponse: func(resp *http.Response) error {
-			if resp.StatusCode < 300 {
-				return nil
-			}
-			return agentError(resp)
-		},
-		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			proxyErr = err
-		},
-	}
-	_ = http.NewResponseController(w).EnableFullDuplex() // see DataPlane.agentProxy
-	p.ServeHTTP(w, r)
-	if proxyErr != nil {
-		if fault.KindOf(proxyErr) == fault.Internal && r.Context().Err() == nil {
-			proxyErr = fault.New(fault.Unavailable, "node %s unreachable: %v", node.Name, proxyErr)
-		}
-		return proxyErr
-	}
-	return nil
+func (a *API) proxyToAgent(w http.ResponseWriter, r *http.Request, t *service.Target, agentPath string, query url.Values) error {
+	return a.svc.Agent(t).Relay(w, r, agentPath, query)
 }
 
 // fileQuery copies the allowed query parameters after validating them.
@@ -109,20 +57,20 @@ func fileQuery(r *http.Request, names ...string) (url.Values, error) {
 				return nil, err
 			}
 		case "user":
-			if err := checkUser(v); err != nil {
+			if err := service.ValidUser(v); err != nil {
 				return nil, err
 			}
 		case "offset", "length", "depth":
 			if x, err := strconv.ParseInt(v, 10, 64); err != nil || x < 0 {
-				return nil, invalid("%s must be a non-negative integer", n)
+				return nil, rest.Invalid("%s must be a non-negative integer", n)
 			}
 		case "mode":
 			if _, err := strconv.ParseUint(v, 8, 32); err != nil {
-				return nil, invalid("mode must be octal, like 0644")
+				return nil, rest.Invalid("mode must be octal, like 0644")
 			}
 		case "append", "recursive":
 			if v != "1" && v != "true" && v != "0" && v != "false" {
-				return nil, invalid("%s must be true or false", n)
+				return nil, rest.Invalid("%s must be true or false", n)
 			}
 			if v == "true" {
 				v = "1"
@@ -131,40 +79,39 @@ func fileQuery(r *http.Request, names ...string) (url.Values, error) {
 		out.Set(n, v)
 	}
 	if _, ok := out["path"]; !ok {
-		return nil, invalid("path is required")
+		return nil, rest.Invalid("path is required")
 	}
 	return out, nil
 }
 
-func (a *API) fileHandler(agentPath string, params ...string) handlerFunc {
+// running loads the request's sandbox for the caller, waking it unless ?wake=false.
+func (a *API) running(r *http.Request) (*service.Target, error) {
+	return a.svc.Running(r.Context(), principalFrom(r.Context()), r.PathValue("id"), noWake(r))
+}
+
+func (a *API) fileHandler(agentPath string, params ...string) rest.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) error {
-		sb, err := a.sandboxFor(r, r.PathValue("id"))
+		t, err := a.running(r)
 		if err != nil {
-			return err
-		}
-		if sb, err = a.awake(r, sb); err != nil {
 			return err
 		}
 		q, err := fileQuery(r, params...)
 		if err != nil {
 			return err
 		}
-		return a.proxyToAgent(w, r, sb, agentPath, q)
+		return a.proxyToAgent(w, r, t, agentPath, q)
 	}
 }
 
 // fileJSONHandler validates a JSON body of type T and relays it.
-func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) handlerFunc {
+func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) rest.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) error {
-		sb, err := a.sandboxFor(r, r.PathValue("id"))
+		t, err := a.running(r)
 		if err != nil {
 			return err
 		}
-		if sb, err = a.awake(r, sb); err != nil {
-			return err
-		}
 		var req T
-		if err := decodeJSON(w, r, &req); err != nil {
+		if err := rest.DecodeJSON(w, r, &req); err != nil {
 			return err
 		}
 		if err := check(&req); err != nil {
@@ -173,11 +120,11 @@ func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) hand
 		b, _ := json.Marshal(req)
 		r.Body = io.NopCloser(bytes.NewReader(b))
 		r.ContentLength = int64(len(b))
-		return a.proxyToAgent(w, r, sb, agentPath, url.Values{})
+		return a.proxyToAgent(w, r, t, agentPath, url.Values{})
 	}
 }
 
-func (a *API) registerFiles(authed func(string, handlerFunc)) {
+func (a *API) registerFiles(authed func(string, rest.HandlerFunc)) {
 	authed("GET /v1/sandboxes/{id}/files", a.fileHandler("/v1/files/content", "path", "user", "offset", "length"))
 	authed("PUT /v1/sandboxes/{id}/files", a.fileHandler("/v1/files/content", "path", "user", "mode", "append"))
 	authed("DELETE /v1/sandboxes/{id}/files", a.fileHandler("/v1/files", "path", "user", "recursive"))
@@ -187,7 +134,7 @@ func (a *API) registerFiles(authed func(string, handlerFunc)) {
 		if err := checkPath("path", m.Path); err != nil {
 			return err
 		}
-		return checkUser(m.User)
+		return service.ValidUser(m.User)
 	}))
 	authed("POST /v1/sandboxes/{id}/files/move", fileJSONHandler(a, "/v1/files/move", func(m *api.MoveRequest) error {
 		if err := checkPath("from", m.From); err != nil {
@@ -196,65 +143,48 @@ func (a *API) registerFiles(authed func(string, handlerFunc)) {
 		if err := checkPath("to", m.To); err != nil {
 			return err
 		}
-		return checkUser(m.User)
+		return service.ValidUser(m.User)
 	}))
 	authed("GET /v1/sandboxes/{id}/files/watch", a.watchFiles)
 }
 
 // watchFiles turns the agent's newline-delimited watch events into SSE.
 func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
-	sb, err := a.sandboxFor(r, r.PathValue("id"))
+	t, err := a.running(r)
 	if err != nil {
-		return err
-	}
-	if sb, err = a.awake(r, sb); err != nil {
 		return err
 	}
 	q, err := fileQuery(r, "path", "user", "recursive")
 	if err != nil {
 		return err
 	}
-	node, err := a.runningOn(r.Context(), sb)
-	if err != nil {
-		return err
-	}
-	tok, err := a.nodeToken(sb)
-	if err != nil {
-		return err
-	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet,
-		node.DataPlaneURL+"/internal/v1/sandboxes/"+sb.ID+"/agent/v1/files/watch?"+q.Encode(), nil)
+	watch, err := a.svc.Agent(t).Watch(ctx, q.Get("path"), q.Get("user"), q.Get("recursive") == "1")
 	if err != nil {
 		return err
 	}
-	req.Header.Set("Authorization", "Bearer "+tok)
-	resp, err := a.cfg.NodeClient.Do(req)
-	if err != nil {
-		return fault.New(fault.Unavailable, "node %s unreachable: %v", node.Name, err)
+	defer watch.Close()
+	s := rest.NewSSE(w)
+	st := watch.Start
+	if s.Event("", st.Type, api.WatchEvent{Type: st.Type, Path: st.Path, Name: st.Name, IsDir: st.IsDir}) != nil || s.Flush() != nil {
+		return nil
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode >= 300 {
-		return agentError(resp)
-	}
-	s := newSSE(w)
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		var ev wire.WatchEvent
-		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil {
-			_ = s.event("", api.EventError, map[string]string{"message": fmt.Sprintf("bad watch event: %v", err)})
+	for {
+		ev, err := watch.Next()
+		if err != nil {
+			if err != io.EOF && ctx.Err() == nil {
+				_ = s.Event("", api.EventError, map[string]string{"message": fmt.Sprintf("watch ended: %v", err)})
+			}
 			return nil
 		}
 		if ev.Type == wire.WatchHeartbeat {
-			err = s.comment("keepalive")
+			err = s.Comment("keepalive")
 		} else {
-			err = s.event("", ev.Type, api.WatchEvent{Type: ev.Type, Path: ev.Path, Name: ev.Name, IsDir: ev.IsDir})
+			err = s.Event("", ev.Type, api.WatchEvent{Type: ev.Type, Path: ev.Path, Name: ev.Name, IsDir: ev.IsDir})
 		}
-		if err != nil || s.flush() != nil {
+		if err != nil || s.Flush() != nil {
 			return nil
 		}
 	}
-	return nil
 }

@@ -79,26 +79,3 @@ func (m *apiMetrics) instrument(mux *http.ServeMux) http.Handler {
 		m.requests.WithLabelValues(pattern, strconv.Itoa(rec.code)).Observe(time.Since(start).Seconds())
 	})
 }
-
-// OperationMetrics observes lifecycle operation latencies; nodes record into it.
-type OperationMetrics struct {
-	hist *prometheus.HistogramVec
-}
-
-// NewOperationMetrics registers the operation latency histogram.
-func NewOperationMetrics(reg *prometheus.Registry) *OperationMetrics {
-	h := prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    "space_operation_duration_seconds",
-		Help:    "Lifecycle operation latency (request to completion) by kind and result.",
-		Buckets: prometheus.ExponentialBuckets(0.01, 2, 14),
-	}, []string{"kind", "result"})
-	reg.MustRegister(h)
-	return &OperationMetrics{hist: h}
-}
-
-// Observe records one finished operation.
-func (o *OperationMetrics) Observe(kind, result string, d time.Duration) {
-	if o != nil {
-		o.hist.WithLabelValues(kind, result).Observe(d.Seconds())
-	}
-}

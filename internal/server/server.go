@@ -1,96 +1,59 @@
-// Package server owns space's HTTP surfaces: the public control-plane API (api role),
-// the data plane each node serves for its sandboxes (attach streams, stdin, signals and
-// the internal agent proxy), API-key and attachment-token authentication, the SSE
-// writer, Prometheus metrics and the single mapping from error kinds to HTTP status.
+// Package server owns space's control-plane HTTP API (the api role): routes, request
+// decoding and response encoding, API-key authentication, HTTP metrics and the OpenAPI
+// document. Every domain rule (validation, lifecycle, authorization, idempotency) is in
+// internal/service; the HTTP conventions (error→status, JSON, SSE) in internal/rest.
 package server
 
 import (
 	"context"
 	"log/slog"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/internal/store"
-	"github.com/spacedev/space/internal/token"
+	"github.com/spacedev/space/internal/rest"
+	"github.com/spacedev/space/internal/service"
 )
 
 // Config configures the control-plane API.
 type Config struct {
-	Store    *store.Store
-	Signer   *token.Signer
+	Service  *service.Service
 	Logger   *slog.Logger
 	Registry *prometheus.Registry
-	// TokenTTL is the default lifetime of attachment tokens; MaxTokenTTL caps requests.
-	TokenTTL    time.Duration
-	MaxTokenTTL time.Duration
-	// Defaults and limits for sandbox resources.
-	DefaultCPU      int
-	DefaultMemoryMB int
-	MaxCPU          int
-	MaxMemoryMB     int
-	// IdleTimeout is the idle timeout of sandboxes that ask for none.
-	IdleTimeout time.Duration
-	// DefaultTemplate is used when a create request names none.
-	DefaultTemplate string
-	// BuiltinTemplates can be created on first use although no release exists yet.
-	BuiltinTemplates []string
-	// NodeClient is used for calls to nodes' internal endpoints.
-	NodeClient *http.Client
 }
 
 // API is the control-plane HTTP API.
 type API struct {
-	cfg     Config
+	svc     *service.Service
 	log     *slog.Logger
-	st      *store.Store
-	ops     *opWatch
+	reg     *prometheus.Registry
 	metrics *apiMetrics
-	act     activity
 }
 
-// NewAPI returns the control-plane API. Run must be running for operation waits to
-// wake promptly (they fall back to polling otherwise).
+// NewAPI returns the control-plane API.
 func NewAPI(cfg Config) *API {
-	if cfg.TokenTTL == 0 {
-		cfg.TokenTTL = 15 * time.Minute
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	if cfg.MaxTokenTTL == 0 {
-		cfg.MaxTokenTTL = 24 * time.Hour
+	if cfg.Registry == nil {
+		cfg.Registry = prometheus.NewRegistry()
 	}
-	if cfg.NodeClient == nil {
-		cfg.NodeClient = &http.Client{}
-	}
-	if cfg.IdleTimeout == 0 {
-		cfg.IdleTimeout = store.DefaultIdleTimeout
-	}
-	if cfg.DefaultTemplate == "" {
-		cfg.DefaultTemplate = "base"
-	}
-	a := &API{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}}}
-	a.metrics = newAPIMetrics(cfg.Registry, cfg.Store)
+	a := &API{svc: cfg.Service, log: cfg.Logger, reg: cfg.Registry}
+	a.metrics = newAPIMetrics(cfg.Registry, cfg.Service.Store())
 	return a
-}
-
-// Run listens for operation notifications until ctx ends.
-func (a *API) Run(ctx context.Context) error {
-	return a.st.Listen(ctx, a.log, func(ch, payload string) {
-		a.ops.notify(payload)
-	}, store.ChannelOperations)
 }
 
 // Handler returns the API's routes.
 func (a *API) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", a.healthz)
-	mux.Handle("GET /metrics", promhttp.HandlerFor(a.cfg.Registry, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /v1/openapi.json", serveOpenAPI)
 
-	authed := func(pattern string, h handlerFunc) {
+	authed := func(pattern string, h rest.HandlerFunc) {
 		mux.Handle(pattern, a.withKey(h))
 	}
 	authed("POST /v1/sandboxes", a.createSandbox)
@@ -102,7 +65,7 @@ func (a *API) Handler() http.Handler {
 	authed("POST /v1/sandboxes/{id}/pause", a.lifecycle(api.OpPause))
 	authed("POST /v1/sandboxes/{id}/resume", a.lifecycle(api.OpResume))
 	authed("POST /v1/sandboxes/{id}/suspend", a.lifecycle(api.OpSuspend))
-	authed("POST /v1/sandboxes/{id}/restore", a.lifecycle("restore"))
+	authed("POST /v1/sandboxes/{id}/restore", a.lifecycle(api.OpRestore))
 	authed("POST /v1/sandboxes/{id}/stop", a.lifecycle(api.OpStop))
 	authed("POST /v1/sandboxes/{id}/start", a.lifecycle(api.OpStart))
 	authed("POST /v1/sandboxes/{id}/wake", a.lifecycle(api.OpWake))
@@ -131,60 +94,9 @@ func (a *API) Handler() http.Handler {
 func (a *API) healthz(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
-	if err := a.st.Ping(ctx); err != nil {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy", "database": err.Error()})
+	if err := a.svc.Ping(ctx); err != nil {
+		rest.WriteJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy", "database": err.Error()})
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	rest.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 }
-
-// opWatch wakes operation waiters when an operation changes.
-type opWatch struct {
-	mu      sync.Mutex
-	waiters map[string][]chan struct{}
-}
-
-func newOpWatch() *opWatch { return &opWatch{waiters: map[string][]chan struct{}{}} }
-
-// wait returns a channel closed at the next change of operation id.
-func (o *opWatch) wait(id string) (<-chan struct{}, func()) {
-	ch := make(chan struct{})
-	o.mu.Lock()
-	o.waiters[id] = append(o.waiters[id], ch)
-	o.mu.Unlock()
-	return ch, func() {
-		o.mu.Lock()
-		defer o.mu.Unlock()
-		list := o.waiters[id]
-		for i, c := range list {
-			if c == ch {
-				o.waiters[id] = append(list[:i], list[i+1:]...)
-				break
-			}
-		}
-		if len(o.waiters[id]) == 0 {
-			delete(o.waiters, id)
-		}
-	}
-}
-
-// notify wakes the waiters of id; an empty id (after a reconnect) wakes everyone.
-func (o *opWatch) notify(id string) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	wake := func(k string) {
-		for _, c := range o.waiters[k] {
-			close(c)
-		}
-		delete(o.waiters, k)
-	}
-	if id == "" {
-		for k := range o.waiters {
-			wake(k)
-		}
-		return
-	}
-	wake(id)
-}
-
-func opFromStore(o *store.Operation) *api.Operation { return o.API() }

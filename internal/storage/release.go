@@ -26,15 +26,10 @@ type Release struct {
 	CreatedAt time.Time `json:"created_at"`
 	// SizeBytes is the total size of the regular files in the root filesystem.
 	SizeBytes int64 `json:"size_bytes"`
-	// Config is the runtime configuration processes in sandboxes start with.
-	Config ReleaseConfig `json:"config"`
-}
-
-// ReleaseConfig is the runtime configuration recorded with a release.
-type ReleaseConfig struct {
-	User    string            `json:"user"`
-	Workdir string            `json:"workdir"`
-	Env     map[string]string `json:"env"`
+	// Config is the release's runtime configuration (user, workdir, environment, start
+	// command, default resources), kept with the release as its builder wrote it; its
+	// one type is template.Config. Storage does not interpret it.
+	Config json.RawMessage `json:"config"`
 }
 
 // ReleaseBuild is a release being built in tmp/: a writable subvolume for its root
@@ -137,8 +132,8 @@ func (b *ReleaseBuild) Commit(ctx context.Context, meta Release) (rel Release, e
 	if rel.CreatedAt.IsZero() {
 		rel.CreatedAt = time.Now().UTC()
 	}
-	if rel.Config.Env == nil {
-		rel.Config.Env = map[string]string{}
+	if len(rel.Config) == 0 {
+		rel.Config = json.RawMessage(`{}`)
 	}
 	data, err := json.MarshalIndent(rel, "", "  ")
 	if err != nil {

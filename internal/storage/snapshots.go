@@ -97,6 +97,16 @@ func (s *Store) MarkComplete(dir string) error {
 	return durable.Sync(dir)
 }
 
+// Unmark removes dir's completion marker (durably): the checkpoint in it is no longer
+// to be restored (e.g. its sandbox has moved on since), though its files may still be
+// copied.
+func (s *Store) Unmark(dir string) error {
+	if err := os.Remove(filepath.Join(dir, completeName)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("storage: %w", err)
+	}
+	return durable.Sync(dir)
+}
+
 // IsComplete reports whether dir holds a complete checkpoint.
 func (s *Store) IsComplete(dir string) bool {
 	_, err := os.Stat(filepath.Join(dir, completeName))

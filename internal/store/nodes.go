@@ -3,11 +3,22 @@ package store
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 )
+
+// Node states.
+const (
+	NodeAlive = "alive"
+	NodeDead  = "dead"
+)
+
+// ErrFenced is returned by Heartbeat when another incarnation of the node (a newer
+// epoch) took over: the caller must stop.
+var ErrFenced = errors.New("node epoch superseded by another incarnation")
 
 // Node is a row of the nodes table.
 type Node struct {
@@ -50,7 +61,7 @@ func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64) error {
 		return fmt.Errorf("heartbeat: %w", err)
 	}
 	if tag.RowsAffected() != 1 {
-		return fmt.Errorf("heartbeat: node %s epoch %d superseded", id, epoch)
+		return fmt.Errorf("heartbeat: node %s epoch %d: %w", id, epoch, ErrFenced)
 	}
 	return nil
 }

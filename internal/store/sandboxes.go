@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/lifecycle"
 )
 
 // SandboxSpec is the part of a sandbox's desired state that the node needs to run it.
@@ -58,6 +59,14 @@ type Sandbox struct {
 	IdentityGeneration int64
 	// ExpireAction is what happens at ExpiresAt: "delete" or "suspend".
 	ExpireAction string
+	// Transition is what the node is in the middle of ("" when resting).
+	Transition lifecycle.Transition
+}
+
+// Lifecycle is the state machine's view of the row.
+func (s *Sandbox) Lifecycle() lifecycle.Sandbox {
+	return lifecycle.Sandbox{ID: s.ID, State: s.State, Desired: s.DesiredState, Generation: s.Generation,
+		ObservedGeneration: s.ObservedGeneration, Deleted: s.DeletedAt != nil, Error: s.Error}
 }
 
 // API converts the row to its wire form.
@@ -92,7 +101,7 @@ const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spe
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
-	disk_exclusive_bytes, identity_generation, expire_action`
+	disk_exclusive_bytes, identity_generation, expire_action, transition`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -102,7 +111,7 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
-		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction)
+		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition)
 	if err != nil {
 		return nil, err
 	}
@@ -273,20 +282,18 @@ func (s *Store) CountSandboxesByState(ctx context.Context) (map[string]int, erro
 	return out, rows.Err()
 }
 
-// SetDesiredState records new intent for a sandbox: desired state, a bumped generation
-// and the operation that tracks it, then wakes whoever acts on it. It runs inside tx so
-// that callers can check the current state first (GetSandboxForUpdate).
-func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired string, op *Operation) error {
-	return t.SetDesiredStateWithReason(ctx, s, desired, "", op)
-}
-
-// SetDesiredStateWithReason is SetDesiredState recording why (shown on the sandbox).
-func (t *Tx) SetDesiredStateWithReason(ctx context.Context, s *Sandbox, desired, reason string, op *Operation) error {
+// SetDesiredState records new intent for a sandbox: desired state, a bumped generation,
+// why (shown on the sandbox when not empty) and the operation that tracks it, then wakes
+// whoever acts on it. A desired state that ends the sandbox's processes' reachability
+// (lifecycle.RevokesTokens) bumps its token epoch. It runs inside tx so that callers
+// can check the current state first (GetSandboxForUpdate).
+func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired, reason string, op *Operation) error {
+	revoke := lifecycle.RevokesTokens(desired)
 	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET desired_state=$2, generation=generation+1, updated_at=now(),
-		token_epoch = CASE WHEN $2 IN ('deleted','suspended','stopped') THEN token_epoch+1 ELSE token_epoch END,
+		token_epoch = CASE WHEN $4 THEN token_epoch+1 ELSE token_epoch END,
 		status_reason = CASE WHEN $3 <> '' THEN $3 ELSE status_reason END,
 		last_activity_at = now()
-		WHERE id=$1 RETURNING `+sandboxCols, s.ID, desired, reason)
+		WHERE id=$1 RETURNING `+sandboxCols, s.ID, desired, reason, revoke)
 	got, err := scanSandbox(row)
 	if err != nil {
 		return fmt.Errorf("set desired state: %w", err)
@@ -298,7 +305,7 @@ func (t *Tx) SetDesiredStateWithReason(ctx context.Context, s *Sandbox, desired,
 	if err := t.InsertOperation(ctx, op); err != nil {
 		return err
 	}
-	if desired == api.StateDeleted || desired == api.StateSuspended || desired == api.StateStopped {
+	if revoke {
 		if err := t.Notify(ctx, ChannelTokens, s.ID); err != nil {
 			return err
 		}
@@ -355,6 +362,8 @@ type Observed struct {
 	Deleted            bool
 	// Reason replaces the sandbox's status reason when not empty.
 	Reason string
+	// Transition is what the node is doing now (lifecycle.TNone when it rests).
+	Transition lifecycle.Transition
 }
 
 // ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
@@ -365,9 +374,9 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
 		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
-		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END
+		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10
 		WHERE id=$1 AND node_id=$2 RETURNING `+sandboxCols,
-		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason)
+		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition))
 	sb, err := scanSandbox(row)
 	if err != nil {
 		return nil, notFound(err, "sandbox on this node", id)

@@ -131,10 +131,11 @@ func (b *Builder) Build(ctx context.Context, spec *Spec, opts BuildOptions) (_ s
 		return storage.Release{}, Config{}, fmt.Errorf("template: write /%s: %w", ConfigFile, err)
 	}
 	progress("committing release")
-	rel, err := build.Commit(ctx, storage.Release{
-		Name:   spec.Name,
-		Config: storage.ReleaseConfig{User: cfg.User, Workdir: cfg.Workdir, Env: cfg.Env},
-	})
+	cfgJSON, err := json.Marshal(cfg)
+	if err != nil {
+		return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+	}
+	rel, err := build.Commit(ctx, storage.Release{Name: spec.Name, Config: cfgJSON})
 	if err != nil {
 		return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
 	}

@@ -27,7 +27,11 @@ func TestBuildDebianSpec(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rel.Name != "deb" || rel.Config.Env["A"] != "b" || rel.Config.Workdir != "/srv" || cfg.Env["A"] != "b" || lines < 3 {
+	relCfg, err := template.ParseConfig(rel.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rel.Name != "deb" || relCfg.Env["A"] != "b" || relCfg.Workdir != "/srv" || cfg.Env["A"] != "b" || lines < 3 {
 		t.Errorf("release %+v, config %+v, %d log lines", rel, cfg, lines)
 	}
 	root, err := s.ReleaseRoot(rel.Digest)

@@ -85,8 +85,9 @@ type CopyStep struct {
 	User string `json:"user,omitempty"`
 }
 
-// Config is the runtime configuration recorded with a release. The JSON names of User,
-// Workdir and Env are those of storage.ReleaseConfig.
+// Config is the runtime configuration recorded with a release. It is recorded with the
+// release (storage.Release.Config, the database's release
+// config) and is the one type of a release's configuration.
 type Config struct {
 	Env     map[string]string `json:"env,omitempty"`
 	User    string            `json:"user,omitempty"`

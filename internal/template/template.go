@@ -23,6 +23,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -103,14 +104,11 @@ func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel sto
 	if err := b.customizeBase(ctx, rootfs); err != nil {
 		return storage.Release{}, fmt.Errorf("template: %w", err)
 	}
-	rel, err = build.Commit(ctx, storage.Release{
-		Name: baseName,
-		Config: storage.ReleaseConfig{
-			User:    baseUser,
-			Workdir: baseHome,
-			Env:     map[string]string{},
-		},
-	})
+	cfg, err := json.Marshal(Config{User: baseUser, Workdir: baseHome})
+	if err != nil {
+		return storage.Release{}, fmt.Errorf("template: %w", err)
+	}
+	rel, err = build.Commit(ctx, storage.Release{Name: baseName, Config: cfg})
 	if err != nil {
 		return storage.Release{}, fmt.Errorf("template: %w", err)
 	}

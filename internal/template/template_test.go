@@ -37,7 +37,11 @@ func TestBuildBase(t *testing.T) {
 	if len(lines) == 0 || !strings.HasPrefix(lines[0], "I: ") {
 		t.Fatalf("progress lines: %q", lines)
 	}
-	if rel.Name != "base" || rel.Config.User != "user" || rel.Config.Workdir != "/home/user" || rel.Config.Env == nil || rel.SizeBytes <= 0 {
+	cfg, err := template.ParseConfig(rel.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rel.Name != "base" || cfg.User != "user" || cfg.Workdir != "/home/user" || rel.SizeBytes <= 0 {
 		t.Fatalf("release = %+v", rel)
 	}
 	root, err := s.ReleaseRoot(rel.Digest)

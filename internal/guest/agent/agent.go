@@ -330,10 +330,14 @@ func (a *Agent) health() wire.Health {
 	a.idMu.Lock()
 	gen := a.generation
 	a.idMu.Unlock()
+	a.freezeMu.Lock()
+	frozen := a.frozen
+	a.freezeMu.Unlock()
 	return wire.Health{
 		Version:      a.cfg.Version,
 		BootID:       a.bootID,
 		Generation:   gen,
+		Frozen:       frozen,
 		Time:         time.Now(),
 		LastActivity: time.Unix(0, a.lastActivity.Load()),
 	}

@@ -1029,7 +1029,7 @@ func TestQuiesceResume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := e.c.Quiesce(ctx); err != nil {
+	if err := e.c.Quiesce(ctx, false); err != nil {
 		t.Fatal(err)
 	}
 	for {
@@ -1085,7 +1085,7 @@ func TestQuiesceResume(t *testing.T) {
 		t.Fatalf("output across quiesce: %q", r.all)
 	}
 	// And the agent can quiesce again.
-	if err := e.c.Quiesce(ctx); err != nil {
+	if err := e.c.Quiesce(ctx, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := agentclient.WaitQuiesced(ctx, e.runDir); err != nil {

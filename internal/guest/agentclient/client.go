@@ -1,7 +1,13 @@
-// Package agentclient is the host side of the agent protocol (package wire): a Go
-// client for space-agent over whatever stream connection the runtime provides (a unix
-// socket, vsock, a yamux stream). Agent errors come back as *Error with the HTTP
-// status, so callers can map them onward.
+// Package agentclient is the host side of the agent protocol (package wire): the one
+// Go client for space-agent, used by the node (over whatever stream connection the
+// runtime provides: a unix socket, vsock, a yamux stream), by the node's data plane,
+// and by the api role (through the node's internal agent proxy).
+//
+// Everything that comes out of a sandbox is untrusted input, the agent included: every
+// reply is bounded in size (per message type) and time. An oversized, malformed or slow
+// reply fails that one call with a fault.BadGateway error; the host's memory does not
+// move. Agent errors come back as *Error (with the HTTP status) wrapped in a fault of
+// the matching kind, so callers map them onward in one step.
 package agentclient
 
 import (
@@ -14,19 +20,37 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httputil"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
 	"time"
 
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/wire"
+)
+
+// Bounds on what an agent may send back.
+const (
+	// MaxSmallReply bounds single-record replies (health, a process, a file entry).
+	MaxSmallReply = 64 << 10
+	// MaxListReply bounds list replies (processes, directory listings).
+	MaxListReply = 16 << 20
+	// maxErrorBody bounds error bodies.
+	maxErrorBody = 64 << 10
+	// CallTimeout bounds a JSON call that names no shorter deadline.
+	CallTimeout = 30 * time.Second
+	// headerTimeout bounds the wait for a reply's headers (also of streams).
+	headerTimeout = 30 * time.Second
 )
 
 // Client talks to one agent. It is safe for concurrent use.
 type Client struct {
 	hc        *http.Client
-	transport *http.Transport
+	transport http.RoundTripper
+	base      string
+	auth      func() (string, error)
 }
 
 // baseURL is a placeholder host: every connection comes from the dial function.
@@ -39,12 +63,23 @@ func New(dial func(ctx context.Context) (net.Conn, error)) *Client {
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			return dial(ctx)
 		},
-		DisableCompression:  true,
-		MaxIdleConnsPerHost: 16,
-		IdleConnTimeout:     30 * time.Second,
-		ForceAttemptHTTP2:   false,
+		DisableCompression:     true,
+		MaxIdleConnsPerHost:    16,
+		IdleConnTimeout:        30 * time.Second,
+		ResponseHeaderTimeout:  headerTimeout,
+		MaxResponseHeaderBytes: 64 << 10,
+		ForceAttemptHTTP2:      false,
 	}
-	return &Client{hc: &http.Client{Transport: t}, transport: t}
+	return &Client{hc: &http.Client{Transport: t}, transport: t, base: baseURL}
+}
+
+// NewVia returns a client that reaches the agent through an HTTP relay at base (the
+// node's internal agent proxy), authorized by the bearer token that auth returns.
+func NewVia(base string, rt http.RoundTripper, auth func() (string, error)) *Client {
+	if rt == nil {
+		rt = http.DefaultTransport
+	}
+	return &Client{hc: &http.Client{Transport: rt}, transport: rt, base: base, auth: auth}
 }
 
 // DialUnix returns a dial function for a unix socket path.
@@ -55,8 +90,16 @@ func DialUnix(path string) func(ctx context.Context) (net.Conn, error) {
 	}
 }
 
+// Transport is the round tripper that reaches the agent (for relays that stream
+// requests through verbatim, like the data plane's internal proxy).
+func (c *Client) Transport() http.RoundTripper { return c.transport }
+
 // CloseIdleConnections closes connections not in use.
-func (c *Client) CloseIdleConnections() { c.transport.CloseIdleConnections() }
+func (c *Client) CloseIdleConnections() {
+	if t, ok := c.transport.(interface{ CloseIdleConnections() }); ok {
+		t.CloseIdleConnections()
+	}
+}
 
 // Error is an error response of the agent.
 type Error struct {
@@ -65,12 +108,7 @@ type Error struct {
 	Message string
 }
 
-func (e *Error) Error() string {
-	if e.Code != "" {
-		return fmt.Sprintf("agent: %d %s: %s", e.Status, e.Code, e.Message)
-	}
-	return fmt.Sprintf("agent: %d: %s", e.Status, e.Message)
-}
+func (e *Error) Error() string { return e.Message }
 
 // StatusOf returns the HTTP status of an agent error, or 0 for other errors.
 func StatusOf(err error) int {
@@ -81,10 +119,47 @@ func StatusOf(err error) int {
 	return 0
 }
 
+// CodeOf returns the wire error code of an agent error ("" for other errors).
+func CodeOf(err error) string {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return ""
+}
+
+// kindOf maps an agent (or relay) status to a fault kind.
+func kindOf(status int) fault.Kind {
+	switch status {
+	case http.StatusBadRequest:
+		return fault.Invalid
+	case http.StatusNotFound:
+		return fault.NotFound
+	case http.StatusConflict:
+		return fault.Conflict
+	case http.StatusUnauthorized:
+		return fault.Unauthorized
+	case http.StatusForbidden:
+		return fault.Forbidden
+	case http.StatusRequestEntityTooLarge:
+		return fault.TooLarge
+	case http.StatusInsufficientStorage:
+		return fault.InsufficientStorage
+	case http.StatusUnprocessableEntity:
+		return fault.Unprocessable
+	case http.StatusServiceUnavailable:
+		return fault.Unavailable
+	case http.StatusBadGateway, http.StatusGatewayTimeout:
+		return fault.BadGateway
+	default:
+		return fault.Internal
+	}
+}
+
 // request sends a request and returns the response when its status is wanted;
-// otherwise it returns the decoded *Error.
+// otherwise it returns the decoded error.
 func (c *Client) request(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, want ...int) (*http.Response, error) {
-	u := baseURL + path
+	u := c.base + path
 	if len(query) > 0 {
 		u += "?" + query.Encode()
 	}
@@ -95,9 +170,19 @@ func (c *Client) request(ctx context.Context, method, path string, query url.Val
 	if contentType != "" {
 		req.Header.Set("Content-Type", contentType)
 	}
+	if c.auth != nil {
+		tok, err := c.auth()
+		if err != nil {
+			return nil, err
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("agent %s %s: %w", method, path, err)
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, fault.New(fault.Unavailable, "sandbox agent unreachable (%s %s): %v", method, path, err)
 	}
 	for _, s := range want {
 		if resp.StatusCode == s {
@@ -105,26 +190,55 @@ func (c *Client) request(ctx context.Context, method, path string, query url.Val
 		}
 	}
 	defer resp.Body.Close()
-	return nil, decodeError(resp)
+	return nil, DecodeError(resp)
 }
 
-func decodeError(resp *http.Response) error {
-	data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+// DecodeError turns an error response of an agent (or of the relay in front of it)
+// into an *Error wrapped in the fault of its status. The body is read up to a bound.
+func DecodeError(resp *http.Response) error {
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	e := &Error{Status: resp.StatusCode}
 	var we wire.Error
-	if json.Unmarshal(data, &we) == nil && (we.Code != "" || we.Message != "") {
+	var relay struct {
+		Error struct {
+			Code    string `json:"code"`
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	switch {
+	case json.Unmarshal(data, &we) == nil && (we.Code != "" || we.Message != ""):
 		e.Code, e.Message = we.Code, we.Message
-	} else {
-		e.Message = string(bytes.TrimSpace(data))
+	case json.Unmarshal(data, &relay) == nil && relay.Error.Message != "":
+		e.Code, e.Message = relay.Error.Code, relay.Error.Message
+	default:
+		e.Message = string(bytes.ToValidUTF8(bytes.TrimSpace(data), []byte("?")))
 		if e.Message == "" {
 			e.Message = http.StatusText(resp.StatusCode)
 		}
 	}
-	return e
+	return fault.Wrap(kindOf(resp.StatusCode), e)
 }
 
-// doJSON sends in (JSON, if not nil) and decodes the response into out (if not nil).
-func (c *Client) doJSON(ctx context.Context, method, path string, query url.Values, in, out any, want ...int) error {
+// decodeBounded decodes one JSON value of at most limit bytes from r into out.
+func decodeBounded(r io.Reader, limit int64, out any, what string) error {
+	data, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return fault.New(fault.BadGateway, "sandbox agent: reading the reply to %s: %v", what, err)
+	}
+	if int64(len(data)) > limit {
+		return fault.New(fault.BadGateway, "sandbox agent: the reply to %s exceeds %d bytes", what, limit)
+	}
+	if err := json.Unmarshal(data, out); err != nil {
+		return fault.New(fault.BadGateway, "sandbox agent: malformed reply to %s: %v", what, err)
+	}
+	return nil
+}
+
+// doJSON sends in (JSON, if not nil) and decodes the response (at most limit bytes)
+// into out (if not nil), within CallTimeout unless ctx ends sooner.
+func (c *Client) doJSON(ctx context.Context, method, path string, query url.Values, in, out any, limit int64, want ...int) error {
+	ctx, cancel := context.WithTimeout(ctx, CallTimeout)
+	defer cancel()
 	var body io.Reader
 	ct := ""
 	if in != nil {
@@ -136,15 +250,21 @@ func (c *Client) doJSON(ctx context.Context, method, path string, query url.Valu
 	}
 	resp, err := c.request(ctx, method, path, query, body, ct, want...)
 	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil {
+			return fault.New(fault.BadGateway, "sandbox agent did not answer %s %s within %s", method, path, CallTimeout)
+		}
 		return err
 	}
 	defer resp.Body.Close()
 	if out == nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, limit))
 		return nil
 	}
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		return fmt.Errorf("agent %s %s: decode response: %w", method, path, err)
+	if err := decodeBounded(resp.Body, limit, out, method+" "+path); err != nil {
+		if ctx.Err() != nil {
+			return fault.New(fault.BadGateway, "sandbox agent did not answer %s %s within %s", method, path, CallTimeout)
+		}
+		return err
 	}
 	return nil
 }
@@ -152,7 +272,7 @@ func (c *Client) doJSON(ctx context.Context, method, path string, query url.Valu
 // Health returns the agent's health.
 func (c *Client) Health(ctx context.Context) (wire.Health, error) {
 	var h wire.Health
-	err := c.doJSON(ctx, http.MethodGet, "/v1/health", nil, nil, &h, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodGet, "/v1/health", nil, nil, &h, MaxSmallReply, http.StatusOK)
 	return h, err
 }
 
@@ -180,13 +300,20 @@ func (c *Client) WaitReady(ctx context.Context) (wire.Health, error) {
 
 // SetIdentity applies an identity (entropy, clock, env, hostname).
 func (c *Client) SetIdentity(ctx context.Context, id wire.Identity) error {
-	return c.doJSON(ctx, http.MethodPost, "/v1/identity", nil, id, nil, http.StatusNoContent)
+	return c.doJSON(ctx, http.MethodPost, "/v1/identity", nil, id, nil, MaxSmallReply, http.StatusNoContent)
 }
 
-// Quiesce asks the agent to close its listener and connections until the resume file
-// appears in its run directory. Idle connections of this client are dropped too.
-func (c *Client) Quiesce(ctx context.Context) error {
-	err := c.doJSON(ctx, http.MethodPost, "/v1/quiesce", nil, nil, nil, http.StatusNoContent)
+// Quiesce asks the agent to freeze every user process until its next identity. With
+// keepTransport (VM transports, which survive a restore) it keeps serving; otherwise
+// it also closes its listener and connections until the resume file appears in its
+// run directory (gVisor: runsc cannot checkpoint a host socket). Idle connections of
+// this client are dropped.
+func (c *Client) Quiesce(ctx context.Context, keepTransport bool) error {
+	var q url.Values
+	if keepTransport {
+		q = url.Values{"transport": {"keep"}}
+	}
+	err := c.doJSON(ctx, http.MethodPost, "/v1/quiesce", q, nil, nil, MaxSmallReply, http.StatusNoContent)
 	c.CloseIdleConnections()
 	return err
 }
@@ -194,27 +321,27 @@ func (c *Client) Quiesce(ctx context.Context) error {
 // StartProcess creates a process (running at once unless spec.Gated).
 func (c *Client) StartProcess(ctx context.Context, spec wire.ProcessSpec) (wire.ProcessInfo, error) {
 	var pi wire.ProcessInfo
-	err := c.doJSON(ctx, http.MethodPost, "/v1/processes", nil, spec, &pi, http.StatusCreated)
+	err := c.doJSON(ctx, http.MethodPost, "/v1/processes", nil, spec, &pi, MaxSmallReply, http.StatusCreated)
 	return pi, err
 }
 
 // ListProcesses lists running and retained exited processes, oldest first.
 func (c *Client) ListProcesses(ctx context.Context) ([]wire.ProcessInfo, error) {
 	var out []wire.ProcessInfo
-	err := c.doJSON(ctx, http.MethodGet, "/v1/processes", nil, nil, &out, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodGet, "/v1/processes", nil, nil, &out, MaxListReply, http.StatusOK)
 	return out, err
 }
 
 // GetProcess describes one process.
 func (c *Client) GetProcess(ctx context.Context, pid int) (wire.ProcessInfo, error) {
 	var pi wire.ProcessInfo
-	err := c.doJSON(ctx, http.MethodGet, procPath(pid, ""), nil, nil, &pi, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodGet, procPath(pid, ""), nil, nil, &pi, MaxSmallReply, http.StatusOK)
 	return pi, err
 }
 
 // Start runs a gated process's program (idempotent; 409 once it has exited).
 func (c *Client) Start(ctx context.Context, pid int) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/start"), nil, nil, nil, http.StatusNoContent)
+	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/start"), nil, nil, nil, MaxSmallReply, http.StatusNoContent)
 }
 
 // WriteStdin streams r into the process's stdin; eof closes stdin afterwards (sends ^D
@@ -237,12 +364,12 @@ func (c *Client) WriteStdin(ctx context.Context, pid int, r io.Reader, eof bool)
 
 // Signal sends a signal ("SIGTERM", "TERM", "9", ...) to the process's group.
 func (c *Client) Signal(ctx context.Context, pid int, signal string) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/signal"), nil, wire.Signal{Signal: signal}, nil, http.StatusNoContent)
+	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/signal"), nil, wire.Signal{Signal: signal}, nil, MaxSmallReply, http.StatusNoContent)
 }
 
 // Resize sets the terminal size of a PTY process.
 func (c *Client) Resize(ctx context.Context, pid int, size wire.Size) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/resize"), nil, size, nil, http.StatusNoContent)
+	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/resize"), nil, size, nil, MaxSmallReply, http.StatusNoContent)
 }
 
 func procPath(pid int, suffix string) string {
@@ -251,9 +378,10 @@ func procPath(pid int, suffix string) string {
 
 // OutputStream reads the frames of a process's output.
 type OutputStream struct {
-	body io.ReadCloser
-	br   *bufio.Reader
-	buf  []byte
+	body   io.ReadCloser
+	br     *bufio.Reader
+	buf    []byte
+	merged []byte
 }
 
 // Output opens the output stream of pid from journal offset from. With follow it lasts
@@ -267,7 +395,7 @@ func (c *Client) Output(ctx context.Context, pid int, from int64, follow bool) (
 	if err != nil {
 		return nil, err
 	}
-	return &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 64<<10)}, nil
+	return &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 256<<10)}, nil
 }
 
 // Next returns the next frame; io.EOF at the end of the stream. The payload is only
@@ -285,6 +413,40 @@ func (s *OutputStream) Next() (wire.Frame, error) {
 	}
 	return f, nil
 }
+
+// NextMerged is Next that appends to an output frame the payloads of the frames
+// already received that continue it (same stream, contiguous offsets), up to max
+// bytes. Processes write in small pieces (a pipe read is often 4 KiB); one event per
+// piece would make a stream's cost per byte high.
+func (s *OutputStream) NextMerged(max int) (wire.Frame, error) {
+	f, err := s.Next()
+	if err != nil || (f.Type != wire.FrameStdout && f.Type != wire.FrameStderr) {
+		return f, err
+	}
+	s.merged = append(s.merged[:0], f.Payload...)
+	for len(s.merged) < max && s.br.Buffered() >= wire.FrameHeaderSize {
+		hdr, err := s.br.Peek(wire.FrameHeaderSize)
+		if err != nil {
+			break
+		}
+		next, n := wire.ParseHeader(hdr)
+		if next.Type != f.Type || next.Offset != f.Offset+int64(len(s.merged)) ||
+			s.br.Buffered() < wire.FrameHeaderSize+n || len(s.merged)+n > max {
+			break
+		}
+		g, err := s.Next()
+		if err != nil {
+			break
+		}
+		s.merged = append(s.merged, g.Payload...)
+	}
+	f.Payload = s.merged
+	return f, nil
+}
+
+// Buffered reports whether a whole frame header has been received but not read yet
+// (a relay flushes its client when it has not).
+func (s *OutputStream) Buffered() bool { return s.br.Buffered() >= wire.FrameHeaderSize }
 
 // Close ends the stream.
 func (s *OutputStream) Close() error { return s.body.Close() }
@@ -335,4 +497,60 @@ func WriteResume(runDir string, id wire.Identity) error {
 		return fmt.Errorf("resume agent: %w", err)
 	}
 	return nil
+}
+
+// Relay streams an HTTP request to the agent path (with query) and the agent's answer
+// back to w, both ways without buffering (file contents, envd's Connect streams). An
+// error answer of the agent is turned into an error (nothing written to w yet); a
+// failure after the answer started only ends the stream.
+func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string, query url.Values) error {
+	target, err := url.Parse(c.base)
+	if err != nil {
+		return err
+	}
+	var token string
+	if c.auth != nil {
+		if token, err = c.auth(); err != nil {
+			return err
+		}
+	}
+	var relayErr error
+	p := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			pr.Out.URL.Path = target.Path + agentPath
+			pr.Out.URL.RawPath = ""
+			pr.Out.URL.RawQuery = query.Encode()
+			pr.Out.Host = target.Host
+			pr.Out.Header.Del("Authorization")
+			pr.Out.Header.Del("X-Api-Key")
+			if token != "" {
+				pr.Out.Header.Set("Authorization", "Bearer "+token)
+			}
+		},
+		Transport:     c.transport,
+		FlushInterval: -1,
+		ModifyResponse: func(resp *http.Response) error {
+			if resp.StatusCode < 300 {
+				return nil
+			}
+			return DecodeError(resp)
+		},
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) { relayErr = err },
+	}
+	// The agent may answer before it has read the whole request body; without full
+	// duplex Go's server closes the body when the answer starts, which cuts the
+	// upstream connection mid-stream.
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	p.ServeHTTP(w, r)
+	if relayErr != nil && fault.KindOf(relayErr) == fault.Internal && r.Context().Err() == nil {
+		return fault.New(fault.Unavailable, "sandbox agent unreachable: %v", relayErr)
+	}
+	return relayErr
+}
+
+// GetJSON reads one JSON document of at most limit bytes from an agent path (for
+// endpoints this package has no method for, like envd's).
+func (c *Client) GetJSON(ctx context.Context, path string, out any, limit int64) error {
+	return c.doJSON(ctx, http.MethodGet, path, nil, nil, out, limit, http.StatusOK)
 }

@@ -78,8 +78,8 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, opts W
 	}
 	defer resp.Body.Close()
 	var info wire.EntryInfo
-	if err := json.NewDecoder(resp.Body).Decode(&info); err != nil {
-		return wire.EntryInfo{}, fmt.Errorf("agent write %s: decode response: %w", path, err)
+	if err := decodeBounded(resp.Body, MaxSmallReply, &info, "a file write"); err != nil {
+		return wire.EntryInfo{}, err
 	}
 	return info, nil
 }
@@ -87,7 +87,7 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, opts W
 // Stat describes path (symbolic links are not followed).
 func (c *Client) Stat(ctx context.Context, path, user string) (wire.EntryInfo, error) {
 	var info wire.EntryInfo
-	err := c.doJSON(ctx, http.MethodGet, "/v1/files/stat", pathQuery(path, user), nil, &info, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodGet, "/v1/files/stat", pathQuery(path, user), nil, &info, MaxSmallReply, http.StatusOK)
 	return info, err
 }
 
@@ -98,21 +98,21 @@ func (c *Client) List(ctx context.Context, path, user string, depth int) ([]wire
 		q.Set("depth", strconv.Itoa(depth))
 	}
 	var out []wire.EntryInfo
-	err := c.doJSON(ctx, http.MethodGet, "/v1/files/list", q, nil, &out, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodGet, "/v1/files/list", q, nil, &out, MaxListReply, http.StatusOK)
 	return out, err
 }
 
 // Mkdir creates a directory.
 func (c *Client) Mkdir(ctx context.Context, req wire.MkdirRequest) (wire.EntryInfo, error) {
 	var info wire.EntryInfo
-	err := c.doJSON(ctx, http.MethodPost, "/v1/files/mkdir", nil, req, &info, http.StatusCreated)
+	err := c.doJSON(ctx, http.MethodPost, "/v1/files/mkdir", nil, req, &info, MaxSmallReply, http.StatusCreated)
 	return info, err
 }
 
 // Move renames req.From to req.To.
 func (c *Client) Move(ctx context.Context, req wire.MoveRequest) (wire.EntryInfo, error) {
 	var info wire.EntryInfo
-	err := c.doJSON(ctx, http.MethodPost, "/v1/files/move", nil, req, &info, http.StatusOK)
+	err := c.doJSON(ctx, http.MethodPost, "/v1/files/move", nil, req, &info, MaxSmallReply, http.StatusOK)
 	return info, err
 }
 
@@ -122,7 +122,7 @@ func (c *Client) Remove(ctx context.Context, path, user string, recursive bool) 
 	if recursive {
 		q.Set("recursive", "1")
 	}
-	return c.doJSON(ctx, http.MethodDelete, "/v1/files", q, nil, nil, http.StatusNoContent)
+	return c.doJSON(ctx, http.MethodDelete, "/v1/files", q, nil, nil, MaxSmallReply, http.StatusNoContent)
 }
 
 func pathQuery(path, user string) url.Values {
@@ -135,8 +135,11 @@ func pathQuery(path, user string) url.Values {
 
 // WatchStream reads the events of a directory watch.
 type WatchStream struct {
-	body io.ReadCloser
-	sc   *bufio.Scanner
+	// Start is the agent's first event: the watch is in place (its Path is the
+	// resolved directory).
+	Start wire.WatchEvent
+	body  io.ReadCloser
+	sc    *bufio.Scanner
 }
 
 // Watch watches directory path (and its subdirectories with recursive). It returns
@@ -161,6 +164,7 @@ func (c *Client) Watch(ctx context.Context, path, user string, recursive bool) (
 		resp.Body.Close()
 		return nil, fmt.Errorf("agent watch %s: first event is %q, want %q", path, ev.Type, wire.WatchStart)
 	}
+	s.Start = ev
 	return s, nil
 }
 

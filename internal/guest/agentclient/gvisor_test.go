@@ -222,7 +222,7 @@ func TestAgentUnderGVisor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Quiesce(ctx); err != nil {
+	if err := c.Quiesce(ctx, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := agentclient.WaitQuiesced(ctx, runDir); err != nil {

@@ -80,8 +80,10 @@ type Health struct {
 	// BootID changes each time the agent process starts (not on restore).
 	BootID string `json:"boot_id"`
 	// Generation is the last identity generation applied (0 = none yet).
-	Generation int64     `json:"generation"`
-	Time       time.Time `json:"time"`
+	Generation int64 `json:"generation"`
+	// Frozen: user processes are stopped since a quiesce, until the next identity.
+	Frozen bool      `json:"frozen,omitempty"`
+	Time   time.Time `json:"time"`
 	// LastActivity is the time of the last process output or the last request other
 	// than /v1/health (for idle detection).
 	LastActivity time.Time `json:"last_activity"`
@@ -335,17 +337,22 @@ func WriteFrame(w io.Writer, f Frame) error {
 	return nil
 }
 
+// ParseHeader decodes a frame header (FrameHeaderSize bytes): the frame without its
+// payload, and the payload's length.
+func ParseHeader(h []byte) (Frame, int) {
+	return Frame{Type: h[0], Offset: int64(binary.BigEndian.Uint64(h[1:9]))}, int(binary.BigEndian.Uint32(h[9:13]))
+}
+
 // ReadFrame reads one frame. buf is reused for the payload when large enough.
 func ReadFrame(r io.Reader, buf []byte) (Frame, error) {
 	var h [FrameHeaderSize]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return Frame{}, err
 	}
-	n := binary.BigEndian.Uint32(h[9:13])
+	f, n := ParseHeader(h[:])
 	if n > MaxFramePayload {
 		return Frame{}, errors.New("wire: frame too large")
 	}
-	f := Frame{Type: h[0], Offset: int64(binary.BigEndian.Uint64(h[1:9]))}
 	if n > 0 {
 		if cap(buf) < int(n) {
 			buf = make([]byte, n)

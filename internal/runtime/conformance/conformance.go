@@ -7,7 +7,7 @@
 // files, limits and pause cases, the checkpoint of that instance feeds the restore and
 // clone cases), which keeps a run of the suite under a few minutes even for VMs under
 // software emulation. The suite coordinates the agent around checkpoints the way the
-// node does: runtimes whose Info().Details["agent_resume"] is "file" (gVisor) get the
+// node does: runtimes whose Info().Caps.AgentResume is ResumeByFile (gVisor) get the
 // agent quiesced before Checkpoint and its identity as a resume file in the run
 // directory after Restore; the others get the identity through POST /v1/identity.
 package conformance
@@ -343,7 +343,7 @@ func identity(gen int64, host string) wire.Identity {
 }
 
 // resumeByFile tells whether the runtime's agent resumes from a file in its run dir.
-func (s *suite) resumeByFile() bool { return s.info.Details["agent_resume"] == "file" }
+func (s *suite) resumeByFile() bool { return s.info.Caps.AgentResume == runtime.ResumeByFile }
 
 // runDir is the agent's run directory on the host for file-resumed runtimes.
 func runDir(spec runtime.Spec) string { return filepath.Join(spec.StateDir, "run") }
@@ -357,7 +357,7 @@ func (s *suite) quiesce(t *testing.T, spec runtime.Spec, c *agentclient.Client) 
 		return
 	}
 	ctx := s.ctx(t, opTimeout)
-	if err := c.Quiesce(ctx); err != nil {
+	if err := c.Quiesce(ctx, false); err != nil {
 		t.Fatalf("quiesce: %v", err)
 	}
 	if err := agentclient.WaitQuiesced(ctx, runDir(spec)); err != nil {

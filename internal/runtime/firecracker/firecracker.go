@@ -424,14 +424,14 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		"chroot_base": r.cfg.ChrootBaseDir,
 		// vsock connections do not survive a snapshot, the agent's listener does: after
 		// a restore the node dials again and hands the identity over the API.
-		"agent_resume": "api",
 	}
 	if r.jailed {
 		d["jailer"] = "on"
 		d["jailer_user"] = fmt.Sprintf("%d:%d", r.cfg.UID, r.cfg.GID)
 		d["cgroup"] = filepath.Join(r.cgroupRoot, r.cfg.ParentCgroup)
 	}
-	return runtime.Info{Name: "firecracker", Disk: runtime.DiskExt4, Version: r.version.String(), Details: d}, nil
+	return runtime.Info{Name: "firecracker", Disk: runtime.DiskExt4, Version: r.version.String(),
+		Caps: runtime.Caps{AgentResume: runtime.ResumeByAPI}, Details: d}, nil
 }
 
 // machine is the VM's configuration; Checkpoint saves it with the snapshot.

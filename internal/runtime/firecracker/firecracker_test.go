@@ -315,7 +315,7 @@ func TestCreateGolden(t *testing.T) {
 	}
 	info, err := f.rt.Info(f.ctx())
 	if err != nil || info.Name != "firecracker" || info.Disk != runtime.DiskExt4 || info.Version != fcfake.DefaultVersion ||
-		info.Details["jailer"] != "off" || info.Details["agent_resume"] != "api" {
+		info.Details["jailer"] != "off" || info.Caps.AgentResume != runtime.ResumeByAPI {
 		t.Errorf("Info: %+v %v", info, err)
 	}
 	if err := f.rt.Create(f.ctx(), spec); err == nil || !strings.Contains(err.Error(), "already exists") {

@@ -12,7 +12,7 @@ import (
 // statxCompat is an LD_PRELOAD shim (source: compat/statx.c) for runsc releases whose
 // statx(2) rejects AT_NO_AUTOMOUNT, which GNU coreutils 9 always passes: without it `ls`
 // fails with "Invalid argument" in sandboxes. The runtime bind-mounts it read-only at
-// CompatPreload and reports that path in Info().Details["preload"]; the node puts it in
+// CompatPreload and reports that path in Info().Caps.Preload; the node puts it in
 // LD_PRELOAD of every process the agent starts.
 //
 //go:embed compat/statx-compat.so

@@ -5,8 +5,9 @@
 // The package owns the OCI bundle it writes into the instance's StateDir, every runsc
 // invocation, runsc's root dir (Config.RootDir) and a small per-instance record kept under
 // it, through which an instance is found again from its id alone after a node restart.
-// Checkpoint/restore is not implemented: runsc cannot checkpoint a sandbox that holds a
-// bound host socket, so it needs the agent's cooperation first.
+// Checkpoint/restore (snapshot.go) needs the agent's cooperation: runsc cannot
+// checkpoint a sandbox that holds a bound host socket, so the agent closes it first
+// and resumes from a file (runtime.ResumeByFile).
 package gvisor
 
 import (
@@ -138,7 +139,8 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		Version: version,
 		// The agent cannot hold a host socket across a checkpoint: after a restore it
 		// learns its identity from a resume file in its run directory.
-		Details: map[string]string{"platform": r.cfg.Platform, "preload": CompatPreload, "agent_resume": "file"},
+		Caps:    runtime.Caps{AgentResume: runtime.ResumeByFile, Preload: CompatPreload},
+		Details: map[string]string{"platform": r.cfg.Platform},
 	}, nil
 }
 

@@ -249,6 +249,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		Name:    "qemu",
 		Disk:    runtime.DiskExt4,
 		Version: r.version,
+		Caps:    runtime.Caps{AgentResume: runtime.ResumeByAPI},
 		Details: map[string]string{
 			"machine":      "microvm",
 			"accel":        r.accel,
@@ -257,7 +258,6 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 			"transport":    "virtio-serial+yamux",
 			// The agent keeps its transport across a checkpoint (the serial port is a
 			// device, not a host socket): after a restore it gets its identity over it.
-			"agent_resume": "api",
 		},
 	}, nil
 }

@@ -1,0 +1,101 @@
+package controller_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/controller"
+	"github.com/spacedev/space/internal/spacetest"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/testenv"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+func ctx(t *testing.T) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return c
+}
+
+func TestTTLAndIdleSuspend(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	short := s.Create(api.CreateSandboxRequest{TTL: "1s"})
+	idle := s.Create(api.CreateSandboxRequest{IdleTimeout: "1s"})
+	s.Eventually(30*time.Second, "the TTL to delete the sandbox", func() bool {
+		sb, err := s.C.GetSandbox(ctx(t), short.ID)
+		return err == nil && sb.State == api.StateDeleted
+	})
+	s.Eventually(30*time.Second, "the idle sandbox to be suspended", func() bool {
+		sb, err := s.C.GetSandbox(ctx(t), idle.ID)
+		return err == nil && sb.State == api.StateSuspended && strings.Contains(sb.StatusReason, "idle for 1s")
+	})
+}
+
+func TestUnplaceableFailsWithTheReason(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{Controller: func(c *controller.Config) { c.PlaceTimeout = 2 * time.Second }})
+	sb, err := s.C.CreateSandbox(ctx(t), api.CreateSandboxRequest{Runtime: "qemu"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := s.WaitOp(sb.Operation.ID, api.OpFailed)
+	if !strings.Contains(op.Error, `runtime "qemu"`) {
+		t.Fatalf("op %+v", op)
+	}
+	got, _ := s.C.GetSandbox(ctx(t), sb.ID)
+	if got.State != api.StateFailed || !strings.Contains(got.Error, "qemu") {
+		t.Fatalf("sandbox %+v", got)
+	}
+}
+
+func TestDeleteBeforeScheduling(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true})
+	sb, err := s.C.CreateSandbox(ctx(t), api.CreateSandboxRequest{}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// No node is alive: it waits, saying why.
+	s.Eventually(30*time.Second, "the create to say it waits for a node", func() bool {
+		op, err := s.C.GetOperation(ctx(t), sb.Operation.ID)
+		return err == nil && strings.Contains(op.Message, "waiting for a node")
+	})
+	del, err := s.C.DeleteSandbox(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(del.ID, api.OpSucceeded)
+	s.WaitOp(sb.Operation.ID, api.OpFailed)
+}
+
+func TestDeadNodes(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true, Controller: func(c *controller.Config) { c.NodeTimeout = time.Second }})
+	// A node registers and never heartbeats.
+	if err := s.Store.RegisterNode(ctx(t), &store.Node{ID: s.NodeID, Name: "silent", Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(30*time.Second, "the silent node to be marked dead", func() bool {
+		n, err := s.Store.GetNode(ctx(t), s.NodeID)
+		return err == nil && n.State == store.NodeDead
+	})
+}
+
+func TestPick(t *testing.T) {
+	nodes := []*store.Node{
+		{ID: "a", Runtime: "gvisor", State: store.NodeAlive},
+		{ID: "b", Runtime: "gvisor", State: store.NodeAlive},
+		{ID: "c", Runtime: "qemu", State: store.NodeDead},
+	}
+	n, _ := controller.Pick(nodes, map[string]int{"a": 3, "b": 1}, "")
+	if n == nil || n.ID != "b" {
+		t.Fatalf("picked %+v", n)
+	}
+	if n, why := controller.Pick(nodes, nil, "qemu"); n != nil || !strings.Contains(why, "qemu") {
+		t.Fatalf("qemu: %+v %s", n, why)
+	}
+	if n, why := controller.Pick(nodes[2:], nil, ""); n != nil || why != "no node is alive" {
+		t.Fatalf("none alive: %+v %s", n, why)
+	}
+}

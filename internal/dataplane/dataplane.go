@@ -1,0 +1,394 @@
+// Package dataplane owns the data plane each node serves for its sandboxes: attach
+// streams (SSE with offsets, replay and gaps), stdin, signals and resizes, authorized by
+// attachment tokens, and the internal agent proxy the api role uses (authorized by
+// node tokens). It reaches agents through the node (Agents), with the one agent client.
+package dataplane
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"unicode/utf8"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/rest"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/token"
+)
+
+// Agents gives the data plane the agents of the sandboxes running on this node.
+type Agents interface {
+	// Agent returns a client for the agent of a sandbox running on this node; it fails
+	// with a NotFound or Conflict fault otherwise.
+	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
+	// Touch records activity on the sandbox (for idle detection).
+	Touch(sandboxID string)
+}
+
+// Config configures a node's data plane.
+type Config struct {
+	Store  *store.Store
+	Signer *token.Signer
+	Logger *slog.Logger
+	Node   Agents
+	NodeID string
+}
+
+// DataPlane serves attach streams, stdin, signals and resizes for the sandboxes of one
+// node, and the internal agent proxy that the api role uses.
+type DataPlane struct {
+	cfg     Config
+	log     *slog.Logger
+	mu      sync.Mutex
+	streams map[string]map[*liveStream]struct{}
+}
+
+type liveStream struct {
+	epoch  int64
+	cancel context.CancelFunc
+}
+
+// New returns the data plane of a node.
+func New(cfg Config) *DataPlane {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &DataPlane{cfg: cfg, log: cfg.Logger, streams: map[string]map[*liveStream]struct{}{}}
+}
+
+// Run cuts streams whose tokens were revoked until ctx ends.
+func (d *DataPlane) Run(ctx context.Context) error {
+	return d.cfg.Store.Listen(ctx, d.log, func(_, id string) {
+		if id == "" {
+			return
+		}
+		epoch, _, err := d.cfg.Store.TokenEpoch(ctx, id)
+		if err != nil {
+			epoch = 1 << 62 // deleted: cut everything
+		}
+		d.cut(id, epoch)
+	}, store.ChannelTokens)
+}
+
+// cut ends the open streams of sandbox id authorized by an epoch older than epoch.
+func (d *DataPlane) cut(id string, epoch int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for s := range d.streams[id] {
+		if s.epoch < epoch {
+			s.cancel()
+		}
+	}
+}
+
+func (d *DataPlane) track(id string, epoch int64, cancel context.CancelFunc) func() {
+	s := &liveStream{epoch: epoch, cancel: cancel}
+	d.mu.Lock()
+	if d.streams[id] == nil {
+		d.streams[id] = map[*liveStream]struct{}{}
+	}
+	d.streams[id][s] = struct{}{}
+	d.mu.Unlock()
+	return func() {
+		d.mu.Lock()
+		delete(d.streams[id], s)
+		if len(d.streams[id]) == 0 {
+			delete(d.streams, id)
+		}
+		d.mu.Unlock()
+	}
+}
+
+// Register adds the data plane's routes to mux.
+func (d *DataPlane) Register(mux *http.ServeMux) {
+	h := func(pattern string, fn rest.HandlerFunc) {
+		mux.Handle(pattern, rest.Handle(d.log, fn))
+	}
+	h("GET /v1/dp/sandboxes/{id}/processes/{pid}/attach", d.attach)
+	h("POST /v1/dp/sandboxes/{id}/processes/{pid}/stdin", d.stdin)
+	h("POST /v1/dp/sandboxes/{id}/processes/{pid}/signal", d.signal)
+	h("POST /v1/dp/sandboxes/{id}/processes/{pid}/resize", d.resize)
+	h("/internal/v1/sandboxes/{id}/agent/{path...}", d.agentProxy)
+}
+
+// tokenFrom returns the attachment token of a data-plane request.
+func tokenFrom(r *http.Request) string {
+	if t := rest.Bearer(r); t != "" {
+		return t
+	}
+	return r.URL.Query().Get("token")
+}
+
+// grant is what an authorized data-plane request may act on.
+type grant struct {
+	id    string
+	pid   int
+	epoch int64
+	agent *agentclient.Client
+}
+
+// authorize checks the request's token for right on sandbox/pid and returns the agent
+// of the sandbox with the sandbox's current epoch.
+func (d *DataPlane) authorize(r *http.Request, right string) (*grant, error) {
+	id := r.PathValue("id")
+	pid := 0
+	if p := r.PathValue("pid"); p != "" {
+		n, err := strconv.Atoi(p)
+		if err != nil || n <= 0 {
+			return nil, rest.Invalid("pid must be a positive integer")
+		}
+		pid = n
+	}
+	tok := tokenFrom(r)
+	if tok == "" {
+		return nil, fault.New(fault.Unauthorized, "missing attachment token: send Authorization: Bearer <token> or ?token=")
+	}
+	claims, err := d.cfg.Signer.Verify(tok)
+	if err != nil {
+		return nil, err
+	}
+	if claims.Sandbox != id {
+		return nil, fault.New(fault.Forbidden, "token is not valid for this sandbox")
+	}
+	epoch, nodeID, err := d.cfg.Store.TokenEpoch(r.Context(), id)
+	if err != nil {
+		return nil, fault.New(fault.Unauthorized, "token was revoked")
+	}
+	if err := token.Authorize(claims, id, pid, right, epoch); err != nil {
+		return nil, err
+	}
+	if nodeID != d.cfg.NodeID {
+		return nil, fault.New(fault.NotFound, "sandbox %s is not on this node", id)
+	}
+	agent, err := d.cfg.Node.Agent(r.Context(), id)
+	if err != nil {
+		return nil, err
+	}
+	d.cfg.Node.Touch(id)
+	return &grant{id: id, pid: pid, epoch: epoch, agent: agent}, nil
+}
+
+// parseFrom reads the resume offset from Last-Event-ID or ?from=.
+func parseFrom(r *http.Request) (int64, error) {
+	v := r.Header.Get("Last-Event-ID")
+	if v == "" {
+		v = r.URL.Query().Get("from")
+	}
+	if v == "" {
+		return 0, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 0 {
+		return 0, rest.Invalid("offset %q must be a non-negative integer", v)
+	}
+	return n, nil
+}
+
+// maxEventBytes bounds the output carried by one SSE event.
+const maxEventBytes = 1 << 20
+
+// attach streams a process's output as SSE, starting a gated process once the stream
+// is connected, so the client sees every byte from the first.
+func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
+	g, err := d.authorize(r, token.RightRead)
+	if err != nil {
+		return err
+	}
+	from, err := parseFrom(r)
+	if err != nil {
+		return err
+	}
+	text := false
+	switch r.URL.Query().Get("encoding") {
+	case "", "base64":
+	case "text":
+		text = true
+	default:
+		return rest.Invalid("encoding must be base64 or text")
+	}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	defer d.track(g.id, g.epoch, cancel)()
+
+	info, err := g.agent.GetProcess(ctx, g.pid)
+	if err != nil {
+		return err
+	}
+	follow := true
+	if f := r.URL.Query().Get("follow"); f == "0" || f == "false" {
+		follow = false
+	}
+	out, err := g.agent.Output(ctx, g.pid, from, follow)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	if info.State == wire.StateCreated && follow {
+		if err := g.agent.Start(ctx, g.pid); err != nil && !fault.Is(err, fault.Conflict) {
+			return err
+		}
+	}
+	s := rest.NewSSE(w)
+	if err := s.Event("", api.EventStart, api.StartEvent{PID: g.pid, Offset: from}); err != nil {
+		return nil
+	}
+	_ = s.Flush()
+	for {
+		f, err := out.NextMerged(maxEventBytes)
+		if err != nil {
+			if ctx.Err() == nil && err != io.EOF {
+				_ = s.Event("", api.EventError, map[string]string{"message": "agent stream ended: " + err.Error()})
+			}
+			_ = s.Flush()
+			return nil
+		}
+		if err := writeFrame(s, f, text); err != nil {
+			return nil
+		}
+		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr || f.Type == wire.FrameHeartbeat {
+			d.cfg.Node.Touch(g.id) // output and an open stream both count as activity
+		}
+		if !out.Buffered() {
+			if s.Flush() != nil {
+				return nil
+			}
+		}
+		if f.Type == wire.FrameExit {
+			_ = s.Flush()
+			return nil
+		}
+	}
+}
+
+// writeFrame converts one agent frame to an SSE event.
+func writeFrame(s *rest.SSE, f wire.Frame, text bool) error {
+	switch f.Type {
+	case wire.FrameStdout, wire.FrameStderr:
+		name := api.EventStdout
+		if f.Type == wire.FrameStderr {
+			name = api.EventStderr
+		}
+		ev := api.OutputEvent{Offset: f.Offset}
+		if text {
+			ev.Text = strings.ToValidUTF8(string(f.Payload), string(utf8.RuneError))
+		} else {
+			ev.Data = base64.StdEncoding.EncodeToString(f.Payload)
+		}
+		return s.Event(strconv.FormatInt(f.Offset+int64(len(f.Payload)), 10), name, ev)
+	case wire.FrameGap:
+		var dropped int64
+		if len(f.Payload) >= 8 {
+			for _, b := range f.Payload[:8] {
+				dropped = dropped<<8 | int64(b)
+			}
+		}
+		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventGap, api.GapEvent{Offset: f.Offset, Dropped: dropped})
+	case wire.FrameExit:
+		var ex wire.Exit
+		_ = json.Unmarshal(f.Payload, &ex)
+		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventExit, api.ExitEvent{ExitCode: ex.ExitCode, Signal: ex.Signal, Offset: f.Offset, Error: ex.Error})
+	case wire.FrameHeartbeat:
+		return s.Comment("keepalive")
+	default:
+		return nil
+	}
+}
+
+func (d *DataPlane) stdin(w http.ResponseWriter, r *http.Request) error {
+	g, err := d.authorize(r, token.RightStdin)
+	if err != nil {
+		return err
+	}
+	eof := r.URL.Query().Get("eof")
+	if err := g.agent.WriteStdin(r.Context(), g.pid, r.Body, eof == "1" || eof == "true"); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (d *DataPlane) signal(w http.ResponseWriter, r *http.Request) error {
+	g, err := d.authorize(r, token.RightSignal)
+	if err != nil {
+		return err
+	}
+	var req wire.Signal
+	if err := rest.DecodeJSON(w, r, &req); err != nil {
+		return err
+	}
+	if err := g.agent.Signal(r.Context(), g.pid, req.Signal); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (d *DataPlane) resize(w http.ResponseWriter, r *http.Request) error {
+	g, err := d.authorize(r, token.RightResize)
+	if err != nil {
+		return err
+	}
+	var req api.PTYSize
+	if err := rest.DecodeJSON(w, r, &req); err != nil {
+		return err
+	}
+	if req.Rows < 1 || req.Rows > 1000 || req.Cols < 1 || req.Cols > 1000 {
+		return rest.Invalid("rows and cols must be between 1 and 1000")
+	}
+	if err := g.agent.Resize(r.Context(), g.pid, wire.Size{Rows: uint16(req.Rows), Cols: uint16(req.Cols)}); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+// agentProxy relays an api-role request to the sandbox's agent verbatim (streaming both
+// ways). Only node tokens minted by an api process are accepted.
+func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
+	id := r.PathValue("id")
+	claims, err := d.cfg.Signer.Verify(rest.Bearer(r))
+	if err != nil {
+		return err
+	}
+	if !claims.Has(token.RightNode) || claims.Sandbox != id {
+		return fault.New(fault.Forbidden, "this endpoint is for space's api role only")
+	}
+	agent, err := d.cfg.Node.Agent(r.Context(), id)
+	if err != nil {
+		return err
+	}
+	d.cfg.Node.Touch(id)
+	path := "/" + r.PathValue("path")
+	proxy := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL = &url.URL{Scheme: "http", Host: "agent", Path: path, RawQuery: r.URL.RawQuery}
+			pr.Out.Host = "agent"
+			pr.Out.Header.Del("Authorization")
+		},
+		Transport:     agent.Transport(),
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() != nil {
+				return
+			}
+			rest.WriteError(w, r, d.log, fault.New(fault.Unavailable, "sandbox agent unreachable: %v", err))
+		},
+	}
+	// The agent may answer before it has read the whole request body; without full
+	// duplex Go's server closes the body when the answer starts, which cuts the
+	// upstream connection mid-stream.
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	proxy.ServeHTTP(w, r)
+	return nil
+}

@@ -1,0 +1,79 @@
+package node
+
+import (
+	"context"
+	"os"
+
+	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/storage"
+)
+
+// Disk is what the node needs of its local store (implemented by *storage.Store, the
+// btrfs store): template releases, sandbox disks, checkpoints and the directories of
+// base snapshots and clone batches.
+type Disk interface {
+	HasRelease(digest string) bool
+	Release(digest string) (storage.Release, error)
+	ListReleases() ([]storage.Release, error)
+	DeleteRelease(ctx context.Context, digest string) error
+
+	SandboxDir(id string) (string, error)
+	SandboxRoot(id string) (string, error)
+	SandboxDisk(id string) (string, error)
+	CreateSandboxRoot(ctx context.Context, id, digest string) (string, error)
+	CreateSandboxDisk(ctx context.Context, id, digest string, size int64) (string, error)
+	DeleteSandbox(ctx context.Context, id string) error
+	ListSandboxes() ([]string, error)
+	ExclusiveBytes(ctx context.Context, id string) (int64, error)
+
+	CheckpointDir(id string) (string, error)
+	CloneBatchDir(id, batch string) (string, error)
+	BaseSnapshotDir(digest, key string) (string, error)
+	TempDir(prefix string) (string, error)
+	MarkComplete(dir string) error
+	Unmark(dir string) error
+	IsComplete(dir string) bool
+	CopyDisk(ctx context.Context, src, dst string, readOnly bool) error
+	CopyTree(ctx context.Context, src, dst string) error
+	RemoveAll(ctx context.Context, path string) error
+}
+
+var _ Disk = (*storage.Store)(nil)
+
+// Disks: a root filesystem directory (gVisor) or an ext4 image (VM runtimes).
+
+func (n *Node) diskPath(id string) (string, error) {
+	if n.info.Disk == runtime.DiskExt4 {
+		return n.disk.SandboxDisk(id)
+	}
+	return n.disk.SandboxRoot(id)
+}
+
+// hasDisk reports whether the sandbox's disk exists.
+func (n *Node) hasDisk(id string) bool {
+	p, err := n.diskPath(id)
+	if err != nil {
+		return false
+	}
+	_, err = os.Stat(p)
+	return err == nil
+}
+
+func (n *Node) createDisk(ctx context.Context, id, digest string) (string, error) {
+	if n.info.Disk == runtime.DiskExt4 {
+		return n.disk.CreateSandboxDisk(ctx, id, digest, 0)
+	}
+	return n.disk.CreateSandboxRoot(ctx, id, digest)
+}
+
+// createDiskFrom makes sandbox id's disk an O(1) copy of src (a snapshot's disk).
+func (n *Node) createDiskFrom(ctx context.Context, id, src string) (string, error) {
+	dst, err := n.diskPath(id)
+	if err != nil {
+		return "", err
+	}
+	if err := n.disk.CopyDisk(ctx, src, dst, false); err != nil {
+		return "", err
+	}
+	return dst, nil
+}

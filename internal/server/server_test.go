@@ -1,0 +1,260 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/spacetest"
+	"github.com/spacedev/space/internal/testenv"
+)
+
+func TestMain(m *testing.M) { testenv.Main(m) }
+
+func ctx(t *testing.T) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return c
+}
+
+// do sends a raw request with the admin key and returns status and body.
+func do(t *testing.T, s *spacetest.Space, method, path, body string, hdr ...string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, s.URL+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+s.AdminKey)
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func TestSandboxCommandAndFiles(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{Env: map[string]string{"FOO": "bar"}, Metadata: map[string]string{"owner": "alice"}})
+	if sb.State != api.StateRunning || sb.TemplateDigest != s.Base || sb.StartPath != "boot" {
+		t.Fatalf("sandbox %+v", sb)
+	}
+	var out bytes.Buffer
+	code, err := s.C.Exec(c, sb.ID, api.CreateSessionRequest{Command: "echo $FOO $FROM_TEMPLATE; echo err >&2; exit 3"}, client.Output{Stdout: &out, Stderr: &out})
+	if err != nil || code != 3 || !strings.Contains(out.String(), "bar yes") || !strings.Contains(out.String(), "err") {
+		t.Fatalf("exec: code %d, err %v, output %q", code, err, out.String())
+	}
+	procs, err := s.C.ListProcesses(c, sb.ID)
+	if err != nil || len(procs) == 0 {
+		t.Fatalf("processes %v, %v", procs, err)
+	}
+	if _, err := s.C.GetProcess(c, sb.ID, procs[0].PID); err != nil {
+		t.Fatal(err)
+	}
+
+	// Files: write, read, stat, list, mkdir, move, remove.
+	if _, err := s.C.Mkdir(c, sb.ID, api.MkdirRequest{Path: "x", Parents: true}); err != nil {
+		t.Fatal(err)
+	}
+	fi, err := s.C.WriteFile(c, sb.ID, "x/data.txt", strings.NewReader("hello"), client.FileOptions{})
+	if err != nil || fi.Size != 5 {
+		t.Fatalf("write: %+v %v", fi, err)
+	}
+	rc, err := s.C.ReadFile(c, sb.ID, "x/data.txt", client.FileOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, _ := io.ReadAll(rc)
+	rc.Close()
+	if string(data) != "hello" {
+		t.Fatalf("read %q", data)
+	}
+	if fi, err := s.C.StatFile(c, sb.ID, "x/data.txt", client.FileOptions{}); err != nil || fi.Size != 5 {
+		t.Fatalf("stat %+v %v", fi, err)
+	}
+	if list, err := s.C.ListDir(c, sb.ID, "x", 1, client.FileOptions{}); err != nil || len(list) != 1 {
+		t.Fatalf("list %+v %v", list, err)
+	}
+	if _, err := s.C.Move(c, sb.ID, api.MoveRequest{From: "x/data.txt", To: "x/moved.txt"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.C.Remove(c, sb.ID, "x", true, client.FileOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.C.StatFile(c, sb.ID, "x", client.FileOptions{}); err == nil {
+		t.Fatal("removed directory still there")
+	}
+
+	// Listing with filters.
+	list, err := s.C.ListSandboxes(c, client.ListOptions{States: []string{api.StateRunning}, Metadata: map[string]string{"owner": "alice"}})
+	if err != nil || len(list) != 1 || list[0].ID != sb.ID {
+		t.Fatalf("list %+v %v", list, err)
+	}
+	if code, body := do(t, s, "GET", "/v1/sandboxes?state=bogus", ""); code != 400 || !strings.Contains(body, "bogus") {
+		t.Fatalf("bad state filter: %d %s", code, body)
+	}
+
+	// Delete.
+	op, err := s.C.DeleteSandbox(c, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	got, err := s.C.GetSandbox(c, sb.ID)
+	if err != nil || got.State != api.StateDeleted {
+		t.Fatalf("after delete: %+v %v", got, err)
+	}
+	insts, _ := s.Runtime.List(c)
+	if len(insts) != 0 {
+		t.Fatalf("instances left: %+v", insts)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true})
+	for _, tc := range []struct {
+		method, path, body string
+		want               int
+		contains           string
+	}{
+		{"POST", "/v1/sandboxes", `null`, 400, "null"},
+		{"POST", "/v1/sandboxes", `{"cpu":99}`, 400, "cpu"},
+		{"POST", "/v1/sandboxes", `{"memory_mb":1}`, 400, "memory_mb"},
+		{"POST", "/v1/sandboxes", `{"template":"nope"}`, 404, "nope"},
+		{"POST", "/v1/sandboxes", `{"runtime":"vmware"}`, 400, "runtime"},
+		{"POST", "/v1/sandboxes", `{"ttl":"forever"}`, 400, "ttl"},
+		{"POST", "/v1/sandboxes", `{"idle_timeout":"-1s"}`, 400, "idle_timeout"},
+		{"POST", "/v1/sandboxes", `{"env":{"1BAD":"x"}}`, 400, "env"},
+		{"POST", "/v1/sandboxes", `{"bogus":1}`, 400, "unknown field"},
+		{"POST", "/v1/sandboxes", `{`, 400, "malformed"},
+		{"GET", "/v1/sandboxes/nosuch", "", 404, "not found"},
+		{"GET", "/v1/sandboxes?limit=0", "", 400, "limit"},
+		{"POST", "/v1/sandboxes/nosuch/pause", "", 404, "not found"},
+		{"GET", "/v1/operations/op_nosuch", "", 404, "not found"},
+		{"GET", "/v1/operations/op_nosuch/wait?timeout=1h", "", 400, "timeout"},
+		{"GET", "/v1/nowhere", "", 404, "no route"},
+		{"PUT", "/v1/pools", `{"template":"base","size":-1}`, 400, "size"},
+		{"PUT", "/v1/pools", `{"template":"base@sha256:` + strings.Repeat("a", 64) + `","size":1}`, 400, "digest"},
+		{"POST", "/v1/apikeys", `{"name":""}`, 400, "name"},
+		{"POST", "/v1/apikeys", `{"name":"x","kind":"other"}`, 400, "kind"},
+		{"DELETE", "/v1/templates/base", "", 400, "base:TAG"},
+		{"POST", "/v1/templates", "", 400, "empty"},
+	} {
+		code, body := do(t, s, tc.method, tc.path, tc.body)
+		if code != tc.want || !strings.Contains(body, tc.contains) {
+			t.Errorf("%s %s %s: %d %s, want %d containing %q", tc.method, tc.path, tc.body, code, body, tc.want, tc.contains)
+		}
+	}
+	// No key, a bad key, an attachment token, an E2B key.
+	for _, key := range []string{"", "nope", "spt1.abc.def", s.NewKey("default", false, "e2b")} {
+		req, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes", nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 401 {
+			t.Errorf("key %q: %d", key, resp.StatusCode)
+		}
+	}
+	// A non-admin key cannot manage keys or pools.
+	user := client.New(s.URL, s.NewKey("default", false, "space"))
+	if _, err := user.ListAPIKeys(ctx(t)); err == nil || !strings.Contains(err.Error(), "admin") {
+		t.Errorf("non-admin listed keys: %v", err)
+	}
+	if _, err := user.SetPool(ctx(t), api.SetPoolRequest{Template: "base", Size: 1}); err == nil {
+		t.Error("non-admin set a pool")
+	}
+}
+
+func TestIdempotentCreate(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true})
+	body := `{"metadata":{"k":"v"}}`
+	c1, b1 := do(t, s, "POST", "/v1/sandboxes", body, "Idempotency-Key", "abc")
+	c2, b2 := do(t, s, "POST", "/v1/sandboxes", body, "Idempotency-Key", "abc")
+	if c1 != 202 || c2 != 202 || b1 != b2 {
+		t.Fatalf("replay: %d %s / %d %s", c1, b1, c2, b2)
+	}
+	if c3, b3 := do(t, s, "POST", "/v1/sandboxes", `{"metadata":{"k":"w"}}`, "Idempotency-Key", "abc"); c3 != 422 {
+		t.Fatalf("same key, other body: %d %s", c3, b3)
+	}
+	if c4, _ := do(t, s, "POST", "/v1/sandboxes", body, "Idempotency-Key", strings.Repeat("k", 300)); c4 != 400 {
+		t.Fatalf("long key: %d", c4)
+	}
+}
+
+func TestLifecycleVerbs(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{})
+	verb := func(v, wantState string) {
+		t.Helper()
+		op, err := s.C.Lifecycle(c, sb.ID, v)
+		if err != nil {
+			t.Fatalf("%s: %v", v, err)
+		}
+		s.WaitOp(op.ID, api.OpSucceeded)
+		got, err := s.C.GetSandbox(c, sb.ID)
+		if err != nil || got.State != wantState {
+			t.Fatalf("after %s: %+v %v", v, got, err)
+		}
+	}
+	verb(api.OpPause, api.StatePaused)
+	if _, err := s.C.Lifecycle(c, sb.ID, api.OpPause); err == nil || !strings.Contains(err.Error(), "paused") {
+		t.Fatalf("pause twice: %v", err)
+	}
+	verb(api.OpResume, api.StateRunning)
+	verb(api.OpSuspend, api.StateSuspended)
+	verb(api.OpWake, api.StateRunning)
+	verb(api.OpStop, api.StateStopped)
+	verb(api.OpStart, api.StateRunning)
+	verb(api.OpWake, api.StateRunning) // already running: done at once
+	// Clone: a new sandbox from the source's memory and disk.
+	clones, err := s.C.Clone(c, sb.ID, api.CloneRequest{Count: 2})
+	if err != nil || len(clones) != 2 {
+		t.Fatalf("clone: %v %v", clones, err)
+	}
+	for _, cl := range clones {
+		s.WaitOp(cl.Operation.ID, api.OpSucceeded)
+	}
+	if code, body := do(t, s, "POST", "/v1/sandboxes/"+sb.ID+"/clone", `{"count":99}`); code != 400 {
+		t.Fatalf("clone 99: %d %s", code, body)
+	}
+	code, body := do(t, s, "GET", "/v1/sandboxes/"+sb.ID+"/operations", "")
+	if code != 200 || !strings.Contains(body, `"kind":"start"`) {
+		t.Fatalf("operations: %d %s", code, body)
+	}
+	// A request that needs the sandbox running wakes it.
+	verb(api.OpSuspend, api.StateSuspended)
+	if _, err := s.C.ListProcesses(c, sb.ID); err != nil {
+		t.Fatalf("processes of a suspended sandbox (wakes it): %v", err)
+	}
+	if got, _ := s.C.GetSandbox(c, sb.ID); got.State != api.StateRunning {
+		t.Fatalf("not woken: %+v", got)
+	}
+	// ?wake=false does not.
+	verb(api.OpSuspend, api.StateSuspended)
+	if code, body := do(t, s, "GET", "/v1/sandboxes/"+sb.ID+"/processes?wake=false", ""); code != 409 {
+		t.Fatalf("no wake: %d %s", code, body)
+	}
+	if code, body := do(t, s, "POST", "/v1/sandboxes/"+sb.ID+"/revoke-tokens", ""); code != 200 || !strings.Contains(body, "token_epoch") {
+		t.Fatalf("revoke: %d %s", code, body)
+	}
+}

@@ -1,0 +1,550 @@
+package service
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"net/http"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/lifecycle"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
+)
+
+// Limits on user-supplied maps and durations.
+const (
+	maxMapEntries = 64
+	maxKeyLen     = 128
+	maxValueLen   = 4096
+	maxTTL        = 30 * 24 * time.Hour
+	maxClones     = 50
+	maxListLimit  = 1000
+	minMemoryMB   = 64
+)
+
+var (
+	envKeyRe  = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	metaKeyRe = regexp.MustCompile(`^[A-Za-z0-9._/-]+$`)
+	runtimes  = []string{"gvisor", "qemu", "firecracker"}
+)
+
+func invalid(format string, args ...any) error { return fault.New(fault.Invalid, format, args...) }
+
+func notFound(id string) error { return fault.New(fault.NotFound, "sandbox %q not found", id) }
+
+// ValidateMap checks a user-supplied string map (env, metadata): size, key syntax and
+// values without NUL.
+func ValidateMap(field string, m map[string]string, env bool) error {
+	keyRe := metaKeyRe
+	if env {
+		keyRe = envKeyRe
+	}
+	if len(m) > maxMapEntries {
+		return invalid("%s has %d entries; at most %d are allowed", field, len(m), maxMapEntries)
+	}
+	for k, v := range m {
+		if len(k) == 0 || len(k) > maxKeyLen || !keyRe.MatchString(k) {
+			return invalid("%s key %q is invalid", field, k)
+		}
+		if len(v) > maxValueLen || strings.ContainsRune(v, 0) {
+			return invalid("%s value for %q is too long or contains NUL", field, k)
+		}
+	}
+	return nil
+}
+
+// sandbox loads a sandbox p may see, else a not-found error indistinguishable from a
+// missing id. This is the authorization check of every sandbox-scoped request.
+func (s *Service) sandbox(ctx context.Context, p *Principal, id string) (*store.Sandbox, error) {
+	sb, err := s.st.GetSandbox(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if !visible(p, sb) {
+		return nil, notFound(id)
+	}
+	return sb, nil
+}
+
+// visible reports whether p may see sb (warm-pool members are nobody's until claimed).
+func visible(p *Principal, sb *store.Sandbox) bool { return p.Visible(sb.Tenant) && sb.PoolKey == "" }
+
+// Sandbox loads a sandbox p may see (404 otherwise) and records activity on it.
+func (s *Service) Sandbox(ctx context.Context, p *Principal, id string) (*store.Sandbox, error) {
+	sb, err := s.sandbox(ctx, p, id)
+	if err != nil {
+		return nil, err
+	}
+	if sb.DeletedAt == nil {
+		s.touch(sb.ID)
+	}
+	return sb, nil
+}
+
+// ListFilter selects sandboxes for List.
+type ListFilter struct {
+	States   []string
+	Metadata map[string]string
+	Limit    int
+}
+
+// List lists the sandboxes p may see, newest first.
+func (s *Service) List(ctx context.Context, p *Principal, f ListFilter) ([]*store.Sandbox, error) {
+	sf := store.SandboxFilter{Limit: maxListLimit, States: f.States, Metadata: f.Metadata}
+	if !p.Admin {
+		sf.Tenant = p.Tenant
+	}
+	for _, st := range f.States {
+		if !lifecycle.IsState(st) {
+			return nil, invalid("state %q is not a sandbox state (one of %s)", st, strings.Join(lifecycle.States(), ", "))
+		}
+		if st == api.StateDeleted {
+			sf.IncludeDeleted = true
+		}
+	}
+	if f.Limit != 0 {
+		if f.Limit < 1 || f.Limit > maxListLimit {
+			return nil, invalid("limit must be between 1 and %d", maxListLimit)
+		}
+		sf.Limit = f.Limit
+	}
+	return s.st.ListSandboxes(ctx, sf)
+}
+
+// newSandbox validates a create request and builds the sandbox row.
+func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateSandboxRequest) (*store.Sandbox, error) {
+	if req.Template == "" {
+		req.Template = s.cfg.DefaultTemplate
+	}
+	ref, err := api.ParseTemplateRef(req.Template)
+	if err != nil {
+		return nil, fault.Wrap(fault.Invalid, err)
+	}
+	// Resources: the request's, else the template's defaults, else the server's.
+	if req.CPU == 0 || req.MemoryMB == 0 {
+		cfg := s.templateConfig(ctx, ref)
+		if req.CPU == 0 {
+			req.CPU = cmp.Or(cfg.CPU, s.cfg.DefaultCPU)
+		}
+		if req.MemoryMB == 0 {
+			req.MemoryMB = cmp.Or(cfg.MemoryMB, s.cfg.DefaultMemoryMB)
+		}
+	}
+	if req.CPU < 1 || req.CPU > s.cfg.MaxCPU {
+		return nil, invalid("cpu must be between 1 and %d", s.cfg.MaxCPU)
+	}
+	if req.MemoryMB < minMemoryMB || req.MemoryMB > s.cfg.MaxMemoryMB {
+		return nil, invalid("memory_mb must be between %d and %d", minMemoryMB, s.cfg.MaxMemoryMB)
+	}
+	if err := ValidateMap("env", req.Env, true); err != nil {
+		return nil, err
+	}
+	if err := ValidateMap("metadata", req.Metadata, false); err != nil {
+		return nil, err
+	}
+	if req.Runtime != "" && !slices.Contains(runtimes, req.Runtime) {
+		return nil, invalid("runtime must be one of %s", strings.Join(runtimes, ", "))
+	}
+	sb := &store.Sandbox{
+		ID:           ids.Sandbox(),
+		Tenant:       p.Tenant,
+		TemplateRef:  ref.String(),
+		Spec:         store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime, FreshBoot: req.FreshBoot},
+		Metadata:     req.Metadata,
+		DesiredState: api.StateRunning,
+		State:        api.StatePending,
+	}
+	if req.IdleTimeout != "" {
+		d, err := time.ParseDuration(req.IdleTimeout)
+		if err != nil || d < 0 || d > maxTTL || (d > 0 && d < time.Second) {
+			return nil, invalid("idle_timeout must be a duration between 1s and %s, or 0 to never suspend", maxTTL)
+		}
+		sb.IdleTimeout = d
+		if d == 0 {
+			sb.IdleTimeout = -1
+		}
+	} else {
+		sb.IdleTimeout = s.cfg.IdleTimeout
+	}
+	if req.TTL != "" {
+		exp, err := parseTTL(req.TTL)
+		if err != nil {
+			return nil, err
+		}
+		sb.ExpiresAt = exp
+	}
+	// Resolve the reference now so an unknown template is a 404 and creates nothing.
+	if ref.Digest != "" {
+		if _, err := s.st.GetRelease(ctx, ref.Digest); err != nil {
+			return nil, err
+		}
+		sb.TemplateDigest = ref.Digest
+	} else {
+		d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+		if err != nil {
+			return nil, err
+		}
+		if d == "" && !(ref.Tag == "latest" && slices.Contains(s.cfg.BuiltinTemplates, ref.Name)) {
+			return nil, fault.New(fault.NotFound, "template %q not found", ref.String())
+		}
+		// The digest is recorded by the node when it starts the sandbox (a builtin
+		// template may still have to be built).
+	}
+	return sb, nil
+}
+
+// parseTTL turns a TTL ("30m") into an expiry time.
+func parseTTL(ttl string) (*time.Time, error) {
+	d, err := time.ParseDuration(ttl)
+	if err != nil || d < time.Second || d > maxTTL {
+		return nil, invalid("ttl must be a duration between 1s and %s, like \"30m\"", maxTTL)
+	}
+	t := time.Now().Add(d)
+	return &t, nil
+}
+
+// Idempotency identifies a retried create: the same key with the same body returns the
+// first response; with another body it is refused.
+type Idempotency struct {
+	Key      string
+	Method   string
+	Path     string
+	BodyHash []byte
+}
+
+// maxIdempotencyKey bounds Idempotency-Key.
+const maxIdempotencyKey = 255
+
+// Created is the result of Create.
+type Created struct {
+	Sandbox *store.Sandbox
+	Op      *store.Operation
+	// Response is the JSON response body (the sandbox with its operation), as stored
+	// for idempotent replays.
+	Response []byte
+	Status   int
+	// Replayed is true when Response is the stored answer to an earlier request.
+	Replayed bool
+}
+
+// Create validates a create request and records it (claiming a warm-pool member when
+// one fits). With idem, a retry of the same request returns the first response.
+func (s *Service) Create(ctx context.Context, p *Principal, req api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
+	if idem != nil {
+		if len(idem.Key) > maxIdempotencyKey {
+			return nil, invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+		}
+		if prev, err := s.replay(ctx, p, idem); prev != nil || err != nil {
+			return prev, err
+		}
+	}
+	out, err := s.create(ctx, p, &req, idem)
+	if err != nil {
+		if idem != nil && fault.Is(err, fault.Conflict) {
+			// A concurrent request with the same key won: answer with its response.
+			if prev, err2 := s.replay(ctx, p, idem); err2 == nil && prev != nil {
+				return prev, nil
+			}
+		}
+		return nil, err
+	}
+	s.log.Info("sandbox requested", "sandbox", out.Sandbox.ID, "template", out.Sandbox.TemplateRef, "op", out.Op.ID)
+	return out, nil
+}
+
+func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (*Created, error) {
+	prev, err := s.st.LookupIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash)
+	if err != nil || prev == nil {
+		return nil, err
+	}
+	return &Created{Response: prev.Body, Status: prev.Status, Replayed: true}, nil
+}
+
+func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
+	sb, err := s.newSandbox(ctx, p, req)
+	if err != nil {
+		return nil, err
+	}
+	poolKey, poolDigest := s.poolFor(ctx, sb)
+	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant}
+	var resp []byte
+	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		var claimed *store.Sandbox
+		if poolKey != "" {
+			op.Message = "resuming a sandbox from the warm pool"
+			c, err := tx.ClaimPoolMember(ctx, poolKey, poolDigest, sb, op)
+			if err != nil {
+				return err
+			}
+			claimed = c
+		}
+		if claimed != nil {
+			sb = claimed
+		} else {
+			op.Message = "waiting for a node"
+			if err := tx.CreateSandbox(ctx, sb, op); err != nil {
+				return err
+			}
+		}
+		out := sb.API()
+		out.Operation = op.API()
+		var err error
+		if resp, err = json.Marshal(out); err != nil {
+			return err
+		}
+		if idem != nil {
+			return tx.SaveIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash, http.StatusAccepted, resp)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Created{Sandbox: sb, Op: op, Response: resp, Status: http.StatusAccepted}, nil
+}
+
+// poolFor returns the warm pool a new sandbox could be claimed from (its key and the
+// digest its members must have), or "" when the template's tag does not resolve yet.
+func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, string) {
+	ref, err := api.ParseTemplateRef(sb.TemplateRef)
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot {
+		return "", ""
+	}
+	d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+	if err != nil || d == "" {
+		return "", ""
+	}
+	return store.PoolKey(ref.String(), sb.Spec.CPU, sb.Spec.MemoryMB), d
+}
+
+// templateConfig returns the configuration a template's release records (zero if
+// none yet).
+func (s *Service) templateConfig(ctx context.Context, ref api.TemplateRef) template.Config {
+	digest := ref.Digest
+	if digest == "" {
+		d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+		if err != nil || d == "" {
+			return template.Config{}
+		}
+		digest = d
+	}
+	rel, err := s.st.GetRelease(ctx, digest)
+	if err != nil {
+		return template.Config{}
+	}
+	cfg, _ := template.ParseConfig(rel.Config)
+	return cfg
+}
+
+// Verb requests a lifecycle verb (pause, resume, suspend, restore, stop, start, wake)
+// with a reason shown on the sandbox. A verb that asks for the state the sandbox is in
+// (a wake of a running sandbox) returns an operation that is already done.
+func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
+	v, ok := lifecycle.VerbOf(kind)
+	if !ok || kind == api.OpClone {
+		return nil, invalid("unknown lifecycle verb %q", kind)
+	}
+	op := &store.Operation{ID: ids.Operation(), Kind: v.Kind}
+	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+		sb, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if !visible(p, sb) {
+			return notFound(id)
+		}
+		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
+			return err
+		}
+		if lifecycle.AlreadyThere(sb.Lifecycle(), v) {
+			op.State, op.Message = api.OpSucceeded, "already "+sb.State
+			op.SandboxID, op.Tenant, op.TargetGeneration = sb.ID, sb.Tenant, sb.Generation
+			return tx.InsertOperation(ctx, op)
+		}
+		if reason == "" {
+			reason = v.Kind + " requested"
+		}
+		return tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
+	})
+	if err != nil {
+		return nil, err
+	}
+	if op.State == api.OpSucceeded {
+		_ = s.st.UpdateOperation(ctx, op.ID, api.OpSucceeded, op.Message, "")
+	}
+	return op, nil
+}
+
+// Delete requests deletion of a sandbox. Asking again while it is being deleted gives
+// another operation that completes with the deletion.
+func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.Operation, error) {
+	op := &store.Operation{ID: ids.Operation(), Kind: api.OpDelete}
+	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+		sb, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if !visible(p, sb) || sb.DeletedAt != nil {
+			return notFound(id)
+		}
+		return tx.SetDesiredState(ctx, sb, api.StateDeleted, "", op)
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.log.Info("sandbox delete requested", "sandbox", id, "op", op.ID)
+	return op, nil
+}
+
+// Clone records count new sandboxes with the source's memory and disk,
+// copy-on-write, on the source's node.
+func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.CloneRequest) (api.CloneResponse, error) {
+	var out api.CloneResponse
+	if req.Count == 0 {
+		req.Count = 1
+	}
+	if req.Count < 1 || req.Count > maxClones {
+		return out, invalid("count must be between 1 and %d", maxClones)
+	}
+	if err := ValidateMap("metadata", req.Metadata, false); err != nil {
+		return out, err
+	}
+	var expires *time.Time
+	if req.TTL != "" {
+		exp, err := parseTTL(req.TTL)
+		if err != nil {
+			return out, err
+		}
+		expires = exp
+	}
+	clone, _ := lifecycle.VerbOf(api.OpClone)
+	batch := ids.Operation()
+	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+		src, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if !visible(p, src) {
+			return notFound(id)
+		}
+		if err := lifecycle.Check(src.Lifecycle(), clone); err != nil {
+			return err
+		}
+		meta := req.Metadata
+		if meta == nil {
+			meta = src.Metadata
+		}
+		for range req.Count {
+			sb := &store.Sandbox{
+				ID: ids.Sandbox(), Tenant: src.Tenant, TemplateRef: src.TemplateRef, TemplateDigest: src.TemplateDigest,
+				Spec: src.Spec, Metadata: meta, DesiredState: api.StateRunning, State: api.StatePending,
+				ExpiresAt: expires, IdleTimeout: src.IdleTimeout, CloneOf: src.ID, CloneBatch: batch,
+				NodeID: src.NodeID, Runtime: src.Runtime,
+			}
+			op := &store.Operation{ID: ids.Operation(), Kind: api.OpClone, Tenant: src.Tenant,
+				Message: "waiting for the source's snapshot", Params: map[string]any{"source": src.ID, "batch": batch}}
+			if err := tx.CreateSandbox(ctx, sb, op); err != nil {
+				return err
+			}
+			v := sb.API()
+			v.Operation = op.API()
+			out.Sandboxes = append(out.Sandboxes, v)
+		}
+		// Wake the source's node: its worker prepares the clones' snapshots.
+		return tx.NotifySandbox(ctx, src)
+	})
+	if err != nil {
+		return api.CloneResponse{}, err
+	}
+	s.log.Info("clone requested", "source", id, "count", req.Count, "batch", batch)
+	return out, nil
+}
+
+// RevokeTokens ends every attachment token issued for the sandbox so far.
+func (s *Service) RevokeTokens(ctx context.Context, p *Principal, id string) (int64, error) {
+	sb, err := s.Sandbox(ctx, p, id)
+	if err != nil {
+		return 0, err
+	}
+	return s.st.BumpTokenEpoch(ctx, sb.ID)
+}
+
+// SetExpiry changes when a sandbox p may see expires and what happens then ("delete"
+// or "suspend"); a nil time removes the expiry.
+func (s *Service) SetExpiry(ctx context.Context, p *Principal, id string, at *time.Time, action string) error {
+	sb, err := s.sandbox(ctx, p, id)
+	if err != nil {
+		return err
+	}
+	return s.st.SetExpiry(ctx, sb.ID, at, action)
+}
+
+// SandboxOperations lists a sandbox's operations, newest first.
+func (s *Service) SandboxOperations(ctx context.Context, p *Principal, id string) ([]*store.Operation, error) {
+	sb, err := s.Sandbox(ctx, p, id)
+	if err != nil {
+		return nil, err
+	}
+	return s.st.SandboxOperations(ctx, sb.ID, 100)
+}
+
+// Awake returns the sandbox running, waking it first when it is paused, suspended or
+// stopped — unless noWake, which returns it as it is.
+func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error) {
+	if !lifecycle.NeedsWake(sb.DesiredState) {
+		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning && sb.ObservedGeneration < sb.Generation {
+			return s.waitRunning(ctx, sb, "")
+		}
+		return sb, nil
+	}
+	if noWake {
+		return sb, nil
+	}
+	op, err := s.Verb(ctx, p, sb.ID, api.OpWake, "woken by a request that needs it running")
+	if fault.Is(err, fault.Conflict) {
+		// Another request is waking it already.
+		return s.waitRunning(ctx, sb, "")
+	}
+	if err != nil {
+		return nil, err
+	}
+	return s.waitRunning(ctx, sb, op.ID)
+}
+
+// waitRunning waits until the sandbox runs (or opID finishes).
+func (s *Service) waitRunning(ctx context.Context, sb *store.Sandbox, opID string) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+	defer cancel()
+	if opID != "" {
+		op, err := s.waitOp(ctx, opID, func(o *store.Operation) bool { return o.DoneAt != nil })
+		if err != nil {
+			return nil, err
+		}
+		if op.State == api.OpFailed {
+			return nil, fault.New(fault.Conflict, "waking sandbox %s failed: %s", sb.ID, op.Error)
+		}
+	}
+	for {
+		cur, err := s.st.GetSandbox(ctx, sb.ID)
+		if err != nil {
+			return nil, err
+		}
+		if cur.State == api.StateRunning || cur.DesiredState != api.StateRunning || cur.State == api.StateFailed {
+			return cur, nil
+		}
+		t := time.NewTimer(sandboxPollWhileWaking)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cur, nil
+		case <-t.C:
+		}
+	}
+}

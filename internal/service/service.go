@@ -1,0 +1,198 @@
+// Package service is space's transport-free domain layer: sandboxes (validation,
+// lifecycle verbs through internal/lifecycle, clones, idempotent creates), command
+// sessions and processes, operations, templates, pools, API keys and nodes. The
+// control-plane HTTP API (internal/server) and the E2B gateway (internal/e2b) both
+// call it; neither encodes domain rules itself. Authorization is one check here: a
+// caller (Principal) sees a resource only if it may (Service.sandbox), and a resource
+// it may not see answers exactly like one that does not exist.
+package service
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/token"
+)
+
+// Defaults of Config, the one source for each (space serve's flags use them).
+const (
+	DefaultTokenTTL        = 15 * time.Minute
+	DefaultMaxTokenTTL     = 24 * time.Hour
+	DefaultCPU             = 1
+	DefaultMemoryMB        = 512
+	DefaultMaxCPU          = 8
+	DefaultMaxMemoryMB     = 16384
+	DefaultIdleTimeout     = store.DefaultIdleTimeout
+	DefaultTemplate        = "base"
+	nodeTokenTTL           = time.Minute
+	wakeTimeout            = 2 * time.Minute
+	activityEvery          = 5 * time.Second
+	maxTrackedActivity     = 100000
+	operationPollFallback  = 2 * time.Second
+	sandboxPollWhileWaking = 50 * time.Millisecond
+)
+
+// Config configures the service.
+type Config struct {
+	Store  *store.Store
+	Signer *token.Signer
+	Logger *slog.Logger
+	// TokenTTL is the default lifetime of attachment tokens; MaxTokenTTL caps requests.
+	TokenTTL    time.Duration
+	MaxTokenTTL time.Duration
+	// Defaults and limits for sandbox resources.
+	DefaultCPU      int
+	DefaultMemoryMB int
+	MaxCPU          int
+	MaxMemoryMB     int
+	// IdleTimeout is the idle timeout of sandboxes that ask for none.
+	IdleTimeout time.Duration
+	// DefaultTemplate is used when a create request names none.
+	DefaultTemplate string
+	// BuiltinTemplates can be created on first use although no release exists yet.
+	BuiltinTemplates []string
+	// NodeClient is used for calls to nodes' internal endpoints.
+	NodeClient *http.Client
+}
+
+// Service is the domain layer over the store.
+type Service struct {
+	cfg Config
+	log *slog.Logger
+	st  *store.Store
+	ops *opWatch
+	act activity
+}
+
+// New returns the service. Run must be running for operation waits to wake promptly
+// (they fall back to polling otherwise).
+func New(cfg Config) *Service {
+	if cfg.TokenTTL == 0 {
+		cfg.TokenTTL = DefaultTokenTTL
+	}
+	if cfg.MaxTokenTTL == 0 {
+		cfg.MaxTokenTTL = DefaultMaxTokenTTL
+	}
+	if cfg.DefaultCPU == 0 {
+		cfg.DefaultCPU = DefaultCPU
+	}
+	if cfg.DefaultMemoryMB == 0 {
+		cfg.DefaultMemoryMB = DefaultMemoryMB
+	}
+	if cfg.MaxCPU == 0 {
+		cfg.MaxCPU = DefaultMaxCPU
+	}
+	if cfg.MaxMemoryMB == 0 {
+		cfg.MaxMemoryMB = DefaultMaxMemoryMB
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.DefaultTemplate == "" {
+		cfg.DefaultTemplate = DefaultTemplate
+	}
+	if cfg.NodeClient == nil {
+		cfg.NodeClient = &http.Client{}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Service{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}}}
+}
+
+// Store returns the store the service works on (for read-only listings by gateways).
+func (s *Service) Store() *store.Store { return s.st }
+
+// Run listens for operation notifications until ctx ends.
+func (s *Service) Run(ctx context.Context) error {
+	return s.st.Listen(ctx, s.log, func(_, payload string) { s.ops.notify(payload) }, store.ChannelOperations)
+}
+
+// Ping checks the database answers.
+func (s *Service) Ping(ctx context.Context) error { return s.st.Ping(ctx) }
+
+// Principal is the authenticated caller of a request.
+type Principal struct {
+	KeyID  string
+	Tenant string
+	Admin  bool
+}
+
+// Visible reports whether p may see a resource of tenant.
+func (p *Principal) Visible(tenant string) bool { return p != nil && (p.Admin || p.Tenant == tenant) }
+
+// Key kinds: keys for the space API and keys for the E2B-compatible API.
+const (
+	KeySpace = "space"
+	KeyE2B   = "e2b"
+)
+
+// maxSecretLen bounds credentials before they are hashed.
+const maxSecretLen = 512
+
+// Authenticate checks an API key of the given kind (KeySpace or KeyE2B).
+func (s *Service) Authenticate(ctx context.Context, secret, kind string) (*Principal, error) {
+	secret = strings.TrimSpace(secret)
+	if secret == "" {
+		return nil, fault.New(fault.Unauthorized, "missing API key: send Authorization: Bearer <key> or X-API-Key")
+	}
+	if strings.HasPrefix(secret, "spt1.") {
+		return nil, fault.New(fault.Unauthorized, "attachment tokens do not authorize control-plane requests")
+	}
+	if len(secret) > maxSecretLen {
+		return nil, fault.New(fault.Unauthorized, "invalid API key")
+	}
+	k, err := s.st.LookupAPIKey(ctx, secret)
+	if fault.Is(err, fault.NotFound) {
+		return nil, fault.New(fault.Unauthorized, "invalid API key")
+	}
+	if err != nil {
+		return nil, err
+	}
+	if k.Kind != kind {
+		if kind == KeySpace {
+			return nil, fault.New(fault.Unauthorized, "this API key is for the E2B-compatible API only")
+		}
+		return nil, fault.New(fault.Unauthorized, "this API key is not valid here")
+	}
+	return &Principal{KeyID: k.ID, Tenant: k.Tenant, Admin: k.Admin}, nil
+}
+
+// RequireAdmin fails unless p is an admin.
+func RequireAdmin(p *Principal) error {
+	if p == nil || !p.Admin {
+		return fault.New(fault.Forbidden, "this request needs an admin API key")
+	}
+	return nil
+}
+
+// activity throttles last-activity writes to one per sandbox every few seconds.
+type activity struct {
+	mu   sync.Mutex
+	last map[string]time.Time
+}
+
+// touch records activity on a sandbox (for idle suspend), at most every activityEvery.
+func (s *Service) touch(id string) {
+	s.act.mu.Lock()
+	if time.Since(s.act.last[id]) < activityEvery {
+		s.act.mu.Unlock()
+		return
+	}
+	s.act.last[id] = time.Now()
+	if len(s.act.last) > maxTrackedActivity {
+		clear(s.act.last)
+	}
+	s.act.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := s.st.TouchSandboxes(ctx, []string{id}); err != nil {
+		s.log.Warn("record activity", "sandbox", id, "err", err)
+	}
+}
