@@ -332,7 +332,7 @@ type TemplateDetail struct {
 	Name string `json:"name"`
 	// Tags maps each tag to the digest it points at.
 	Tags     map[string]string `json:"tags"`
-	Releases []TemplateRelease   `json:"releases"`
+	Releases []TemplateRelease `json:"releases"`
 }
 
 // TemplateRelease describes one release of a template.

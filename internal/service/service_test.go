@@ -67,16 +67,25 @@ func TestOtherTenantsSandboxIsNotFound(t *testing.T) {
 	}
 	id := created.Sandbox.ID
 	checks := map[string]func(p *service.Principal, id string) error{
-		"get":    func(p *service.Principal, id string) error { _, err := s.Service.Sandbox(ctx(t), p, id); return err },
-		"verb":   func(p *service.Principal, id string) error { _, err := s.Service.Verb(ctx(t), p, id, api.OpPause, ""); return err },
+		"get": func(p *service.Principal, id string) error { _, err := s.Service.Sandbox(ctx(t), p, id); return err },
+		"verb": func(p *service.Principal, id string) error {
+			_, err := s.Service.Verb(ctx(t), p, id, api.OpPause, "")
+			return err
+		},
 		"delete": func(p *service.Principal, id string) error { _, err := s.Service.Delete(ctx(t), p, id); return err },
 		"clone": func(p *service.Principal, id string) error {
 			_, err := s.Service.Clone(ctx(t), p, id, api.CloneRequest{})
 			return err
 		},
 		"expiry": func(p *service.Principal, id string) error { return s.Service.SetExpiry(ctx(t), p, id, nil, "") },
-		"ops":    func(p *service.Principal, id string) error { _, err := s.Service.SandboxOperations(ctx(t), p, id); return err },
-		"revoke": func(p *service.Principal, id string) error { _, err := s.Service.RevokeTokens(ctx(t), p, id); return err },
+		"ops": func(p *service.Principal, id string) error {
+			_, err := s.Service.SandboxOperations(ctx(t), p, id)
+			return err
+		},
+		"revoke": func(p *service.Principal, id string) error {
+			_, err := s.Service.RevokeTokens(ctx(t), p, id)
+			return err
+		},
 		"session": func(p *service.Principal, id string) error {
 			_, err := s.Service.CreateSession(ctx(t), p, id, api.CreateSessionRequest{Command: "true"}, true)
 			return err
