@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 
+	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/cli"
 	"github.com/spacedev/space/internal/controller"
 	"github.com/spacedev/space/internal/e2b"
@@ -231,7 +232,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 			Store: st, Signer: signer, Logger: log.With("component", "api"), Registry: reg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
-			IdleTimeout: c.idleTimeout,
+			IdleTimeout: c.idleTimeout, BenchFile: bench.LastPath(dataDir),
 		})
 		run("api", a.Run)
 		mux.Handle("/", a.Handler())
@@ -262,7 +263,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		}
 		dpMux := http.NewServeMux()
 		dp.Register(dpMux)
-		mux.Handle("/v1/dp/", dpMux)
+		mux.Handle("/v1/dp/", server.DataPlaneCORS(dpMux))
 		mux.Handle("/internal/", dpMux)
 		if !c.has("api") {
 			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
@@ -289,6 +290,9 @@ func serve(ctx context.Context, c *serveConfig) error {
 		}
 	}()
 	log.Info("space is serving", "listen", ln.Addr().String())
+	if c.has("api") {
+		log.Info("web console", "url", "http://"+ln.Addr().String()+"/ui/")
+	}
 
 	var runErr error
 	select {

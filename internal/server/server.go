@@ -41,6 +41,9 @@ type Config struct {
 	BuiltinTemplates []string
 	// NodeClient is used for calls to nodes' internal endpoints.
 	NodeClient *http.Client
+	// BenchFile is where `space bench` saves its last results on this host (served at
+	// GET /v1/bench for the web console); empty serves none.
+	BenchFile string
 }
 
 // API is the control-plane HTTP API.
@@ -122,6 +125,7 @@ func (a *API) Handler() http.Handler {
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
 	a.registerTemplates(authed)
+	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)
 	}))
