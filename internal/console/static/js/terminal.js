@@ -75,7 +75,7 @@ export class TermView {
   // opts: onInput(string), onResize({rows, cols}), label.
   constructor(opts) {
     this.opts = opts;
-    this.term = new Terminal({ cols: 80, rows: 24, scrollback: 5000 });
+    this.term = new Terminal({ cols: 80, rows: 24, scrollback: 5000, allowProposedApi: true });
     this.screen = h('div', { class: 'term-screen', 'aria-hidden': 'true' });
     this.measure = h('span', { class: 'term-measure' }, 'WWWWWWWWWW');
     this.input = h('textarea', {

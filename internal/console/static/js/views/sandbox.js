@@ -52,7 +52,7 @@ export function render(main, ctx, id, tab) {
     h('p', {}, h('a', { href: '#/sandboxes' }, '← Sandboxes')),
     h('h1', {}, 'Sandbox ', h('span', { class: 'mono' }, id)),
     h('p', {}, 'State: ', stateEl), reasonEl, toolbar, status.el, tabHost,
-    Object.values(panels));
+    ...Object.values(panels));
 
   function selectTab(name) {
     if (!panels[name]) name = 'overview';
@@ -421,6 +421,7 @@ class OutputView {
     const ctrl = new AbortController();
     this.ctrl = ctrl;
     this.pre.replaceChildren();
+    this.state.textContent = `Connecting (from byte ${from})…`;
     const decoders = { stdout: new TextDecoder(), stderr: new TextDecoder() };
     let last = String(from);
     let exited = false;
