@@ -401,6 +401,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Metrics:           metrics,
 		AgentReadyTimeout: c.agentReadyWait,
 		NoBaseSnapshots:   !c.baseSnapshots,
+		RuntimeReason:     why,
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
 	})

@@ -63,7 +63,7 @@ func TestConsole(t *testing.T) {
 	b.poll("the created link", `document.getElementById('created-link')`)
 	id := b.eval(`document.getElementById('created-link').textContent`)
 	t.Logf("sandbox %s", id)
-	b.waitText(fmt.Sprintf(`tr[data-id=%q] td.state`, id), "running")
+	b.waitState(fmt.Sprintf(`tr[data-id=%q] td.state`, id), "running")
 	b.do("filter by metadata", chromedp.SendKeys(chromedp.ID("filter-metadata"), "purpose=console-test"))
 	b.waitText("#sandbox-count", "1 of 1 sandboxes shown")
 	b.shot(shots, "console-sandboxes.png")
@@ -136,10 +136,10 @@ func TestConsole(t *testing.T) {
 
 	// Suspend and wake: the state changes arrive live, the operations show up.
 	b.do("open the overview", chromedp.Click(chromedp.ID("tab-overview")), chromedp.Click(chromedp.ID("verb-suspend")))
-	b.waitText("#sandbox-state", "suspended")
+	b.waitState("#sandbox-state", "suspended")
 	b.poll("the suspend operation succeeded", `document.querySelector('#timeline li[data-kind="suspend"].succeeded')`)
 	b.do("wake", chromedp.Click(chromedp.ID("verb-wake")))
-	b.poll("running again", `document.querySelector('#sandbox-state .badge')?.textContent === 'running' && !document.getElementById('sandbox-state').textContent.includes('→')`)
+	b.waitState("#sandbox-state", "running")
 	b.poll("the wake operation succeeded", `document.querySelector('#timeline li[data-kind="wake"].succeeded')`)
 	b.shot(shots, "console-sandbox.png")
 
@@ -163,7 +163,7 @@ func TestConsole(t *testing.T) {
 
 	// Phone width: the list is still usable (no horizontal page scroll).
 	b.do("phone width", chromedp.EmulateViewport(390, 844), chromedp.Navigate(s.URL+"/ui/#/sandboxes"))
-	b.waitText(fmt.Sprintf(`tr[data-id=%q] td.state`, id), "running")
+	b.waitState(fmt.Sprintf(`tr[data-id=%q] td.state`, id), "running")
 	if w := b.eval(`String(document.documentElement.scrollWidth <= window.innerWidth + 1)`); w != "true" {
 		t.Errorf("the page scrolls sideways at 390 px")
 	}
@@ -280,6 +280,14 @@ func (b *tab) waitText(sel, text string) {
 	b.poll(fmt.Sprintf("%q in %s", text, sel), fmt.Sprintf(`(() => { const e = document.querySelector(%q); return e && e.textContent.includes(%q); })()`, sel, text))
 }
 
+// waitState waits until the state shown in sel is state and no transition is shown
+// (the observed state, not the desired one after an arrow).
+func (b *tab) waitState(sel, state string) {
+	b.t.Helper()
+	b.poll(fmt.Sprintf("state %s in %s", state, sel), fmt.Sprintf(`(() => { const e = document.querySelector(%q);
+		return e && e.querySelector('.badge')?.textContent === %q && !e.textContent.includes('→'); })()`, sel, state))
+}
+
 func (b *tab) eval(expr string) string {
 	b.t.Helper()
 	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
@@ -301,7 +309,10 @@ func (b *tab) shot(dir, name string) {
 	b.t.Helper()
 	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
 	defer cancel()
-	png, err := chromedp.Run(ctx, chromedp.CaptureScreenshot())
+	if err := chromedp.Do(ctx, chromedp.Evaluate[chromedp.Void](`window.scrollTo(0, 0)`)); err != nil {
+		b.fail("scroll up", err)
+	}
+	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
 	if err != nil {
 		b.fail("screenshot "+name, err)
 	}

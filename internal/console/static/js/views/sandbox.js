@@ -82,7 +82,7 @@ export function render(main, ctx, id, tab) {
     const st = [badge(sb.state)];
     if (sb.desired_state && sb.desired_state !== sb.state && sb.state !== 'failed') st.push(' → ', sb.desired_state);
     replace(stateEl, st);
-    replace(reasonEl, [sb.status_reason ? 'Why: ' + sb.status_reason : '', sb.status_at ? ` (${fmtTime(sb.status_at)})` : '',
+    replace(reasonEl, [sb.status_reason ? `Why: ${sb.status_reason}${sb.status_at ? ` (${fmtTime(sb.status_at)})` : ''}` : '',
       sb.error ? h('span', { class: 'alert', role: 'alert' }, sb.error) : '']);
     const resting = sb.desired_state === sb.state || sb.state === 'failed';
     for (const [verb, , from] of VERBS) verbButtons.get(verb).disabled = !resting || !from.includes(sb.state);
@@ -129,7 +129,7 @@ export function render(main, ctx, id, tab) {
       const op = await api.post(`/v1/sandboxes/${enc}/${verb}`, null);
       ops.set(op.id, op);
       showOps();
-      status.ok(`${label} requested (operation ${op.id}): ${op.message || op.state}`);
+      status.ok(`${label} requested (operation ${op.id}); its progress is in the operations below.`);
       announce(`${label} requested`);
     } catch (err) {
       status.error(err, label + ' failed');
