@@ -162,6 +162,12 @@ func TestConsole(t *testing.T) {
 			b.shot(shots, "console-nodes.png")
 		}
 	}
+	// A build spec the API refuses: its words are shown.
+	b.do("open #/templates", chromedp.Navigate(s.URL+"/ui/#/templates"))
+	b.waitText("main h1", "Templates")
+	b.setValue("build-spec", "name: with:colon\n")
+	b.do("submit the spec", chromedp.Click(chromedp.ID("build-submit")))
+	b.waitText("main form .alert", "Build refused: name \"with:colon\" must not contain ':' or '@'")
 
 	// Benchmarks: what `space bench` saved is plotted.
 	if err := bench.SaveLast(s.dataDir, bench.Report{FinishedAt: time.Now(), Template: "base", Runs: 20, Results: []bench.Result{

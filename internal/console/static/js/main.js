@@ -56,8 +56,9 @@ function render() {
       notice: signinNotice,
       onSignedIn: () => {
         signinNotice = '';
-        navigate(location.hash && !location.hash.startsWith('#/signin') ? location.hash : '#/sandboxes');
-        render();
+        // Stay on the page the user asked for (a bookmark), else go to the sandboxes.
+        if (!location.hash || location.hash === '#/') location.hash = '#/sandboxes';
+        else render();
       },
     });
     return;
