@@ -149,9 +149,11 @@ type SandboxList struct {
 
 // Operation is the record of one asynchronous lifecycle request.
 type Operation struct {
-	ID        string     `json:"id"`
-	Kind      string     `json:"kind"`
-	SandboxID string     `json:"sandbox_id,omitempty"`
+	ID        string `json:"id"`
+	Kind      string `json:"kind"`
+	SandboxID string `json:"sandbox_id,omitempty"`
+	// Template is the template a build operation builds (name:tag).
+	Template  string     `json:"template,omitempty"`
 	State     string     `json:"state"`
 	Message   string     `json:"message,omitempty"`
 	Error     string     `json:"error,omitempty"`
@@ -325,6 +327,13 @@ type Template struct {
 	Digest    string    `json:"digest"`
 	SizeBytes int64     `json:"size_bytes,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
+}
+
+// WhoAmI is the body of GET /v1/whoami: the caller's API key.
+type WhoAmI struct {
+	KeyID  string `json:"key_id"`
+	Tenant string `json:"tenant"`
+	Admin  bool   `json:"admin"`
 }
 
 // TemplateDetail is the body of GET /v1/templates/{name}.

@@ -18,6 +18,7 @@ pkgs=(
   qemu-system-x86  # the qemu runtime (microvm; KVM where the CPU has it, else TCG)
   linux-image-cloud-amd64  # the guest kernel of VM runtimes
   cpio busybox-static  # initramfs building and VM tests
+  chromium         # headless browser for the web console's tests (internal/e2e/console_test.go)
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -22,6 +22,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/cli"
 	"github.com/spacedev/space/internal/controller"
 	"github.com/spacedev/space/internal/dataplane"
@@ -233,7 +234,8 @@ func serve(ctx context.Context, c *serveConfig) error {
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
 			IdleTimeout: c.idleTimeout,
 		})
-		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg})
+		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg,
+			BenchFile: bench.LastPath(dataDir)})
 		run("api", svc.Run)
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
@@ -263,7 +265,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		}
 		dpMux := http.NewServeMux()
 		dp.Register(dpMux)
-		mux.Handle("/v1/dp/", dpMux)
+		mux.Handle("/v1/dp/", dataplane.CORS(dpMux))
 		mux.Handle("/internal/", dpMux)
 		if !c.has("api") {
 			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
@@ -297,6 +299,9 @@ func serve(ctx context.Context, c *serveConfig) error {
 		return nil
 	})
 	log.Info("space is serving", "listen", ln.Addr().String())
+	if c.has("api") {
+		log.Info("web console", "url", "http://"+ln.Addr().String()+"/ui/")
+	}
 	runErr := g.Wait()
 	if runErr != nil {
 		log.Error("fatal", "err", runErr)
@@ -399,6 +404,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Metrics:           metrics,
 		AgentReadyTimeout: c.agentReadyWait,
 		NoBaseSnapshots:   !c.baseSnapshots,
+		RuntimeReason:     why,
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
 	})

@@ -1,6 +1,9 @@
 package cli
 
 import (
+	"fmt"
+	"time"
+
 	"github.com/spf13/cobra"
 
 	"github.com/spacedev/space/internal/bench"
@@ -8,6 +11,7 @@ import (
 
 func (a *app) benchCmd() *cobra.Command {
 	var cfg bench.Config
+	var save bool
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure space against the bare runtime and print a table",
@@ -27,6 +31,15 @@ Scenarios: ` + joinNames() + `.`,
 			cfg.DataDir = a.env.DataDir
 			cfg.Progress = a.env.Stderr
 			res, err := bench.Run(cmdContext(cmd), cfg)
+			if save && (err == nil || len(res) > 0) {
+				rep := bench.Report{FinishedAt: time.Now().UTC(), Template: cfg.Template, Runs: cfg.Runs, Only: cfg.Only, Results: res}
+				if err != nil {
+					rep.Error = err.Error()
+				}
+				if serr := bench.SaveLast(cfg.DataDir, rep); serr != nil {
+					fmt.Fprintf(a.env.Stderr, "bench: %v\n", serr)
+				}
+			}
 			if err != nil {
 				return err
 			}
@@ -39,6 +52,7 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().IntVar(&cfg.Runs, "runs", 10, "repetitions of each measurement")
 	cmd.Flags().StringSliceVar(&cfg.Only, "only", nil, "run only these scenarios (comma-separated)")
 	cmd.Flags().StringVar(&cfg.Template, "template", "base", "template for the sandboxes")
+	cmd.Flags().BoolVar(&save, "save", true, "save the results to <data-dir>/bench/last.json, where the web console plots them")
 	return cmd
 }
 

@@ -84,6 +84,9 @@ type Config struct {
 	// right after a template build.
 	DefaultCPU      int
 	DefaultMemoryMB int
+	// RuntimeReason says why this runtime was chosen; it is published with the node's
+	// runtime details (the web console shows it).
+	RuntimeReason string
 }
 
 // Node is a running node role.
@@ -188,6 +191,9 @@ func (n *Node) Run(ctx context.Context) error {
 	n.cfg.AgentPath, n.agentHash = agent, hash
 	details := map[string]any{"version": info.Version}
 	for k, v := range info.Details {
+		details[k] = v
+	}
+	for k, v := range hostCapacity(n.cfg.RuntimeReason) {
 		details[k] = v
 	}
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL}

@@ -54,3 +54,7 @@ func (s *SSE) Comment(text string) error {
 
 // Flush sends what is buffered.
 func (s *SSE) Flush() error { return s.rc.Flush() }
+
+// SetWriteDeadline bounds the next writes (a client that stopped reading is cut
+// instead of holding the stream forever); the zero time removes the bound.
+func (s *SSE) SetWriteDeadline(t time.Time) error { return s.rc.SetWriteDeadline(t) }

@@ -23,14 +23,18 @@ type Config struct {
 	Service  *service.Service
 	Logger   *slog.Logger
 	Registry *prometheus.Registry
+	// BenchFile is where `space bench` saves its last results on this host (served at
+	// GET /v1/bench for the web console); empty serves none.
+	BenchFile string
 }
 
 // API is the control-plane HTTP API.
 type API struct {
-	svc     *service.Service
-	log     *slog.Logger
-	reg     *prometheus.Registry
-	metrics *apiMetrics
+	svc       *service.Service
+	benchFile string
+	log       *slog.Logger
+	reg       *prometheus.Registry
+	metrics   *apiMetrics
 }
 
 // NewAPI returns the control-plane API.
@@ -41,7 +45,7 @@ func NewAPI(cfg Config) *API {
 	if cfg.Registry == nil {
 		cfg.Registry = prometheus.NewRegistry()
 	}
-	a := &API{svc: cfg.Service, log: cfg.Logger, reg: cfg.Registry}
+	a := &API{svc: cfg.Service, log: cfg.Logger, reg: cfg.Registry, benchFile: cfg.BenchFile}
 	a.metrics = newAPIMetrics(cfg.Registry, cfg.Service.Store())
 	return a
 }
@@ -85,6 +89,7 @@ func (a *API) Handler() http.Handler {
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
 	a.registerTemplates(authed)
+	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)
 	}))

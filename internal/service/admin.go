@@ -134,3 +134,17 @@ func (s *Service) Pools(ctx context.Context, _ *Principal) ([]api.Pool, error) {
 	}
 	return out, nil
 }
+
+// DataPlaneOrigins lists the data-plane URLs of the nodes (where clients' attach
+// streams go).
+func (s *Service) DataPlaneOrigins(ctx context.Context) ([]string, error) {
+	nodes, err := s.st.ListNodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]string, 0, len(nodes))
+	for _, n := range nodes {
+		out = append(out, n.DataPlaneURL)
+	}
+	return out, nil
+}

@@ -63,11 +63,12 @@ type Config struct {
 
 // Service is the domain layer over the store.
 type Service struct {
-	cfg Config
-	log *slog.Logger
-	st  *store.Store
-	ops *opWatch
-	act activity
+	cfg    Config
+	log    *slog.Logger
+	st     *store.Store
+	ops    *opWatch
+	act    activity
+	events *eventHub
 }
 
 // New returns the service. Run must be running for operation waits to wake promptly
@@ -103,7 +104,8 @@ func New(cfg Config) *Service {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Service{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}}}
+	return &Service{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}},
+		events: newEventHub(cfg.Store, cfg.Logger)}
 }
 
 // Store returns the store the service works on (for read-only listings by gateways).

@@ -29,10 +29,14 @@ type Operation struct {
 
 // API converts the row to its wire form.
 func (o *Operation) API() *api.Operation {
-	return &api.Operation{
+	out := &api.Operation{
 		ID: o.ID, Kind: o.Kind, SandboxID: o.SandboxID, State: o.State, Message: o.Message,
 		Error: o.Error, CreatedAt: o.CreatedAt, UpdatedAt: o.UpdatedAt, DoneAt: o.DoneAt,
 	}
+	if o.Kind == api.OpTemplateBuild {
+		out.Template, _ = o.Params["template"].(string)
+	}
+	return out
 }
 
 const opCols = `id, kind, coalesce(sandbox_id,''), tenant, target_generation, state, message, error, params,
