@@ -256,7 +256,6 @@ func baseJail(qemuPath, accel string) (jailSpec, error) {
 		return jailSpec{}, err
 	}
 	js := jailSpec{Path: qemuPath}
-	js.Binds = append(js.Binds, jailBind{Src: bin, Dst: qemuPath, Exec: true})
 	seen := map[string]bool{}
 	// QEMU's own prefix first (a build under /opt or /usr/local), then the system's.
 	for _, prefix := range []string{filepath.Dir(filepath.Dir(bin)), "/usr"} {
@@ -288,6 +287,8 @@ func baseJail(qemuPath, accel string) (jailSpec, error) {
 			js.Binds = append(js.Binds, jailBind{Src: p, Dst: p, Exec: true})
 		}
 	}
+	// After the directories: a binary inside one of them stays visible either way.
+	js.Binds = append(js.Binds, jailBind{Src: bin, Dst: qemuPath, Exec: true})
 	devices := []string{"/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"}
 	if accel == AccelKVM {
 		devices = append(devices, "/dev/kvm")
@@ -329,6 +330,23 @@ func worldReadable(p string) error {
 	}
 	if fi.Mode().Perm()&0o004 == 0 {
 		return fmt.Errorf("%s (mode %o) is not readable by all users; QEMU runs as an unprivileged uid (chmod o+r)", p, fi.Mode().Perm())
+	}
+	return nil
+}
+
+// ensureWorldReadable makes an initramfs of the runtime's cache readable by all users
+// (one cached by an older version of this package may not be): QEMU reads it as its own
+// uid.
+func ensureWorldReadable(p string) error {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return err
+	}
+	if fi.Mode().Perm()&0o004 != 0 {
+		return nil
+	}
+	if err := os.Chmod(p, fi.Mode().Perm()|0o044); err != nil {
+		return fmt.Errorf("make %s readable by QEMU: %w", p, err)
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/prometheus/procfs"
+	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/instances"
@@ -363,5 +365,71 @@ func TestUIDLeases(t *testing.T) {
 		if _, err := newUIDLeases(dir, bad[0], bad[1]); err == nil {
 			t.Errorf("range %d+%d accepted", bad[0], bad[1])
 		}
+	}
+}
+
+// TestBaseJail: the jail holds QEMU's binary, libraries and firmware; /dev/kvm only for
+// KVM guests, with its group when it is not open to all.
+func TestBaseJail(t *testing.T) {
+	qemuPath, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Skip("qemu-system-x86_64 not found")
+	}
+	js, err := baseJail(qemuPath, AccelTCG)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsts := map[string]jailBind{}
+	for _, b := range js.Binds {
+		dsts[b.Dst] = b
+	}
+	if b, ok := dsts[qemuPath]; !ok || !b.Exec {
+		t.Errorf("QEMU's binary %s: %+v", qemuPath, b)
+	}
+	if b, ok := dsts["/usr/lib"]; !ok || !b.Exec || b.Dev {
+		t.Errorf("/usr/lib: %+v", b)
+	}
+	if b, ok := dsts["/dev/null"]; !ok || !b.Dev || b.Exec {
+		t.Errorf("/dev/null: %+v", b)
+	}
+	if _, ok := dsts["/dev/kvm"]; ok || len(js.Groups) != 0 {
+		t.Errorf("a TCG jail has /dev/kvm or groups %v", js.Groups)
+	}
+	for _, b := range js.Binds {
+		if !b.Dev && strings.HasPrefix(b.Dst, "/dev") {
+			t.Errorf("%s without dev", b.Dst)
+		}
+	}
+	var st unix.Stat_t
+	if unix.Stat("/dev/kvm", &st) != nil {
+		return
+	}
+	js, err = baseJail(qemuPath, AccelKVM)
+	if st.Mode&0o006 != 0o006 && (st.Mode&0o060 != 0o060 || st.Gid == 0) {
+		if err == nil {
+			t.Errorf("/dev/kvm mode %o gid %d: accepted", st.Mode&0o777, st.Gid)
+		}
+		return
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := slices.IndexFunc(js.Binds, func(b jailBind) bool { return b.Dst == "/dev/kvm" && b.Dev }); b < 0 {
+		t.Error("no /dev/kvm for KVM")
+	}
+	if st.Mode&0o006 != 0o006 && !slices.Equal(js.Groups, []int{int(st.Gid)}) {
+		t.Errorf("groups %v, want /dev/kvm's %d", js.Groups, st.Gid)
+	}
+}
+
+// TestBadPidsLimit: a pids limit QEMU cannot run under is refused before anything is made.
+func TestBadPidsLimit(t *testing.T) {
+	rt, spec := needQEMU(t)
+	for _, n := range []int{-1, 1, minPids(spec.CPU) - 1} {
+		spec.PidsLimit = n
+		if err := rt.Create(context.Background(), spec); err == nil || !strings.Contains(err.Error(), "pids") {
+			t.Errorf("pids limit %d: %v", n, err)
+		}
+		assertGone(t, rt, spec)
 	}
 }

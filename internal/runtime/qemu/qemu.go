@@ -388,6 +388,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}
+	if err := ensureWorldReadable(initrd); err != nil {
+		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
+	}
 	m := machine{
 		MemoryMB: spec.MemoryMB, CPU: spec.CPU, Accel: r.accel,
 		Kernel: r.cfg.KernelPath, Initrd: initrd, Append: cmdline, QEMU: r.version,
