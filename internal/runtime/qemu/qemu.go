@@ -141,8 +141,12 @@ var (
 )
 
 // New checks the configuration, finds QEMU, the kernel and its modules, picks the
-// accelerator and creates the root dir.
+// accelerator and creates the root dir, the uid lease dir and the parent cgroups.
 func New(cfg Config) (*Runtime, error) {
+	if os.Geteuid() != 0 {
+		// Jailing QEMU takes namespaces, cgroups and a uid switch.
+		return nil, fmt.Errorf("qemu: needs root to jail QEMU (running as uid %d)", os.Geteuid())
+	}
 	if cfg.QemuPath == "" {
 		p, err := exec.LookPath("qemu-system-x86_64")
 		if err != nil {
