@@ -37,6 +37,9 @@ type Spec struct {
 	CPU int
 	// MemoryMB bounds the sandbox's memory.
 	MemoryMB int
+	// PidsLimit bounds the number of host tasks (processes and threads) the sandbox's
+	// processes on the host may have (cgroup pids.max); 0 takes the runtime's default.
+	PidsLimit int
 	// Network enables networking; the default (false) means no network at all.
 	Network bool
 	// NetNS is the path of a network namespace the node prepared for the instance

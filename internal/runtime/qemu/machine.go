@@ -29,15 +29,29 @@ const (
 	machineFile = "vm.json" // the machine configuration the stream needs (machine)
 )
 
-// File descriptors every QEMU process gets (exec.Cmd.ExtraFiles start at 3). Every
-// instance-specific path on QEMU's command line goes through them (/proc/self/fd/N/...),
-// so the command line is the same for every instance with the same machine: a restore
-// needs "identical device configuration", and a clone must not see its origin's paths.
-// This also keeps socket paths short whatever the StateDir.
+// File descriptors every QEMU process gets, all opened by the node: QEMU runs in a jail
+// (see jail.go) where it can open no host file itself. Its command line names them
+// (fdsets, chardev fd=N) and fixed paths inside the jail, never a host path, so it is the
+// same for every instance with the same machine: a restore needs "identical device
+// configuration", and a clone must not see its origin's paths.
 const (
-	fdStateDir = 3 // O_PATH descriptor of the StateDir
-	fdDisk     = 4 // the root disk image, read-write
+	fdDisk    = 4 // the root disk image, read-write (fdset 1)
+	fdDiskRO  = 5 // the same, read-only: QEMU probes the image read-only (fdset 1)
+	fdConsole = 6 // the console log, append-only (fdset 2)
+	fdQMP     = 7 // listening QMP socket (StateDir/qmp.sock)
+	fdAgent   = 8 // listening socket of the agent's serial port (StateDir/agent.sock)
 )
+
+// Paths of the kernel and the initramfs inside the jail (bind mounts of the host's files).
+const (
+	jailKernel = "/vm/kernel"
+	jailInitrd = "/vm/initrd"
+)
+
+// sandboxOpts turns QEMU's seccomp filter on (-sandbox): no obsolete system calls, no
+// set*uid/gid, no fork or exec, no scheduler or priority changes. A QEMU that tries
+// one of those is killed.
+const sandboxOpts = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 // machine is what QEMU's command line is made from. Checkpoint saves it next to the
 // memory file; Restore starts QEMU from it, so the devices match the stream.
@@ -94,7 +108,7 @@ func kernelCmdline(agentEnv map[string]string, tscKHz int64) (string, error) {
 // args is QEMU's command line for an instance. name identifies the process (see
 // procName); incoming makes QEMU wait for a migration stream instead of booting.
 func (m machine) args(name string, incoming bool) []string {
-	state := func(f string) string { return "/proc/self/fd/" + strconv.Itoa(fdStateDir) + "/" + f }
+	fd := strconv.Itoa
 	a := []string{
 		"-name", name,
 		// ACPI describes the virtio-mmio devices to the guest (Debian's kernel lacks
@@ -113,18 +127,26 @@ func (m machine) args(name string, incoming bool) []string {
 		"-m", strconv.Itoa(m.MemoryMB),
 		"-smp", strconv.Itoa(m.CPU),
 		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-		"-kernel", m.Kernel,
-		"-initrd", m.Initrd,
+		"-sandbox", sandboxOpts,
+		// A bounded block I/O thread pool: the cgroup's pids limit must fit QEMU's threads.
+		"-object", "main-loop,id=main-loop,thread-pool-max="+strconv.Itoa(threadPoolMax),
+		"-kernel", jailKernel,
+		"-initrd", jailInitrd,
 		"-append", m.Append,
-		"-drive", "id=root,if=none,format=raw,cache=writeback,discard=unmap,file=/proc/self/fd/"+strconv.Itoa(fdDisk),
+		// The disk, read-write and read-only, opened by the node.
+		"-add-fd", "fd="+fd(fdDisk)+",set=1",
+		"-add-fd", "fd="+fd(fdDiskRO)+",set=1",
+		"-drive", "id=root,if=none,format=raw,cache=writeback,discard=unmap,file=/dev/fdset/1",
 		"-device", "virtio-blk-device,drive=root",
 		"-device", "virtio-serial-device",
-		"-chardev", "file,id=console,append=on,path="+state(consoleLog),
+		"-add-fd", "fd="+fd(fdConsole)+",set=2",
+		"-chardev", "file,id=console,append=on,path=/dev/fdset/2",
 		"-device", "virtconsole,chardev=console",
-		"-chardev", "socket,id=agent,server=on,wait=off,path="+state(agentSocket),
+		"-chardev", "socket,id=agent,server=on,wait=off,fd="+fd(fdAgent),
 		"-device", "virtserialport,chardev=agent,name="+vmboot.PortName,
 		"-device", "virtio-rng-device",
-		"-qmp", "unix:"+state(qmpSocket)+",server=on,wait=off",
+		"-chardev", "socket,id=qmp,server=on,wait=off,fd="+fd(fdQMP),
+		"-mon", "chardev=qmp,mode=control",
 	)
 	if incoming {
 		a = append(a, "-incoming", "defer", "-S")

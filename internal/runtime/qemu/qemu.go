@@ -10,23 +10,28 @@
 // one yamux session per instance and opens a stream per Dial; sessions are re-established
 // lazily after a node restart or a restore.
 //
-// Each QEMU runs in its own session (it outlives the node process), mount namespace and
-// network namespace (empty: sandboxes have no network yet). Every instance-specific file
-// is passed to QEMU as an inherited descriptor and named on its command line as
-// /proc/self/fd/N[/NAME], so the command line is identical for all instances of one
-// machine shape: a restored or cloned VM finds the same paths whatever its StateDir and
-// disk are. QMP (a unix socket in the StateDir) drives pause, resume, checkpoint
-// (migration into a file descriptor) and restore (-incoming defer).
+// Each QEMU is jailed (jail.go): its own session (it outlives the node process), mount
+// namespace holding only what it reads, PID, IPC, UTS and network namespace (empty:
+// sandboxes have no network yet), an unprivileged uid and gid of its own leased from a
+// range (uids.go), no capabilities, no_new_privs, QEMU's seccomp sandbox, and a cgroup of
+// its own with cpu, memory and pids limits (cgroup.go). Every instance-specific file is
+// opened by the node and passed to QEMU as an inherited descriptor, so the command line
+// is identical for all instances of one machine shape: a restored or cloned VM finds the
+// same devices whatever its StateDir and disk are. QMP (a unix socket in the StateDir)
+// drives pause, resume, checkpoint (migration into a file descriptor) and restore
+// (-incoming defer).
 //
 // The package owns the StateDir files listed in stateFiles, the checkpoint files
-// (memory, vm.json), and its root dir: instance records (instances/<id>.json) and the
-// initramfs cache (initramfs/).
+// (memory, vm.json), its root dir: instance records (instances/<id>.json), the initramfs
+// cache (initramfs/) and the jail's mount point (jail/), the VMs' cgroups and the uid
+// leases.
 package qemu
 
 import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -41,6 +46,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/runtime"
@@ -65,14 +71,30 @@ type Config struct {
 	RootDir string
 	// Logger receives lifecycle records and timings (default: discard).
 	Logger *slog.Logger
+
+	// FirstUID and UIDCount are the range of host uids QEMU processes run as, one per
+	// VM (its gid the same number); default DefaultFirstUID and DefaultUIDCount. No other
+	// user or group of the host may use them.
+	FirstUID, UIDCount int
+	// LeaseDir holds the leases of the uid range; default DefaultLeaseDir. Every runtime
+	// on the host that uses the same range must use the same directory.
+	LeaseDir string
+	// CgroupParent is the cgroup under which each VM gets its own; default
+	// DefaultCgroupParent. It is relative to the cgroup v2 root, or with cgroup v1 to
+	// this process's own cgroup in each hierarchy.
+	CgroupParent string
 }
 
 // Defaults.
 const (
-	DefaultRootDir  = "/run/space/qemu"
-	DefaultCPU      = 1
-	DefaultMemoryMB = 512
+	DefaultRootDir      = "/run/space/qemu"
+	DefaultCPU          = 1
+	DefaultMemoryMB     = 512
+	DefaultCgroupParent = "space-qemu"
 )
+
+// jailDir is the jail helper's mount point, under the root dir (see jailSpec.Root).
+const jailDir = "jail"
 
 // Timeouts of QEMU operations.
 const (
@@ -95,6 +117,9 @@ type Runtime struct {
 	tscKHz      int64  // the host's TSC frequency, given to TCG guests (0: unknown)
 
 	initrds *initramfs.Cache
+	uids    *uidLeases
+	cgroups *cgroups
+	jail    jailSpec // the binds, links and groups every jail gets
 
 	mu    sync.Mutex
 	insts map[string]*instance
@@ -116,8 +141,12 @@ var (
 )
 
 // New checks the configuration, finds QEMU, the kernel and its modules, picks the
-// accelerator and creates the root dir.
+// accelerator and creates the root dir, the uid lease dir and the parent cgroups.
 func New(cfg Config) (*Runtime, error) {
+	if os.Geteuid() != 0 {
+		// Jailing QEMU takes namespaces, cgroups and a uid switch.
+		return nil, fmt.Errorf("qemu: needs root to jail QEMU (running as uid %d)", os.Geteuid())
+	}
 	if cfg.QemuPath == "" {
 		p, err := exec.LookPath("qemu-system-x86_64")
 		if err != nil {
@@ -170,8 +199,37 @@ func New(cfg Config) (*Runtime, error) {
 	}
 	version, _, _ := strings.Cut(string(out), "\n")
 	version = strings.TrimSpace(strings.TrimPrefix(version, "QEMU emulator version"))
+	if cfg.FirstUID == 0 && cfg.UIDCount == 0 {
+		cfg.FirstUID, cfg.UIDCount = DefaultFirstUID, DefaultUIDCount
+	}
+	if cfg.LeaseDir == "" {
+		cfg.LeaseDir = DefaultLeaseDir
+	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = DefaultCgroupParent
+	}
+	// QEMU opens the kernel by path as its own unprivileged uid.
+	if err := worldReadable(cfg.KernelPath); err != nil {
+		return nil, fmt.Errorf("qemu: kernel: %w", err)
+	}
+	jail, err := baseJail(cfg.QemuPath, accel)
+	if err != nil {
+		return nil, fmt.Errorf("qemu: %w", err)
+	}
+	uids, err := newUIDLeases(cfg.LeaseDir, cfg.FirstUID, cfg.UIDCount)
+	if err != nil {
+		return nil, fmt.Errorf("qemu: %w", err)
+	}
+	cgs, err := newCgroups(cfg.CgroupParent)
+	if err != nil {
+		return nil, fmt.Errorf("qemu: %w", err)
+	}
 	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
 		return nil, fmt.Errorf("qemu: create root dir: %w", err)
+	}
+	jail.Root = filepath.Join(cfg.RootDir, jailDir)
+	if err := os.Mkdir(jail.Root, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return nil, fmt.Errorf("qemu: create jail mount point: %w", err)
 	}
 	key := sha256.Sum256([]byte(cfg.RootDir))
 	var tscKHz int64
@@ -187,14 +245,20 @@ func New(cfg Config) (*Runtime, error) {
 		version:     version,
 		rootKey:     hex.EncodeToString(key[:4]),
 		insts:       map[string]*instance{},
+		uids:        uids,
+		cgroups:     cgs,
+		jail:        jail,
 	}
 	r.initrds = &initramfs.Cache{
 		Dir:        filepath.Join(cfg.RootDir, initramfsDir),
 		KernelPath: cfg.KernelPath,
 		Modules:    modules,
 		Logger:     r.log,
+		// Bind-mounted into each jail: only the file's own mode counts for QEMU's uid.
+		WorldReadable: true,
 	}
-	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version, "tsc_khz", tscKHz)
+	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version, "tsc_khz", tscKHz,
+		"uids", fmt.Sprintf("%d+%d", cfg.FirstUID, cfg.UIDCount), "cgroup_v2", cgs.v2)
 	return r, nil
 }
 
@@ -258,6 +322,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 			"transport":    "virtio-serial+yamux",
 			// The agent keeps its transport across a checkpoint (the serial port is a
 			// device, not a host socket): after a restore it gets its identity over it.
+			"jail": fmt.Sprintf("uid/gid per VM from %d+%d, no capabilities, mount/pid/net/ipc/uts namespaces, seccomp, %s", r.cfg.FirstUID, r.cfg.UIDCount, r.cgroups.describe()),
 		},
 	}, nil
 }
@@ -327,6 +392,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
 	}
+	if err := ensureWorldReadable(initrd); err != nil {
+		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
+	}
 	m := machine{
 		MemoryMB: spec.MemoryMB, CPU: spec.CPU, Accel: r.accel,
 		Kernel: r.cfg.KernelPath, Initrd: initrd, Append: cmdline, QEMU: r.version,
@@ -337,8 +405,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	return nil
 }
 
-// launch claims the instance's record, starts QEMU for machine m and, with a checkpoint
-// dir, loads the checkpoint. On error it removes everything it created.
+// launch claims the instance's record, leases its uid, creates its cgroup, starts QEMU
+// for machine m and, with a checkpoint dir, loads the checkpoint. On error it removes
+// everything it created.
 func (r *Runtime) launch(ctx context.Context, spec runtime.Spec, m machine, checkpoint string) (err error) {
 	rec := record{ID: spec.ID, StateDir: spec.StateDir, RootFS: spec.RootFS, Machine: m, CreatedAt: time.Now().UTC()}
 	if err := r.claimRecord(rec); err != nil {
@@ -359,7 +428,23 @@ func (r *Runtime) launch(ctx context.Context, spec runtime.Spec, m machine, chec
 		}
 	}()
 	start := time.Now()
-	pid, startTime, err := r.start(ctx, spec, m, checkpoint != "")
+	if _, err := r.uids.acquire(r.leaseHolder(spec.ID), func(uid int) error {
+		rec.UID = uid
+		return r.updateRecord(rec)
+	}); err != nil {
+		return err
+	}
+	// The cgroup's directories go into the record before they exist, so that an
+	// interrupted start leaves nothing Destroy does not find.
+	rec.Cgroups = r.cgroups.dirs(r.cgroupName(spec.ID))
+	if err := r.updateRecord(rec); err != nil {
+		return err
+	}
+	limits := vmLimits{CPU: m.CPU, MemoryMB: m.MemoryMB, Pids: spec.PidsLimit}
+	if _, err := r.cgroups.create(r.cgroupName(spec.ID), limits); err != nil {
+		return err
+	}
+	pid, startTime, err := r.start(ctx, spec, m, rec, checkpoint != "")
 	if err != nil {
 		return err
 	}
@@ -368,51 +453,97 @@ func (r *Runtime) launch(ctx context.Context, spec runtime.Spec, m machine, chec
 		return err
 	}
 	if checkpoint == "" {
-		r.log.InfoContext(ctx, "vm started", "id", spec.ID, "pid", pid, "duration", time.Since(start))
+		r.log.InfoContext(ctx, "vm started", "id", spec.ID, "pid", pid, "uid", rec.UID, "duration", time.Since(start))
 		return nil
 	}
 	started := time.Since(start)
 	if err := r.load(ctx, spec, checkpoint); err != nil {
 		return err
 	}
-	r.log.InfoContext(ctx, "vm restored", "id", spec.ID, "pid", pid, "qemu_start", started, "duration", time.Since(start))
+	r.log.InfoContext(ctx, "vm restored", "id", spec.ID, "pid", pid, "uid", rec.UID, "qemu_start", started, "duration", time.Since(start))
 	return nil
 }
 
-// start runs QEMU for machine m in its own session, mount and network namespace, with
-// the StateDir and the disk as descriptors 3 and 4, and waits until QMP answers.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, incoming bool) (pid int, startTime uint64, err error) {
-	sfd, err := unix.Open(spec.StateDir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return 0, 0, fmt.Errorf("open state dir: %w", err)
+// leaseHolder names the instance in its uid lease.
+func (r *Runtime) leaseHolder(id string) leaseHolder {
+	return leaseHolder{RootDir: r.cfg.RootDir, ID: id}
+}
+
+// cgroupName is the name of the instance's cgroup under the parent: the root dir's key
+// keeps runtimes with different root dirs apart.
+func (r *Runtime) cgroupName(id string) string { return r.rootKey + "-" + id }
+
+// stateEnv names QEMU's StateDir in its environment: QEMU itself cannot reach it (it is
+// outside its jail), but a runtime that lost the instance's record finds it again there.
+const stateEnv = "SPACE_QEMU_STATE_DIR"
+
+// start runs QEMU for machine m in its jail (see jail.go) and its cgroups, with the disk,
+// the console log and the listening QMP and agent sockets as inherited descriptors, and
+// waits until QMP answers. On error no process of it is left.
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, rec record, incoming bool) (pid int, startTime uint64, err error) {
+	var files []*os.File
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
+	open := func(p string, flag int, perm os.FileMode) (*os.File, error) {
+		f, err := os.OpenFile(p, flag|unix.O_CLOEXEC, perm)
+		if err == nil {
+			files = append(files, f)
+		}
+		return f, err
 	}
-	stateDir := os.NewFile(uintptr(sfd), spec.StateDir)
-	defer stateDir.Close()
-	disk, err := os.OpenFile(spec.RootFS, os.O_RDWR, 0)
+	disk, err := open(spec.RootFS, os.O_RDWR, 0)
 	if err != nil {
 		return 0, 0, fmt.Errorf("open disk: %w", err)
 	}
-	defer disk.Close()
+	diskRO, err := open(spec.RootFS, os.O_RDONLY, 0)
+	if err != nil {
+		return 0, 0, fmt.Errorf("open disk: %w", err)
+	}
+	console, err := open(filepath.Join(spec.StateDir, consoleLog), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return 0, 0, fmt.Errorf("open console log: %w", err)
+	}
 	logPath := filepath.Join(spec.StateDir, qemuLog)
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	logf, err := open(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return 0, 0, fmt.Errorf("open qemu log: %w", err)
 	}
-	defer logf.Close()
+	qmpL, err := listenUnix(filepath.Join(spec.StateDir, qmpSocket))
+	if err != nil {
+		return 0, 0, fmt.Errorf("qmp socket: %w", err)
+	}
+	files = append(files, qmpL)
+	agentL, err := listenUnix(filepath.Join(spec.StateDir, agentSocket))
+	if err != nil {
+		return 0, 0, fmt.Errorf("agent socket: %w", err)
+	}
+	files = append(files, agentL)
+	specR, specW, err := os.Pipe()
+	if err != nil {
+		return 0, 0, err
+	}
+	files = append(files, specR, specW)
 
 	// Not CommandContext: the VM must outlive ctx and the node process.
-	cmd := exec.Command(r.cfg.QemuPath, m.args(r.procName(spec.ID), incoming)...)
+	cmd := exec.Command("/proc/self/exe")
+	cmd.Args = []string{jailArg0}
 	cmd.Dir = "/"
-	cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+	cmd.Env = []string{}
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.ExtraFiles = []*os.File{stateDir, disk} // fdStateDir, fdDisk
+	// fdJailSpec, fdDisk, fdDiskRO, fdConsole, fdQMP, fdAgent
+	cmd.ExtraFiles = []*os.File{specR, disk, diskRO, console, qmpL, agentL}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Setsid:       true,
-		Unshareflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWNET,
+		Setsid:     true,
+		Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
 	}
-	r.log.DebugContext(ctx, "starting qemu", "id", spec.ID, "args", cmd.Args)
+	args := m.args(r.procName(spec.ID), incoming)
+	js := r.jail.forVM(m.Kernel, m.Initrd, rec.UID, args, []string{stateEnv + "=" + spec.StateDir})
+	r.log.DebugContext(ctx, "starting qemu", "id", spec.ID, "uid", rec.UID, "args", js.Args)
 	if err := cmd.Start(); err != nil {
-		return 0, 0, fmt.Errorf("start qemu: %w", err)
+		return 0, 0, fmt.Errorf("start qemu jail: %w", err)
 	}
 	pid = cmd.Process.Pid
 	exited := make(chan struct{})
@@ -422,37 +553,92 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, incom
 		_ = cmd.Wait()
 		close(exited)
 	}()
+	defer func() {
+		if err != nil {
+			_ = cmd.Process.Kill()
+			<-exited
+			err = fmt.Errorf("%w: %s", err, runtime.LogTail(logPath, 2048))
+		}
+	}()
 	pi, err := instances.ReadProc(pid)
 	if err != nil {
-		return 0, 0, fmt.Errorf("qemu exited at once: %s", runtime.LogTail(logPath, 2048))
+		return 0, 0, errors.New("qemu jail exited at once")
 	}
+	// The helper waits for its spec: it is in the VM's cgroups before QEMU exists.
+	if err := joinCgroups(rec.Cgroups, pid); err != nil {
+		return 0, 0, err
+	}
+	data, err := json.Marshal(js)
+	if err != nil {
+		return 0, 0, err
+	}
+	if _, err := specW.Write(data); err != nil {
+		return 0, 0, fmt.Errorf("send jail spec: %w", err)
+	}
+	specW.Close()
 	sctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	if err := r.waitQMP(sctx, spec.StateDir, exited); err != nil {
-		return pid, pi.StartTime, fmt.Errorf("%w: %s", err, runtime.LogTail(logPath, 2048))
+		return 0, 0, err
 	}
 	return pid, pi.StartTime, nil
 }
 
-// waitQMP polls until QEMU answers on its QMP socket, the process exits or ctx ends.
-func (r *Runtime) waitQMP(ctx context.Context, stateDir string, exited <-chan struct{}) error {
-	t := time.NewTicker(5 * time.Millisecond)
-	defer t.Stop()
-	for {
-		actx, cancel := context.WithTimeout(ctx, time.Second)
-		q, err := dialQMP(actx, filepath.Join(stateDir, qmpSocket))
-		cancel()
-		if err == nil {
-			return q.Close()
+// listenUnix creates a listening unix socket at p (replacing a leftover one), also when
+// p is too long for sockaddr_un: then through /proc/self/fd/N/NAME, N being an O_PATH
+// descriptor of its directory. The socket file stays when the descriptor is closed.
+func listenUnix(p string) (*os.File, error) {
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, err
+	}
+	addr := p
+	if len(p) >= len(unix.RawSockaddrUnix{}.Path) {
+		dfd, err := unix.Open(filepath.Dir(p), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, &os.PathError{Op: "open", Path: filepath.Dir(p), Err: err}
 		}
+		defer unix.Close(dfd)
+		addr = fmt.Sprintf("/proc/self/fd/%d/%s", dfd, filepath.Base(p))
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: addr}); err != nil {
+		unix.Close(fd)
+		return nil, &os.PathError{Op: "bind", Path: p, Err: err}
+	}
+	if err := unix.Listen(fd, 16); err != nil {
+		unix.Close(fd)
+		os.Remove(p)
+		return nil, &os.PathError{Op: "listen", Path: p, Err: err}
+	}
+	return os.NewFile(uintptr(fd), p), nil
+}
+
+// errExitedAtStart: QEMU (or its jail) ended before it answered QMP.
+var errExitedAtStart = errors.New("qemu exited during start")
+
+// waitQMP waits until QEMU greets on its QMP socket (the node made it listen, so the
+// connection is accepted once QEMU runs), the process exits or ctx ends.
+func (r *Runtime) waitQMP(ctx context.Context, stateDir string, exited <-chan struct{}) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
 		select {
 		case <-exited:
-			return errors.New("qemu exited during start")
+			cancel(errExitedAtStart)
 		case <-ctx.Done():
-			return fmt.Errorf("qemu did not answer QMP: %w (last error: %v)", ctx.Err(), err)
-		case <-t.C:
 		}
+	}()
+	q, err := dialQMP(ctx, filepath.Join(stateDir, qmpSocket))
+	if err != nil {
+		if errors.Is(context.Cause(ctx), errExitedAtStart) {
+			return errExitedAtStart
+		}
+		return fmt.Errorf("qemu did not answer QMP: %w", err)
 	}
+	return q.Close()
 }
 
 // withQMP runs f with a QMP connection to the instance; the caller holds its lock.
@@ -552,9 +738,21 @@ func (r *Runtime) findInstance(id string) (record, error) {
 	if err != nil {
 		return record{}, runtime.ErrNotFound
 	}
-	stateDir, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fdStateDir))
-	rootfs, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fdDisk))
-	return record{ID: id, PID: pid, StartTime: pi.StartTime, StateDir: stateDir, RootFS: rootfs}, nil
+	rec = record{ID: id, PID: pid, StartTime: pi.StartTime, Cgroups: r.cgroups.dirs(r.cgroupName(id))}
+	rec.RootFS, _ = os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fdDisk))
+	if p, err := procfs.NewProc(pid); err == nil {
+		if env, err := p.Environ(); err == nil {
+			for _, kv := range env {
+				if v, ok := strings.CutPrefix(kv, stateEnv+"="); ok {
+					rec.StateDir = v
+				}
+			}
+		}
+		if st, err := p.NewStatus(); err == nil {
+			rec.UID = int(st.UIDs[0])
+		}
+	}
+	return rec, nil
 }
 
 // List reports every instance with a record or a QEMU process, sorted by id.
@@ -646,6 +844,21 @@ func (r *Runtime) destroy(ctx context.Context, id string) error {
 			return err
 		}
 		rec.PID = 0
+	}
+	// QEMU is gone: its cgroups are empty and its uid is free.
+	dirs := rec.Cgroups
+	for _, d := range r.cgroups.dirs(r.cgroupName(id)) {
+		if !slices.Contains(dirs, d) {
+			dirs = append(dirs, d)
+		}
+	}
+	if err := removeCgroups(ctx, dirs); err != nil {
+		return err
+	}
+	if rec.UID != 0 {
+		if err := r.uids.release(rec.UID, r.leaseHolder(id)); err != nil {
+			return err
+		}
 	}
 	if rec.StateDir != "" {
 		var errs []error
@@ -744,6 +957,16 @@ func (r *Runtime) checkSpec(spec runtime.Spec) (runtime.Spec, error) {
 	}
 	if spec.MemoryMB == 0 {
 		spec.MemoryMB = DefaultMemoryMB
+	}
+	switch {
+	case spec.PidsLimit < 0:
+		return spec, fmt.Errorf("negative pids limit (%d)", spec.PidsLimit)
+	case spec.PidsLimit == 0:
+		spec.PidsLimit = max(DefaultPidsLimit, minPids(spec.CPU))
+	case spec.PidsLimit < minPids(spec.CPU):
+		// The guest's processes are not host tasks; QEMU's threads are, and QEMU aborts
+		// when it cannot create one.
+		return spec, fmt.Errorf("pids limit %d is below the %d host tasks QEMU needs for %d vCPUs", spec.PidsLimit, minPids(spec.CPU), spec.CPU)
 	}
 	return spec, nil
 }

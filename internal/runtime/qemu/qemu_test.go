@@ -188,6 +188,10 @@ func TestLostRecord(t *testing.T) {
 	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusPaused {
 		t.Fatalf("Status: %v %v", st, err)
 	}
+	rec, err := rt.readRecord(spec.ID)
+	if err != nil || rec.UID == 0 || len(rec.Cgroups) == 0 {
+		t.Fatalf("record without uid or cgroups: %+v %v", rec, err)
+	}
 	if err := os.Remove(rt.recordPath(spec.ID)); err != nil {
 		t.Fatal(err)
 	}
@@ -210,6 +214,15 @@ func TestLostRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertGone(t, rt2, spec)
+	// The uid and the cgroups were found without the record, and given back.
+	if _, err := os.Stat(rt2.uids.path(rec.UID)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("uid lease %d left: %v", rec.UID, err)
+	}
+	for _, dir := range rec.Cgroups {
+		if _, err := os.Stat(dir); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("cgroup %s left: %v", dir, err)
+		}
+	}
 	if list, err := rt2.List(ctx); err != nil || len(list) != 0 {
 		t.Errorf("List after Destroy: %v %v", list, err)
 	}

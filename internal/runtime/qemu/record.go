@@ -22,6 +22,11 @@ type record struct {
 	StartTime uint64    `json:"start_time"`
 	Machine   machine   `json:"machine"`
 	CreatedAt time.Time `json:"created_at"`
+	// UID is the uid (and gid) QEMU runs as, leased from the runtime's range; 0 before
+	// the lease.
+	UID int `json:"uid,omitempty"`
+	// Cgroups are the VM's cgroup directories (one per hierarchy).
+	Cgroups []string `json:"cgroups,omitempty"`
 }
 
 // records is the store of the instances' records, under the root dir.

@@ -198,6 +198,9 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) er
 			return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 		}
 	}
+	if err := ensureWorldReadable(m.Initrd); err != nil {
+		return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
+	}
 	unlock, err := r.lock(ctx, spec.ID)
 	if err != nil {
 		return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
