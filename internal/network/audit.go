@@ -63,8 +63,9 @@ func startAuditor(ctx context.Context, m *Manager) (*auditor, error) {
 		NetNS:    m.host.FD(),
 		Group:    m.cfg.NflogGroup,
 		Copymode: nflog.CopyPacket,
-		Bufsize:  128,
-		Timeout:  0,
+		Bufsize:  256,
+		QThresh:  1, // deliver each logged packet at once
+		Timeout:  1,
 	})
 	if err != nil {
 		cancel()
