@@ -47,8 +47,10 @@ type auditor struct {
 	m      *Manager
 	cancel context.CancelFunc
 	nf     *nflog.Nflog
-	ct     *conntrack.Conn
+	ct     *conntrack.Conn // events
+	q      *conntrack.Conn // queries (counters of closing flows)
 	wg     sync.WaitGroup
+	closed map[uint32]bool // flows whose close was recorded (TCP, at TIME_WAIT)
 
 	forbidden   atomic.Pointer[netipx.IPSet]
 	forbiddenAt atomic.Int64
@@ -57,7 +59,7 @@ type auditor struct {
 
 func startAuditor(ctx context.Context, m *Manager) (*auditor, error) {
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	a := &auditor{m: m, cancel: cancel}
+	a := &auditor{m: m, cancel: cancel, closed: map[uint32]bool{}}
 	var err error
 	a.nf, err = nflog.Open(&nflog.Config{
 		NetNS:    m.host.FD(),
@@ -82,14 +84,21 @@ func startAuditor(ctx context.Context, m *Manager) (*auditor, error) {
 		cancel()
 		return nil, fmt.Errorf("network: nflog register: %w", err)
 	}
-	a.ct, err = conntrack.Dial(&mdnetlink.Config{NetNS: m.host.FD()})
+	a.q, err = conntrack.Dial(&mdnetlink.Config{NetNS: m.host.FD()})
 	if err != nil {
 		a.nf.Close()
 		cancel()
 		return nil, fmt.Errorf("network: conntrack: %w", err)
 	}
+	a.ct, err = conntrack.Dial(&mdnetlink.Config{NetNS: m.host.FD()})
+	if err != nil {
+		a.q.Close()
+		a.nf.Close()
+		cancel()
+		return nil, fmt.Errorf("network: conntrack: %w", err)
+	}
 	evs := make(chan conntrack.Event, 1024)
-	errs, err := a.ct.Listen(evs, 1, []netfilter.NetlinkGroup{netfilter.GroupCTNew, netfilter.GroupCTDestroy})
+	errs, err := a.ct.Listen(evs, 1, []netfilter.NetlinkGroup{netfilter.GroupCTNew, netfilter.GroupCTUpdate, netfilter.GroupCTDestroy})
 	if err != nil {
 		a.nf.Close()
 		a.ct.Close()
@@ -120,6 +129,7 @@ func (a *auditor) close() {
 	a.nf.Close()
 	a.ct.Close()
 	a.wg.Wait()
+	a.q.Close()
 }
 
 func (a *auditor) forget(sb *sandbox) { sb.jr.close() }
@@ -226,7 +236,30 @@ func (a *auditor) onConntrack(ev conntrack.Event) {
 		if pol != nil {
 			e.Reason = pol.Decide(dst, p, f.TupleOrig.Proto.DestinationPort, e.Domain != "", a.m.cachedForbidden()).Reason
 		}
+	case conntrack.EventUpdate:
+		// A TCP connection that reached TIME_WAIT or CLOSE has ended; its conntrack
+		// entry lingers (TIME_WAIT lasts two minutes), so its close is recorded now,
+		// with the counters asked for (update events do not carry them).
+		const tcpTimeWait, tcpClose = 7, 8
+		st := f.ProtoInfo.TCP
+		if p != protoTCP || st == nil || (st.State != tcpTimeWait && st.State != tcpClose) || a.closed[f.ID] {
+			return
+		}
+		if len(a.closed) > 65536 {
+			a.closed = map[uint32]bool{}
+		}
+		a.closed[f.ID] = true
+		if full, err := a.q.Get(*f); err == nil {
+			f = &full
+		}
+		e.Kind = api.NetEventClose
+		e.BytesOut = int64(f.CountersOrig.Bytes)
+		e.BytesIn = int64(f.CountersReply.Bytes)
 	case conntrack.EventDestroy:
+		if a.closed[f.ID] {
+			delete(a.closed, f.ID)
+			return
+		}
 		e.Kind = api.NetEventClose
 		e.BytesOut = int64(f.CountersOrig.Bytes)
 		e.BytesIn = int64(f.CountersReply.Bytes)
