@@ -18,6 +18,7 @@ pkgs=(
   qemu-system-x86  # the qemu runtime (microvm; KVM where the CPU has it, else TCG)
   linux-image-cloud-amd64  # the guest kernel of VM runtimes
   cpio busybox-static  # initramfs building and VM tests
+  nftables         # nft(8): inspecting the egress rules (the code itself uses netlink)
 )
 missing=()
 for p in "${pkgs[@]}"; do
