@@ -277,6 +277,9 @@ func joinAddrs(as []netip.Addr) string {
 func (m *Manager) pin(sb *sandbox, pol *Policy, name string, addrs []netip.Addr, ttl time.Duration) error {
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
+	if sb.dead {
+		return errors.New("sandbox torn down")
+	}
 	if sb.policy != pol {
 		pol = sb.policy
 		if pol == nil || (pol.Name(name) != NamePinned && pol.HeaderRules(name) == nil) {

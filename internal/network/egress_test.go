@@ -27,7 +27,12 @@ var (
 
 func TestSmokeOpenEgress(t *testing.T) {
 	e := newEnv(t)
+	start := time.Now()
 	s := e.sandbox("smoke1", &api.Network{Egress: true})
+	t.Logf("Setup took %v", time.Since(start))
+	start = time.Now()
+	s.update(&api.Network{Egress: true, DenyOut: []string{"203.0.113.0/24"}})
+	t.Logf("Update took %v", time.Since(start))
 	mustOK(t, "tcp echo to a public address", s.tcpEcho(web+echoPort))
 	mustOK(t, "udp echo to a public address", s.udpEcho(web+echoPort, 100))
 	as, err := s.lookup("other.test")

@@ -177,6 +177,7 @@ type sandbox struct {
 	mac    string
 
 	mu     sync.Mutex // serialises policy changes and pin updates
+	dead   bool       // torn down (or its setup failed): a waiter must not use it
 	policy *Policy
 	gen    uint32
 	pins   *pinTable
@@ -352,6 +353,9 @@ func (m *Manager) Setup(ctx context.Context, id string, spec *api.Network) (*Att
 
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
+	if sb.dead {
+		return nil, fault.New(fault.Conflict, "network: sandbox %s was torn down while this setup waited", id)
+	}
 	if fresh {
 		if err := m.build(ctx, sb); err != nil {
 			m.log.Warn("network setup failed; undoing", "sandbox", id, "err", err)
@@ -383,6 +387,9 @@ func (m *Manager) Update(ctx context.Context, id string, spec *api.Network) erro
 	}
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
+	if sb.dead {
+		return fault.New(fault.NotFound, "network: sandbox %s has no network set up", id)
+	}
 	return m.applyLocked(ctx, sb, pol)
 }
 
@@ -519,6 +526,8 @@ func (m *Manager) newSandbox(id string) *sandbox {
 }
 
 func (m *Manager) forget(sb *sandbox) {
+	sb.dead = true
+	sb.stopServices()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.sandboxes[sb.id] == sb {
