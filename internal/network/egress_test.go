@@ -212,7 +212,9 @@ func TestIPv6Denied(t *testing.T) {
 	_ = s.ns.Do(func() error { return runCmd("ip", "-6", "route", "add", "default", "dev", "eth0") })
 	_, err := s.dial("tcp6", "[2001:db8:1::1]:80", time.Second)
 	mustFail(t, "IPv6 after the sandbox turned it on", err)
-	if err := e.fn.Host().Do(func() error { return runCmd("sh", "-c", "ip -6 addr show dev "+hostIf(t, e, s)+" | grep -q inet6 && exit 1 || exit 0") }); err != nil {
+	if err := e.fn.Host().Do(func() error {
+		return runCmd("sh", "-c", "ip -6 addr show dev "+hostIf(t, e, s)+" | grep -q inet6 && exit 1 || exit 0")
+	}); err != nil {
 		t.Fatalf("the host end of the veth has an IPv6 address: %v", err)
 	}
 }

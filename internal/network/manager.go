@@ -356,12 +356,15 @@ func (m *Manager) Setup(ctx context.Context, id string, spec *api.Network) (*Att
 	if sb.dead {
 		return nil, fault.New(fault.Conflict, "network: sandbox %s was torn down while this setup waited", id)
 	}
-	if fresh {
-		if err := m.build(ctx, sb); err != nil {
-			m.log.Warn("network setup failed; undoing", "sandbox", id, "err", err)
-			m.forget(sb)
-			return nil, errors.Join(err, m.teardownNames(sb))
+	// build again for a known sandbox too: it repairs what went missing (a deleted
+	// veth, stopped services) and is cheap when everything is there.
+	if err := m.build(ctx, sb); err != nil {
+		if !fresh {
+			return nil, err
 		}
+		m.log.Warn("network setup failed; undoing", "sandbox", id, "err", err)
+		m.forget(sb)
+		return nil, errors.Join(err, m.teardownNames(sb))
 	}
 	if err := m.applyLocked(ctx, sb, pol); err != nil {
 		if fresh {

@@ -59,7 +59,7 @@ type sandboxProxy struct {
 
 // pconn is one connection from the sandbox the proxy carries.
 type pconn struct {
-	net.Conn        // the sandbox side (counting)
+	net.Conn // the sandbox side (counting)
 	dst      netip.AddrPort
 	domain   string // SNI (tls) or the names pinned for dst (tcp)
 	kind     string // "https" (terminated), "tls" (passed through) or "tcp"
@@ -67,6 +67,7 @@ type pconn struct {
 	up       net.Conn
 	in, out  atomic.Int64 // bytes from / to the sandbox
 	closed   atomic.Bool
+	hijacked atomic.Bool
 }
 
 func (c *pconn) Read(b []byte) (int, error) {
@@ -123,9 +124,15 @@ func (m *Manager) startProxy(sb *sandbox) (*sandboxProxy, error) {
 				pc := p.tlsOf[c]
 				delete(p.tlsOf, c)
 				p.mu.Unlock()
-				if pc != nil {
-					p.done(pc)
+				if pc == nil {
+					return
 				}
+				if st == http.StateHijacked {
+					// An upgrade (WebSocket): ServeHTTP carries it and ends it.
+					pc.hijacked.Store(true)
+					return
+				}
+				p.done(pc)
 			}
 		},
 		ErrorLog: nil,
@@ -419,6 +426,9 @@ func (p *sandboxProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		},
 	}
 	rp.ServeHTTP(w, r)
+	if pc.hijacked.Load() {
+		p.done(pc) // the upgraded connection ended with ServeHTTP
+	}
 }
 
 func truncate(s string, n int) string {
