@@ -471,3 +471,25 @@ func hostIf(t *testing.T, e *env, s *sbx) string {
 }
 
 var _ = netip.Addr{}
+
+func TestRefusedBatchKeepsPolicy(t *testing.T) {
+	e := newEnv(t)
+	s := e.sandbox("atomic1", &api.Network{Egress: true, AllowOut: []string{web}, DenyOut: denyAll})
+	before, err := e.m.Policy(s.id)
+	mustOK(t, "policy", err)
+	network.BreakNextApply(e.m)
+	err = e.m.Update(context.Background(), s.id, &api.Network{Egress: true, AllowOut: []string{web2}, DenyOut: denyAll})
+	if err == nil || !strings.Contains(err.Error(), "previous policy still in force") {
+		t.Fatalf("Update with a batch the kernel refuses: %v", err)
+	}
+	after, _ := e.m.Policy(s.id)
+	if after != before {
+		t.Fatal("the manager's policy changed although the kernel refused it")
+	}
+	mustOK(t, "old policy still allows", s.tcpEcho(web+echoPort))
+	mustFail(t, "old policy still denies", s.tcpEcho(web2+echoPort))
+	// The next update goes through.
+	s.update(&api.Network{Egress: true, AllowOut: []string{web2}, DenyOut: denyAll})
+	mustOK(t, "new policy allows", s.tcpEcho(web2+echoPort))
+	mustFail(t, "new policy denies", s.tcpEcho(web+echoPort))
+}

@@ -28,6 +28,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/nftables"
@@ -136,6 +137,10 @@ type Manager struct {
 	ups    []string
 	ca     *CA
 	audit  *auditor
+
+	// breakNextApply makes the next policy batch carry a rule the kernel refuses
+	// (tests: a refused batch must leave the previous policy in force).
+	breakNextApply atomic.Bool
 
 	mu        sync.Mutex
 	sandboxes map[string]*sandbox
@@ -746,6 +751,11 @@ func (m *Manager) applyLocked(ctx context.Context, sb *sandbox, pol *Policy) err
 	}
 	if err := r.apply(c); err != nil {
 		return fmt.Errorf("network: build rules: %w", err)
+	}
+	if m.breakNextApply.Swap(false) {
+		t := &nftables.Table{Family: nftables.TableFamilyIPv4, Name: sb.table}
+		c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: "policy", Table: t},
+			Exprs: jump("no_such_chain")})
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("network: apply rules for %s (previous policy still in force): %w", sb.id, err)
