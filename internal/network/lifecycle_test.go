@@ -188,3 +188,37 @@ func TestAuditJournal(t *testing.T) {
 		t.Fatalf("read from 0 after overflow: %d events, gap %d (first was %d)", len(evs), gap, first)
 	}
 }
+
+func TestDialSandboxInbound(t *testing.T) {
+	e := newEnv(t)
+	s := e.sandbox("in1", nil) // no egress: inbound through space still works
+	other := e.sandbox("in2", &api.Network{Egress: true})
+	l, err := s.ns.Listen("tcp4", "0.0.0.0:8080")
+	mustOK(t, "listen in the sandbox", err)
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_, _ = c.Write([]byte("hello from the sandbox\n"))
+			c.Close()
+		}
+	}()
+	c, err := e.m.DialSandbox(context.Background(), s.id, 8080)
+	mustOK(t, "DialSandbox", err)
+	b := make([]byte, 64)
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	n, err := c.Read(b)
+	c.Close()
+	if err != nil || !strings.HasPrefix(string(b[:n]), "hello from the sandbox") {
+		t.Fatalf("read %q: %v", b[:n], err)
+	}
+	// The sandbox still cannot open anything toward the host, and others cannot reach it.
+	mustFail(t, "sandbox to host", s.tcpEcho(s.att.Gateway.String()+":22"))
+	mustFail(t, "other sandbox to its port", other.tcpEcho(s.att.Address.Addr().String()+":8080"))
+	if _, err := e.m.DialSandbox(context.Background(), "nosuch", 80); !fault.Is(err, fault.NotFound) {
+		t.Fatalf("DialSandbox(unknown) = %v", err)
+	}
+}

@@ -433,6 +433,25 @@ func (m *Manager) get(id string) (*sandbox, error) {
 	return sb, nil
 }
 
+// DialSandbox connects from the host to a port of the sandbox (TCP). This is how
+// inbound traffic reaches a sandbox: through space (the data plane or the E2B port
+// routing dials here), never by giving the sandbox a routable address.
+func (m *Manager) DialSandbox(ctx context.Context, id string, port uint16) (net.Conn, error) {
+	sb, err := m.get(id)
+	if err != nil {
+		return nil, err
+	}
+	sb.mu.Lock()
+	addr, gw := sb.addr, sb.gw
+	sb.mu.Unlock()
+	d := &net.Dialer{Timeout: 10 * time.Second, LocalAddr: &net.TCPAddr{IP: gw.AsSlice()}}
+	c, err := m.host.Dial(ctx, d, "tcp4", netip.AddrPortFrom(addr, port).String())
+	if err != nil {
+		return nil, fault.Wrap(fault.Unavailable, fmt.Errorf("network: dial sandbox %s port %d: %w", id, port, err))
+	}
+	return c, nil
+}
+
 // Teardown removes everything of the sandbox's networking: services, rules, the veth,
 // the namespace pin, its conntrack entries and its address. It works from the id alone,
 // so it also removes what a crashed earlier run left; a missing piece is not an error.

@@ -196,6 +196,9 @@ func (r *ruleset) buildV4(c *nftables.Conn, t *nftables.Table) error {
 	insb := chain("in_sb")
 	add(in, iifname(r.hostIf), jump("in_sb"))
 	add(insb, ctState(expr.CtStateBitINVALID), verdict(expr.VerdictDrop))
+	// Replies on connections the host opened into the sandbox (DialSandbox: inbound
+	// ports go through space, never by routing to the sandbox).
+	add(insb, ctDirectionReply(), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))
 	add(insb, daddrIs(r.gw), l4proto(protoUDP), dport(53), verdict(expr.VerdictAccept))
 	add(insb, daddrIs(r.gw), l4proto(protoTCP), dport(53), verdict(expr.VerdictAccept))
 	for _, p := range []uint16{r.tlsPort, r.tcpPort} {
@@ -351,6 +354,13 @@ func ctState(bits uint32) []expr.Any {
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
 			Mask: binaryutil.NativeEndian.PutUint32(bits), Xor: binaryutil.NativeEndian.PutUint32(0)},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(0)},
+	}
+}
+
+func ctDirectionReply() []expr.Any {
+	return []expr.Any{
+		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}, // IP_CT_DIR_REPLY
 	}
 }
 
