@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/network/fakenet"
 )
 
@@ -241,3 +242,24 @@ func TestSOCKS5Upstream(t *testing.T) {
 }
 
 var _ = context.Background
+
+func TestProxyConnectionCap(t *testing.T) {
+	e := newEnv(t, func(c *network.Config) { c.ProxyConnsPerSandbox = 2 })
+	s := e.sandbox("cap1", headerSpec())
+	_, err := s.lookup("api.example.test")
+	mustOK(t, "lookup", err)
+	// Two connections that never send a ClientHello hold the proxy's two slots.
+	for i := 0; i < 2; i++ {
+		c, err := s.dial("tcp4", web+":443", 2*time.Second)
+		mustOK(t, "idle connection", err)
+		defer c.Close()
+	}
+	c, err := s.dial("tcp4", web+":443", 2*time.Second)
+	if err == nil {
+		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		c.Close()
+	}
+	mustFail(t, "third connection over the cap", err)
+	s.waitEvent("rate_limited", func(ev api.NetworkEvent) bool { return ev.Reason == "rate_limited" })
+}
