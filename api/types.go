@@ -412,3 +412,87 @@ type WatchEvent struct {
 	Name  string `json:"name,omitempty"`
 	IsDir bool   `json:"is_dir,omitempty"`
 }
+
+// Network is a sandbox's network spec. Its shape follows E2B's SandboxNetworkConfig so
+// that the E2B gateway maps it field by field (see docs/networking.md).
+//
+// With Egress off (the default) the sandbox has no network at all. With Egress on, a
+// destination is reached when it is not always-denied (loopback, link-local and cloud
+// metadata, private and shared ranges, the host's own addresses, other sandboxes) and
+// either matches AllowOut, or does not match DenyOut. Allow wins over deny: DenyOut
+// "0.0.0.0/0" with a few AllowOut entries is an allowlist.
+type Network struct {
+	// Egress turns outbound networking on.
+	Egress bool `json:"egress,omitempty"`
+	// AllowOut lists IPv4 CIDRs ("203.0.113.0/24"), addresses, domains
+	// ("api.example.com") and wildcards ("*.example.com": subdomains only).
+	AllowOut []string `json:"allow_out,omitempty"`
+	// DenyOut lists the same kinds of entries as AllowOut.
+	DenyOut []string `json:"deny_out,omitempty"`
+	// Rules maps a domain (or "*.domain") to rules applied to the sandbox's HTTPS
+	// requests to it by the node's egress proxy, e.g. injecting an Authorization
+	// header so that the secret never enters the sandbox.
+	Rules map[string][]NetworkRule `json:"rules,omitempty"`
+	// EgressProxy sends every outbound TCP connection through a SOCKS5 proxy. When it
+	// cannot be reached the connection fails: egress never falls back to direct.
+	EgressProxy *EgressProxy `json:"egress_proxy,omitempty"`
+}
+
+// NetworkRule is one rule for requests to a domain.
+type NetworkRule struct {
+	Transform *NetworkTransform `json:"transform,omitempty"`
+}
+
+// NetworkTransform changes a request on its way out.
+type NetworkTransform struct {
+	// Headers are set on the request (replacing what the sandbox sent).
+	Headers map[string]string `json:"headers,omitempty"`
+}
+
+// EgressProxy is a SOCKS5 proxy that egress goes through.
+type EgressProxy struct {
+	// Address is "host:port".
+	Address  string `json:"address"`
+	Username string `json:"username,omitempty"`
+	// Password is write-only: responses never carry it.
+	Password string `json:"password,omitempty"`
+}
+
+// NetworkEvent is one entry of a sandbox's egress audit log: a DNS query or a
+// connection attempt, allowed or denied, or the end of an allowed connection.
+type NetworkEvent struct {
+	// Offset is the event's position in the sandbox's audit journal (0 = first ever).
+	Offset int64     `json:"offset"`
+	Time   time.Time `json:"time"`
+	// Kind is "dns", "connect" (an attempt) or "close" (an allowed connection ended,
+	// with its byte counts).
+	Kind string `json:"kind"`
+	// Verdict is "allowed" or "denied".
+	Verdict string `json:"verdict"`
+	// Reason says which rule decided (e.g. "allow_out", "deny_out", "forbidden",
+	// "not_allowed", "dns_other_resolver", "rebinding", "sni_mismatch", "rate_limited").
+	Reason string `json:"reason,omitempty"`
+	// Protocol is "tcp", "udp", "icmp", "dns", "https", … (an IP protocol number
+	// otherwise).
+	Protocol string `json:"protocol"`
+	// Destination is the address ("ip" or "ip:port").
+	Destination string `json:"destination,omitempty"`
+	// Domain is the name asked (dns) or the name the connection was for (SNI, Host,
+	// or the name the resolver answered with that address).
+	Domain string `json:"domain,omitempty"`
+	// BytesOut and BytesIn count payload sent and received (close events).
+	BytesOut int64 `json:"bytes_out,omitempty"`
+	BytesIn  int64 `json:"bytes_in,omitempty"`
+	// Count is how many identical denied attempts this event stands for (>1 when
+	// repeats within a second were folded).
+	Count int `json:"count,omitempty"`
+}
+
+// Network event kinds and verdicts.
+const (
+	NetEventDNS     = "dns"
+	NetEventConnect = "connect"
+	NetEventClose   = "close"
+	NetAllowed      = "allowed"
+	NetDenied       = "denied"
+)

@@ -19,6 +19,7 @@ pkgs=(
   linux-image-cloud-amd64  # the guest kernel of VM runtimes
   cpio busybox-static  # initramfs building and VM tests
   chromium         # headless browser for the web console's tests (internal/e2e/console_test.go)
+  nftables         # nft(8): inspecting the egress rules (the code itself uses netlink)
 )
 missing=()
 for p in "${pkgs[@]}"; do
