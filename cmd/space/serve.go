@@ -27,6 +27,7 @@ import (
 	"github.com/spacedev/space/internal/controller"
 	"github.com/spacedev/space/internal/dataplane"
 	"github.com/spacedev/space/internal/e2b"
+	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
@@ -132,11 +133,11 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.IntVar(&c.maxMemory, "max-memory", service.DefaultMaxMemoryMB, "largest memory (MiB) a sandbox may ask for")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
-	f.Int64Var(&c.storeSize, "store-size", 64<<30, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
-	f.Int64Var(&c.journalBytes, "journal-bytes", 8<<20, "per-process output journal size in bytes")
-	f.DurationVar(&c.retention, "output-retention", 10*time.Minute, "how long an exited process's output stays readable")
+	f.Int64Var(&c.storeSize, "store-size", storage.DefaultImageSize, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
+	f.Int64Var(&c.journalBytes, "journal-bytes", wire.DefaultJournalBytes, "per-process output journal size in bytes")
+	f.DurationVar(&c.retention, "output-retention", wire.DefaultRetention, "how long an exited process's output stays readable")
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
-	f.StringVar(&c.runscPlatform, "runsc-platform", "ptrace", "gVisor platform: ptrace or kvm")
+	f.StringVar(&c.runscPlatform, "runsc-platform", gvisor.DefaultPlatform, "gVisor platform: ptrace or kvm")
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", node.DefaultAgentReadyTimeout, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", service.DefaultIdleTimeout, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")

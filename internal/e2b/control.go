@@ -824,22 +824,28 @@ func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *service.P
 	}
 	out := []templateJSON{}
 	seen := map[string]bool{}
-	add := func(id, build string, created time.Time) {
+	// Builds of a template: its releases (every build that succeeded made one).
+	builds := map[string]int{}
+	for _, rel := range rels {
+		builds[rel.Name]++
+	}
+	add := func(id, name, build, status string, created time.Time) {
 		if seen[id] {
 			return
 		}
 		seen[id] = true
 		out = append(out, templateJSON{TemplateID: id, BuildID: build, Public: true, Aliases: []string{id}, Names: []string{id},
-			CreatedAt: created, UpdatedAt: created, BuildCount: 1, BuildStatus: "ready", EnvdVersion: envdpb.Version})
+			CreatedAt: created, UpdatedAt: created, BuildCount: builds[name], BuildStatus: status, EnvdVersion: envdpb.Version})
 	}
 	for _, rel := range rels {
 		for _, tag := range rel.Tags {
 			id, _ := templateNames(rel.Name + ":" + tag)
-			add(id, rel.Digest, rel.CreatedAt)
+			add(id, rel.Name, rel.Digest, "ready", rel.CreatedAt)
 		}
 	}
+	// A builtin template not built yet is built on first use: nothing is ready.
 	for _, name := range g.cfg.BuiltinTemplates {
-		add(name, "", time.Time{})
+		add(name, name, "", "waiting", time.Time{})
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil

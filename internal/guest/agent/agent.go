@@ -64,13 +64,11 @@ type Config struct {
 }
 
 const (
-	defaultJournalBytes = 8 << 20
-	defaultRetention    = 10 * time.Minute
-	defaultMaxExited    = 256
-	defaultHeartbeat    = 15 * time.Second
-	defaultStopGrace    = 5 * time.Second
-	defaultStdinStall   = 30 * time.Second
-	resumePoll          = 2 * time.Millisecond
+	defaultMaxExited  = 256
+	defaultHeartbeat  = 15 * time.Second
+	defaultStopGrace  = 5 * time.Second
+	defaultStdinStall = 30 * time.Second
+	resumePoll        = 2 * time.Millisecond
 )
 
 // Agent serves the agent protocol and supervises the sandbox's processes.
@@ -117,10 +115,10 @@ func New(cfg Config) (*Agent, error) {
 		}
 	}
 	if cfg.JournalBytes <= 0 {
-		cfg.JournalBytes = defaultJournalBytes
+		cfg.JournalBytes = wire.DefaultJournalBytes
 	}
 	if cfg.Retention <= 0 {
-		cfg.Retention = defaultRetention
+		cfg.Retention = wire.DefaultRetention
 	}
 	if cfg.MaxExited <= 0 {
 		cfg.MaxExited = defaultMaxExited

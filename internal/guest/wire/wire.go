@@ -74,6 +74,13 @@ const (
 	FileSizeHeader = "X-Space-File-Size"
 )
 
+// Defaults of the agent's journal bound and exit retention (space serve passes its
+// flags' values to every agent; these are the one source of the defaults).
+const (
+	DefaultJournalBytes = 8 << 20
+	DefaultRetention    = 10 * time.Minute
+)
+
 // Health is the answer of GET /v1/health.
 type Health struct {
 	Version string `json:"version"`
