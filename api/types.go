@@ -183,6 +183,9 @@ type CreateSessionRequest struct {
 	PTY   *PTYSize `json:"pty,omitempty"`
 	// PID re-attaches to an existing process instead of starting a new one.
 	PID int `json:"pid,omitempty"`
+	// ProcessUID, with PID, re-attaches only if the process is still the one with this
+	// identity (CommandSession.ProcessUID); 410 if the sandbox lost it.
+	ProcessUID string `json:"process_uid,omitempty"`
 	// Rights narrows the token's rights; default all of read, stdin, resize, signal.
 	Rights []string `json:"rights,omitempty"`
 	// TokenTTL overrides the token lifetime (Go duration, at most the server's maximum).
@@ -197,13 +200,17 @@ type PTYSize struct {
 
 // CommandSession is connection information and authorization for one process.
 type CommandSession struct {
-	SessionID string    `json:"session_id"`
-	SandboxID string    `json:"sandbox_id"`
-	PID       int       `json:"pid"`
-	AttachURL string    `json:"attach_url"`
-	Token     string    `json:"token"`
-	ExpiresAt time.Time `json:"expires_at"`
-	Rights    []string  `json:"rights"`
+	SessionID string `json:"session_id"`
+	SandboxID string `json:"sandbox_id"`
+	PID       int    `json:"pid"`
+	// ProcessUID identifies the process among all the sandbox ever ran (a pid can be
+	// reused after the sandbox lost its instance; this never is). The token is bound
+	// to it.
+	ProcessUID string    `json:"process_uid"`
+	AttachURL  string    `json:"attach_url"`
+	Token      string    `json:"token"`
+	ExpiresAt  time.Time `json:"expires_at"`
+	Rights     []string  `json:"rights"`
 }
 
 // Token rights.
@@ -244,6 +251,9 @@ const (
 	EventGap    = "gap"
 	EventExit   = "exit"
 	EventError  = "error"
+	// EventLost ends a stream whose process is gone without an exit of its own: the
+	// sandbox's instance was lost (its memory and processes with it) and booted again.
+	EventLost = "lost"
 )
 
 // StartEvent is the data of the "start" event.
@@ -275,6 +285,12 @@ type ExitEvent struct {
 	Signal   string `json:"signal,omitempty"`
 	Offset   int64  `json:"offset"`
 	Error    string `json:"error,omitempty"`
+}
+
+// LostEvent is the data of the "lost" event.
+type LostEvent struct {
+	PID     int    `json:"pid"`
+	Message string `json:"message"`
 }
 
 // Error is the body of every error response: {"error": {...}}.

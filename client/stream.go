@@ -135,7 +135,7 @@ func (c *Client) FollowFrom(ctx context.Context, sess *api.CommandSession, lastI
 			var ae *Error
 			if errors.As(err, &ae) && ae.Status == http.StatusUnauthorized && c.APIKey != "" {
 				// Token expired or revoked: ask for a new session on the same process.
-				ns, err2 := c.CreateSession(ctx, sess.SandboxID, api.CreateSessionRequest{PID: sess.PID})
+				ns, err2 := c.CreateSession(ctx, sess.SandboxID, api.CreateSessionRequest{PID: sess.PID, ProcessUID: sess.ProcessUID})
 				if err2 != nil {
 					return nil, fmt.Errorf("re-attach: %w", err2)
 				}
@@ -157,6 +157,10 @@ func (c *Client) FollowFrom(ctx context.Context, sess *api.CommandSession, lastI
 		if exit != nil {
 			return exit, nil
 		}
+		var lostErr *LostError
+		if errors.As(err, &lostErr) {
+			return nil, err
+		}
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
@@ -167,6 +171,15 @@ func (c *Client) FollowFrom(ctx context.Context, sess *api.CommandSession, lastI
 		sleepCtx(ctx, backoff(failures))
 	}
 }
+
+// LostError ends a stream whose process the sandbox lost (its instance died and was
+// booted again): there is no exit status and no more output.
+type LostError struct {
+	PID     int
+	Message string
+}
+
+func (e *LostError) Error() string { return fmt.Sprintf("process %d lost: %s", e.PID, e.Message) }
 
 func readUntilExit(st *Stream, lastID *string, out Output) (*api.ExitEvent, error) {
 	for {
@@ -215,6 +228,10 @@ func readUntilExit(st *Stream, lastID *string, out Output) (*api.ExitEvent, erro
 			return &x, nil
 		case api.EventError:
 			return nil, fmt.Errorf("stream error: %s", ev.Data)
+		case api.EventLost:
+			var l api.LostEvent
+			_ = json.Unmarshal(ev.Data, &l)
+			return nil, &LostError{PID: l.PID, Message: l.Message}
 		}
 		if ev.ID != "" {
 			*lastID = ev.ID

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/spacedev/space/api"
@@ -34,6 +35,9 @@ type Agents interface {
 	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
 	// Touch records activity on the sandbox (for idle detection).
 	Touch(sandboxID string)
+	// InstanceRunning reports whether the sandbox's runtime instance runs (asking the
+	// runtime itself, not the agent).
+	InstanceRunning(ctx context.Context, sandboxID string) bool
 }
 
 // Config configures a node's data plane.
@@ -130,12 +134,14 @@ func tokenFrom(r *http.Request) string {
 	return r.URL.Query().Get("token")
 }
 
-// grant is what an authorized data-plane request may act on.
+// grant is what an authorized data-plane request may act on: one process, by pid and
+// identity.
 type grant struct {
 	id    string
 	pid   int
 	epoch int64
 	agent *agentclient.Client
+	proc  agentclient.Proc
 }
 
 // authorize checks the request's token for right on sandbox/pid and returns the agent
@@ -176,7 +182,7 @@ func (d *DataPlane) authorize(r *http.Request, right string) (*grant, error) {
 		return nil, err
 	}
 	d.cfg.Node.Touch(id)
-	return &grant{id: id, pid: pid, epoch: epoch, agent: agent}, nil
+	return &grant{id: id, pid: pid, epoch: epoch, agent: agent, proc: agent.Proc(pid, claims.Proc)}, nil
 }
 
 // parseFrom reads the resume offset from Last-Event-ID or ?from=.
@@ -221,7 +227,12 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	defer cancel()
 	defer d.track(g.id, g.epoch, cancel)()
 
-	info, err := g.agent.GetProcess(ctx, g.pid)
+	info, err := g.proc.Info(ctx)
+	if fault.Is(err, fault.Gone) {
+		// The token's process is gone with a lost instance; the pid is another's now.
+		lost(rest.NewSSE(w), g.pid, err.Error())
+		return nil
+	}
 	if err != nil {
 		return err
 	}
@@ -229,13 +240,13 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	if f := r.URL.Query().Get("follow"); f == "0" || f == "false" {
 		follow = false
 	}
-	out, err := g.agent.Output(ctx, g.pid, from, follow)
+	out, err := g.proc.Output(ctx, from, follow)
 	if err != nil {
 		return err
 	}
 	defer out.Close()
 	if info.State == wire.StateCreated && follow {
-		if err := g.agent.Start(ctx, g.pid); err != nil && !fault.Is(err, fault.Conflict) {
+		if err := g.proc.Start(ctx); err != nil && !fault.Is(err, fault.Conflict) {
 			return err
 		}
 	}
@@ -247,8 +258,8 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	for {
 		f, err := out.NextMerged(maxEventBytes)
 		if err != nil {
-			if ctx.Err() == nil && err != io.EOF {
-				_ = s.Event("", api.EventError, map[string]string{"message": "agent stream ended: " + err.Error()})
+			if ctx.Err() == nil {
+				d.ended(ctx, s, g, err)
 			}
 			_ = s.Flush()
 			return nil
@@ -269,6 +280,36 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 	}
+}
+
+// ended tells an attached client why its stream ended before the process's exit: the
+// sandbox lost the process (its instance died; "lost"), or the stream broke (the client
+// reconnects with Last-Event-ID; "error").
+func (d *DataPlane) ended(ctx context.Context, s *rest.SSE, g *grant, cause error) {
+	hctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
+	defer cancel()
+	agent, err := d.cfg.Node.Agent(hctx, g.id)
+	if err == nil {
+		_, err = agent.Proc(g.pid, g.proc.UID()).Info(hctx)
+	}
+	if fault.Is(err, fault.Gone) || err != nil && !d.cfg.Node.InstanceRunning(hctx, g.id) {
+		lost(s, g.pid, "the sandbox lost this process: its instance stopped before the process exited")
+		return
+	}
+	msg := "agent stream ended"
+	if cause != io.EOF {
+		msg += ": " + cause.Error()
+	}
+	_ = s.Event("", api.EventError, map[string]string{"message": msg})
+}
+
+// lostCheckTimeout bounds the look at why a stream ended.
+const lostCheckTimeout = 5 * time.Second
+
+// lost writes the "lost" event that ends a stream whose process is gone.
+func lost(s *rest.SSE, pid int, msg string) {
+	_ = s.Event("", api.EventLost, api.LostEvent{PID: pid, Message: msg})
+	_ = s.Flush()
 }
 
 // writeFrame converts one agent frame to an SSE event.
@@ -311,7 +352,7 @@ func (d *DataPlane) stdin(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	eof := r.URL.Query().Get("eof")
-	if err := g.agent.WriteStdin(r.Context(), g.pid, r.Body, eof == "1" || eof == "true"); err != nil {
+	if err := g.proc.WriteStdin(r.Context(), r.Body, eof == "1" || eof == "true"); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -327,7 +368,7 @@ func (d *DataPlane) signal(w http.ResponseWriter, r *http.Request) error {
 	if err := rest.DecodeJSON(w, r, &req); err != nil {
 		return err
 	}
-	if err := g.agent.Signal(r.Context(), g.pid, req.Signal); err != nil {
+	if err := g.proc.Signal(r.Context(), req.Signal); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -346,7 +387,7 @@ func (d *DataPlane) resize(w http.ResponseWriter, r *http.Request) error {
 	if req.Rows < 1 || req.Rows > 1000 || req.Cols < 1 || req.Cols > 1000 {
 		return rest.Invalid("rows and cols must be between 1 and 1000")
 	}
-	if err := g.agent.Resize(r.Context(), g.pid, wire.Size{Rows: uint16(req.Rows), Cols: uint16(req.Cols)}); err != nil {
+	if err := g.proc.Resize(r.Context(), wire.Size{Rows: uint16(req.Rows), Cols: uint16(req.Cols)}); err != nil {
 		return err
 	}
 	w.WriteHeader(http.StatusNoContent)

@@ -200,3 +200,49 @@ func TestInternalProxyNeedsNodeToken(t *testing.T) {
 		}
 	}
 }
+
+// A process the sandbox lost (its instance died and was booted again) is never
+// confused with a new one that got its pid: the open stream and a later attach both
+// end with a "lost" event, and stdin with the old token is refused.
+func TestLostProcessEndsWithLost(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	sb := s.Create(api.CreateSandboxRequest{})
+	sess, err := s.C.CreateSession(ctx(t), sb.ID, api.CreateSessionRequest{Command: "echo before; sleep 600", Stdin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sess.ProcessUID == "" {
+		t.Fatal("no process identity")
+	}
+	open := make(chan string, 1)
+	go func() {
+		_, events := sse(t, attachReq(t, sess, "?encoding=text"))
+		open <- strings.Join(events, "\n")
+	}()
+	s.Eventually(20*time.Second, "the output", func() bool {
+		p, err := s.C.GetProcess(ctx(t), sb.ID, sess.PID)
+		return err == nil && p.State == "running"
+	})
+	if err := s.Runtime.Kill(sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := <-open; !strings.Contains(out, "event: lost") {
+		t.Fatalf("open stream: %s", out)
+	}
+	s.Eventually(30*time.Second, "the sandbox to be booted again", func() bool {
+		got, err := s.C.GetSandbox(ctx(t), sb.ID)
+		return err == nil && got.State == api.StateRunning && strings.Contains(got.Error, "lost")
+	})
+	// The new instance's processes start over: make one with the old pid's number
+	// likely taken by something else, then attach with the old token.
+	code, events := sse(t, attachReq(t, sess, "?encoding=text", "Last-Event-ID", "7"))
+	if all := strings.Join(events, "\n"); code != 200 || !strings.Contains(all, "event: lost") || strings.Contains(all, "event: stdout") {
+		t.Fatalf("re-attach: %d %s", code, all)
+	}
+	if err := s.C.WriteStdin(ctx(t), sess, strings.NewReader("x"), false); err == nil {
+		t.Fatal("stdin to a lost process accepted")
+	}
+	if _, err := s.C.CreateSession(ctx(t), sb.ID, api.CreateSessionRequest{PID: sess.PID, ProcessUID: sess.ProcessUID}); err == nil {
+		t.Fatal("re-attach by pid and identity to a lost process accepted")
+	}
+}

@@ -44,6 +44,12 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 	return n.agentLocked(id), nil
 }
 
+// InstanceRunning reports whether the runtime runs the sandbox's instance now.
+func (n *Node) InstanceRunning(ctx context.Context, id string) bool {
+	st, err := n.rt.Status(ctx, id)
+	return err == nil && st == runtime.StatusRunning
+}
+
 // agent returns the client of a sandbox's agent, ready or not (the node's own calls).
 func (n *Node) agent(id string) *agentclient.Client {
 	n.mu.Lock()

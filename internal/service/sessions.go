@@ -118,6 +118,9 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 			return api.CommandSession{}, invalid("pid must be positive")
 		}
 	} else {
+		if req.ProcessUID != "" {
+			return api.CommandSession{}, invalid("process_uid goes with pid")
+		}
 		var err error
 		if spec, err = ProcessSpec(&req); err != nil {
 			return api.CommandSession{}, err
@@ -130,7 +133,7 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 	agent := s.Agent(t)
 	var info wire.ProcessInfo
 	if spec == nil {
-		info, err = agent.GetProcess(ctx, req.PID)
+		info, err = agent.Proc(req.PID, req.ProcessUID).Info(ctx)
 	} else {
 		info, err = agent.StartProcess(ctx, *spec)
 	}
@@ -138,18 +141,19 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		return api.CommandSession{}, err
 	}
 	sid := ids.Session()
-	tok, claims, err := s.cfg.Signer.Mint(token.Claims{Sandbox: t.Sandbox.ID, PID: info.PID, Session: sid, Rights: rights, Epoch: t.Sandbox.TokenEpoch}, ttl)
+	tok, claims, err := s.cfg.Signer.Mint(token.Claims{Sandbox: t.Sandbox.ID, PID: info.PID, Proc: info.UID, Session: sid, Rights: rights, Epoch: t.Sandbox.TokenEpoch}, ttl)
 	if err != nil {
 		return api.CommandSession{}, err
 	}
 	return api.CommandSession{
-		SessionID: sid,
-		SandboxID: t.Sandbox.ID,
-		PID:       info.PID,
-		AttachURL: fmt.Sprintf("%s/v1/dp/sandboxes/%s/processes/%d/attach", t.Node.DataPlaneURL, t.Sandbox.ID, info.PID),
-		Token:     tok,
-		ExpiresAt: claims.ExpiresAt(),
-		Rights:    rights,
+		SessionID:  sid,
+		SandboxID:  t.Sandbox.ID,
+		PID:        info.PID,
+		ProcessUID: info.UID,
+		AttachURL:  fmt.Sprintf("%s/v1/dp/sandboxes/%s/processes/%d/attach", t.Node.DataPlaneURL, t.Sandbox.ID, info.PID),
+		Token:      tok,
+		ExpiresAt:  claims.ExpiresAt(),
+		Rights:     rights,
 	}, nil
 }
 

@@ -40,8 +40,11 @@ const (
 type Claims struct {
 	// Sandbox is the sandbox id the token is for.
 	Sandbox string `json:"sb"`
-	// PID is the process the token is for (0 for sandbox-wide node tokens).
-	PID int `json:"pid,omitempty"`
+	// PID is the process the token is for (0 for sandbox-wide node tokens), and Proc
+	// that process's identity (wire.ProcessInfo.UID): a pid reused by another process
+	// after the sandbox's instance was lost is not the token's process.
+	PID  int    `json:"pid,omitempty"`
+	Proc string `json:"proc,omitempty"`
 	// Session is the command session id.
 	Session string   `json:"sid,omitempty"`
 	Rights  []string `json:"r"`

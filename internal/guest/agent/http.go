@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -194,8 +195,18 @@ func (a *Agent) lookupProcess(r *http.Request) (*process, error) {
 	a.procMu.Lock()
 	p := a.procs[pid]
 	a.procMu.Unlock()
+	uid := r.URL.Query().Get(wire.UIDQuery)
+	if p == nil && uid != "" && !strings.HasPrefix(uid, a.bootID+".") {
+		// The process ran under an earlier boot of the sandbox, whose processes were lost.
+		return nil, &apiError{status: http.StatusGone, code: wire.ErrCodeProcessGone,
+			msg: fmt.Sprintf("process %d (%s) was lost with an earlier instance of this sandbox", pid, uid)}
+	}
 	if p == nil {
 		return nil, &apiError{status: http.StatusNotFound, code: wire.ErrCodeProcessNotFound, msg: fmt.Sprintf("no process %d", pid)}
+	}
+	if uid != "" && uid != p.uid() {
+		return nil, &apiError{status: http.StatusGone, code: wire.ErrCodeProcessGone,
+			msg: fmt.Sprintf("process %d is not the process %s any more (the sandbox lost that process)", pid, uid)}
 	}
 	return p, nil
 }

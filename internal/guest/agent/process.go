@@ -473,12 +473,17 @@ func (p *process) endedTime() (time.Time, bool) {
 	return p.endedAt, p.done
 }
 
+// uid identifies the process among every process of the sandbox, ever: the agent's
+// boot id and the process's sequence number.
+func (p *process) uid() string { return p.a.bootID + "." + strconv.FormatUint(p.seq, 10) }
+
 func (p *process) info() wire.ProcessInfo {
 	first, end := p.journal.bounds()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	pi := wire.ProcessInfo{
 		PID:      p.pid,
+		UID:      p.uid(),
 		Argv:     p.spec.Argv,
 		Env:      p.spec.Env,
 		Cwd:      p.cwd,

@@ -149,6 +149,8 @@ func kindOf(status int) fault.Kind {
 		return fault.Unprocessable
 	case http.StatusServiceUnavailable:
 		return fault.Unavailable
+	case http.StatusGone:
+		return fault.Gone
 	case http.StatusBadGateway, http.StatusGatewayTimeout:
 		return fault.BadGateway
 	default:
@@ -332,21 +334,51 @@ func (c *Client) ListProcesses(ctx context.Context) ([]wire.ProcessInfo, error) 
 	return out, err
 }
 
-// GetProcess describes one process.
-func (c *Client) GetProcess(ctx context.Context, pid int) (wire.ProcessInfo, error) {
+// Proc addresses one process: by pid and, when uid is set, only if the process with
+// that pid is still the one with that identity (wire.ProcessInfo.UID). A pid reused by
+// another process (after the sandbox's instance was lost and booted again) then fails
+// with a fault.Gone error whose code is wire.ErrCodeProcessGone, never reaching the
+// other process.
+type Proc struct {
+	c   *Client
+	pid int
+	uid string
+}
+
+// Proc returns a handle on process pid (uid "" checks no identity).
+func (c *Client) Proc(pid int, uid string) Proc { return Proc{c: c, pid: pid, uid: uid} }
+
+func (p Proc) path(suffix string) string { return procPath(p.pid, suffix) }
+
+// UID is the process identity the handle checks ("" for none).
+func (p Proc) UID() string { return p.uid }
+
+func (p Proc) query(q url.Values) url.Values {
+	if p.uid == "" {
+		return q
+	}
+	if q == nil {
+		q = url.Values{}
+	}
+	q.Set(wire.UIDQuery, p.uid)
+	return q
+}
+
+// Info describes the process.
+func (p Proc) Info(ctx context.Context) (wire.ProcessInfo, error) {
 	var pi wire.ProcessInfo
-	err := c.doJSON(ctx, http.MethodGet, procPath(pid, ""), nil, nil, &pi, MaxSmallReply, http.StatusOK)
+	err := p.c.doJSON(ctx, http.MethodGet, p.path(""), p.query(nil), nil, &pi, MaxSmallReply, http.StatusOK)
 	return pi, err
 }
 
 // Start runs a gated process's program (idempotent; 409 once it has exited).
-func (c *Client) Start(ctx context.Context, pid int) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/start"), nil, nil, nil, MaxSmallReply, http.StatusNoContent)
+func (p Proc) Start(ctx context.Context) error {
+	return p.c.doJSON(ctx, http.MethodPost, p.path("/start"), p.query(nil), nil, nil, MaxSmallReply, http.StatusNoContent)
 }
 
 // WriteStdin streams r into the process's stdin; eof closes stdin afterwards (sends ^D
 // to a terminal).
-func (c *Client) WriteStdin(ctx context.Context, pid int, r io.Reader, eof bool) error {
+func (p Proc) WriteStdin(ctx context.Context, r io.Reader, eof bool) error {
 	q := url.Values{}
 	if eof {
 		q.Set("eof", "1")
@@ -354,7 +386,7 @@ func (c *Client) WriteStdin(ctx context.Context, pid int, r io.Reader, eof bool)
 	if r == nil {
 		r = http.NoBody
 	}
-	resp, err := c.request(ctx, http.MethodPost, procPath(pid, "/stdin"), q, r, "application/octet-stream", http.StatusNoContent)
+	resp, err := p.c.request(ctx, http.MethodPost, p.path("/stdin"), p.query(q), r, "application/octet-stream", http.StatusNoContent)
 	if err != nil {
 		return err
 	}
@@ -363,17 +395,59 @@ func (c *Client) WriteStdin(ctx context.Context, pid int, r io.Reader, eof bool)
 }
 
 // Signal sends a signal ("SIGTERM", "TERM", "9", ...) to the process's group.
+func (p Proc) Signal(ctx context.Context, signal string) error {
+	return p.c.doJSON(ctx, http.MethodPost, p.path("/signal"), p.query(nil), wire.Signal{Signal: signal}, nil, MaxSmallReply, http.StatusNoContent)
+}
+
+// Resize sets the terminal size of a PTY process.
+func (p Proc) Resize(ctx context.Context, size wire.Size) error {
+	return p.c.doJSON(ctx, http.MethodPost, p.path("/resize"), p.query(nil), size, nil, MaxSmallReply, http.StatusNoContent)
+}
+
+// Output opens the output stream of the process from journal offset from. With follow
+// it lasts until the exit frame; without, it ends after what exists now.
+func (p Proc) Output(ctx context.Context, from int64, follow bool) (*OutputStream, error) {
+	q := url.Values{"from": {strconv.FormatInt(from, 10)}}
+	if follow {
+		q.Set("follow", "1")
+	}
+	resp, err := p.c.request(ctx, http.MethodGet, p.path("/output"), p.query(q), nil, "", http.StatusOK)
+	if err != nil {
+		return nil, err
+	}
+	return &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 256<<10)}, nil
+}
+
+// GetProcess describes one process.
+func (c *Client) GetProcess(ctx context.Context, pid int) (wire.ProcessInfo, error) {
+	return c.Proc(pid, "").Info(ctx)
+}
+
+// Start runs a gated process's program (idempotent; 409 once it has exited).
+func (c *Client) Start(ctx context.Context, pid int) error { return c.Proc(pid, "").Start(ctx) }
+
+// WriteStdin streams r into the process's stdin; eof closes stdin afterwards.
+func (c *Client) WriteStdin(ctx context.Context, pid int, r io.Reader, eof bool) error {
+	return c.Proc(pid, "").WriteStdin(ctx, r, eof)
+}
+
+// Signal sends a signal to the process's group.
 func (c *Client) Signal(ctx context.Context, pid int, signal string) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/signal"), nil, wire.Signal{Signal: signal}, nil, MaxSmallReply, http.StatusNoContent)
+	return c.Proc(pid, "").Signal(ctx, signal)
 }
 
 // Resize sets the terminal size of a PTY process.
 func (c *Client) Resize(ctx context.Context, pid int, size wire.Size) error {
-	return c.doJSON(ctx, http.MethodPost, procPath(pid, "/resize"), nil, size, nil, MaxSmallReply, http.StatusNoContent)
+	return c.Proc(pid, "").Resize(ctx, size)
 }
 
 func procPath(pid int, suffix string) string {
 	return "/v1/processes/" + strconv.Itoa(pid) + suffix
+}
+
+// Output opens the output stream of pid from journal offset from.
+func (c *Client) Output(ctx context.Context, pid int, from int64, follow bool) (*OutputStream, error) {
+	return c.Proc(pid, "").Output(ctx, from, follow)
 }
 
 // OutputStream reads the frames of a process's output.
@@ -382,20 +456,6 @@ type OutputStream struct {
 	br     *bufio.Reader
 	buf    []byte
 	merged []byte
-}
-
-// Output opens the output stream of pid from journal offset from. With follow it lasts
-// until the exit frame; without, it ends after what exists now.
-func (c *Client) Output(ctx context.Context, pid int, from int64, follow bool) (*OutputStream, error) {
-	q := url.Values{"from": {strconv.FormatInt(from, 10)}}
-	if follow {
-		q.Set("follow", "1")
-	}
-	resp, err := c.request(ctx, http.MethodGet, procPath(pid, "/output"), q, nil, "", http.StatusOK)
-	if err != nil {
-		return nil, err
-	}
-	return &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 256<<10)}, nil
 }
 
 // Next returns the next frame; io.EOF at the end of the stream. The payload is only

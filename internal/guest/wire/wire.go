@@ -74,6 +74,10 @@ const (
 	FileSizeHeader = "X-Space-File-Size"
 )
 
+// UIDQuery is the query parameter that binds a process request to a process
+// identity (ProcessInfo.UID).
+const UIDQuery = "uid"
+
 // Defaults of the agent's journal bound and exit retention (space serve passes its
 // flags' values to every agent; these are the one source of the defaults).
 const (
@@ -137,7 +141,12 @@ type Size struct {
 
 // ProcessInfo describes a process known to the agent.
 type ProcessInfo struct {
-	PID       int               `json:"pid"`
+	PID int `json:"pid"`
+	// UID identifies the process among every process the sandbox ever ran (its agent's
+	// boot id and a sequence number): a pid can be reused after the sandbox's instance
+	// was lost, a UID never is. Requests may name it (?uid=) to be sure to reach this
+	// process and no other (410 ErrCodeProcessGone otherwise).
+	UID       string            `json:"uid"`
 	Argv      []string          `json:"argv"`
 	Env       map[string]string `json:"env,omitempty"`
 	Cwd       string            `json:"cwd,omitempty"`
@@ -234,6 +243,7 @@ type Start struct {
 // Error codes (Error.Code).
 const (
 	ErrCodeBadRequest       = "bad_request"
+	ErrCodeProcessGone      = "process_gone"
 	ErrCodeNotFound         = "not_found"
 	ErrCodePermission       = "permission_denied"
 	ErrCodeExists           = "exists"
