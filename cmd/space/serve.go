@@ -34,6 +34,7 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker"
 	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/runtime/qemu"
 	"github.com/spacedev/space/internal/server"
 	"github.com/spacedev/space/internal/service"
@@ -171,8 +172,9 @@ func serve(ctx context.Context, c *serveConfig) error {
 	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
 
 	dbURL := c.databaseURL
+	var pg *pgmanaged.Server
 	if dbURL == "" {
-		pg, err := pgmanaged.Start(ctx, pgmanaged.Config{Dir: filepath.Join(dataDir, "postgres"), Logger: log.With("component", "postgres")})
+		pg, err = pgmanaged.Start(ctx, pgmanaged.Config{Dir: filepath.Join(dataDir, "postgres"), Logger: log.With("component", "postgres")})
 		if err != nil {
 			return fmt.Errorf("start embedded PostgreSQL: %w", err)
 		}
@@ -215,6 +217,10 @@ func serve(ctx context.Context, c *serveConfig) error {
 	// Every role runs in this group: the first that fails stops the others, and
 	// serve returns once all have ended.
 	g, gctx := errgroup.WithContext(ctx)
+	if pg != nil {
+		// The embedded PostgreSQL is restarted when it dies; space reconnects by itself.
+		g.Go(func() error { return pg.Supervise(gctx) })
+	}
 	run := func(name string, fn func(context.Context) error) {
 		g.Go(func() error {
 			if err := fn(gctx); err != nil && gctx.Err() == nil {
@@ -270,8 +276,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mux.Handle("/internal/", dpMux)
 		if !c.has("api") {
 			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-				w.Header().Set("Content-Type", "application/json")
-				_, _ = w.Write([]byte(`{"status":"ok"}` + "\n"))
+				hctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+				defer cancel()
+				if err := st.Ping(hctx); err != nil {
+					rest.WriteJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy", "database": err.Error()})
+					return
+				}
+				rest.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 			})
 		}
 		run("node", n.Run)

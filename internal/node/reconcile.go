@@ -19,6 +19,12 @@ import (
 // exists on this node.
 func (n *Node) reconcile(ctx context.Context, id string) bool {
 	for range maxStepsPerKick {
+		select {
+		case <-n.stopping:
+			// Shutting down: no new step. What is recorded is recovered at the next start.
+			return false
+		default:
+		}
 		sb, err := n.st.GetSandbox(ctx, id)
 		if fault.Is(err, fault.NotFound) {
 			n.cleanupLocal(ctx, id)

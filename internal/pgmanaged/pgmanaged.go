@@ -68,6 +68,7 @@ type Config struct {
 
 // Server is a running private cluster.
 type Server struct {
+	cfg     Config
 	log     *slog.Logger
 	dataDir string // real path: compared with /proc/<pid>/cwd
 	runDir  string
@@ -166,7 +167,7 @@ func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 		return nil, fmt.Errorf("pgmanaged: %w", err)
 	}
 
-	s := &Server{log: log, dataDir: realData, runDir: runDir}
+	s := &Server{cfg: cfg, log: log, dataDir: realData, runDir: runDir}
 	for attempt := 0; ; attempt++ {
 		pid, err := readPostmasterPID(realData)
 		if err != nil {
@@ -211,6 +212,92 @@ func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 		return nil, fmt.Errorf("pgmanaged: %w", err)
 	}
 	return s, nil
+}
+
+// Restart backoff of Supervise.
+const (
+	restartFirstDelay = 500 * time.Millisecond
+	restartMaxDelay   = 30 * time.Second
+	watchPoll         = time.Second
+)
+
+// Supervise keeps the cluster up until ctx ends or Stop is called: when its postmaster
+// dies (killed, crashed, the OOM killer) it is started again — PostgreSQL recovers
+// from its WAL — with a log line and a growing delay between failed attempts. Clients
+// reconnect by themselves (pgx pools do).
+func (s *Server) Supervise(ctx context.Context) error {
+	delay := restartFirstDelay
+	for {
+		if err := s.waitExit(ctx); err != nil {
+			return nil // ctx ended
+		}
+		s.mu.Lock()
+		stopped := s.stopped
+		s.mu.Unlock()
+		if stopped {
+			return nil
+		}
+		s.log.Error("embedded PostgreSQL exited; restarting it", "pid", s.pid, "log", logTail(filepath.Join(filepath.Dir(s.runDir), "postgres.log")))
+		for {
+			t := time.NewTimer(delay)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return nil
+			case <-t.C:
+			}
+			n, err := Start(ctx, s.cfg)
+			if err == nil {
+				s.mu.Lock()
+				if s.stopped { // Stop ran meanwhile: stop the new one too
+					s.mu.Unlock()
+					return n.Stop(context.WithoutCancel(ctx))
+				}
+				s.pid, s.exited = n.pid, n.exited
+				s.mu.Unlock()
+				s.log.Info("embedded PostgreSQL restarted", "pid", n.pid)
+				delay = restartFirstDelay
+				break
+			}
+			if ctx.Err() != nil {
+				return nil
+			}
+			s.log.Error("restart embedded PostgreSQL", "err", err, "retry_in", min(delay*2, restartMaxDelay))
+			delay = min(delay*2, restartMaxDelay)
+		}
+	}
+}
+
+// waitExit returns once the postmaster is gone, or ctx's error.
+func (s *Server) waitExit(ctx context.Context) error {
+	s.mu.Lock()
+	exited, pid := s.exited, s.pid
+	s.mu.Unlock()
+	if exited != nil {
+		select {
+		case <-exited:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	t := time.NewTicker(watchPoll)
+	defer t.Stop()
+	for alive(pid) {
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// PID is the postmaster's process id now.
+func (s *Server) PID() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pid
 }
 
 // URL returns a connection string for the database "space" over the unix socket.

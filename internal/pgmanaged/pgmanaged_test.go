@@ -379,3 +379,45 @@ func TestMakeTraversable(t *testing.T) {
 		}
 	}
 }
+
+// Supervise brings the cluster back after its postmaster is killed, with the data, and
+// Stop ends the supervision.
+func TestSuperviseRestartsAfterKill9(t *testing.T) {
+	requirePostgres(t)
+	dir := filepath.Join(t.TempDir(), "pg")
+	s := start(t, dir)
+	conn := connect(t, s)
+	exec1(t, conn, "CREATE TABLE t (v int)")
+	exec1(t, conn, "INSERT INTO t VALUES (7)")
+	conn.Close(context.Background())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Supervise(ctx) }()
+	for round := range 2 {
+		old := s.PID()
+		if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitFor(context.Background(), 60*time.Second, func() bool { return s.PID() != old && alive(s.PID()) }); err != nil {
+			t.Fatalf("round %d: not restarted after kill -9", round)
+		}
+		c := connect(t, s)
+		if v := queryString(t, c, "SELECT v::text FROM t"); v != "7" {
+			t.Errorf("round %d: committed row after restart: %q", round, v)
+		}
+		c.Close(context.Background())
+	}
+	if err := s.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Supervise did not end after Stop")
+	}
+	cancel()
+	requireStopped(t, s)
+}
