@@ -7,11 +7,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -53,8 +56,41 @@ func decodeError(resp *http.Response) error {
 	return &Error{Status: resp.StatusCode, Code: http.StatusText(resp.StatusCode), Message: strings.TrimSpace(string(b))}
 }
 
-// do sends a request with the API key and decodes a JSON answer into out.
+// Retries of reads that failed transiently (the server or its database restarting).
+const (
+	readRetries    = 8
+	readRetryFirst = 100 * time.Millisecond
+	readRetryMax   = 3 * time.Second
+)
+
+// transient reports whether a failed request may succeed when repeated: the server
+// was unreachable or answered 502, 503 or 504.
+func transient(err error) bool {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Status == http.StatusBadGateway || e.Status == http.StatusServiceUnavailable || e.Status == http.StatusGatewayTimeout
+	}
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// do sends a request with the API key and decodes a JSON answer into out. Reads (GET)
+// that fail transiently are repeated with a growing delay while ctx allows; writes are
+// not (a retried create is made safe by an idempotency key, which is the caller's).
 func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr http.Header) error {
+	delay := readRetryFirst
+	for attempt := 0; ; attempt++ {
+		err := c.doOnce(ctx, method, path, in, out, hdr)
+		if err == nil || method != http.MethodGet || attempt >= readRetries || !transient(err) || ctx.Err() != nil {
+			return err
+		}
+		sleepCtx(ctx, delay)
+		delay = min(delay*2, readRetryMax)
+	}
+}
+
+func (c *Client) doOnce(ctx context.Context, method, path string, in, out any, hdr http.Header) error {
 	var body io.Reader
 	if in != nil {
 		b, err := json.Marshal(in)
@@ -139,6 +175,15 @@ func (c *Client) DeleteSandbox(ctx context.Context, id string) (*api.Operation, 
 func (c *Client) GetOperation(ctx context.Context, id string) (*api.Operation, error) {
 	var op api.Operation
 	return &op, c.do(ctx, http.MethodGet, "/v1/operations/"+url.PathEscape(id), nil, &op, nil)
+}
+
+// SandboxOperations lists a sandbox's operations, newest first.
+func (c *Client) SandboxOperations(ctx context.Context, sandboxID string) ([]api.Operation, error) {
+	var out struct {
+		Operations []api.Operation `json:"operations"`
+	}
+	err := c.do(ctx, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/operations", nil, &out, nil)
+	return out.Operations, err
 }
 
 // WaitOperation long-polls until the operation is done or ctx ends.

@@ -376,13 +376,28 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	if err != nil {
 		return nil, nil, err
 	}
-	disk, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, Logger: log.With("component", "storage")})
-	if err != nil {
-		return nil, nil, fmt.Errorf("open btrfs store: %w", err)
-	}
-	rt, why, err := selectRuntime(c, dataDir, log)
-	if err != nil {
-		return nil, nil, err
+	var (
+		disk    node.Disk
+		rt      runtime.Runtime
+		why     string
+		builder node.TemplateBuilder
+	)
+	if c.runtime == "fake" {
+		if rt, disk, err = testRuntime(dataDir, agent, log); err != nil {
+			return nil, nil, err
+		}
+		why = "requested with --runtime fake (a test build)"
+	} else {
+		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, Logger: log.With("component", "storage")})
+		if err != nil {
+			return nil, nil, fmt.Errorf("open btrfs store: %w", err)
+		}
+		if rt, why, err = selectRuntime(c, dataDir, log); err != nil {
+			return nil, nil, err
+		}
+		disk = store
+		builder = &template.Builder{Store: store, Logger: log.With("component", "template"), Mirror: c.mirror,
+			CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources}
 	}
 	log.Info("runtime selected", "reason", why)
 	id, err := node.LoadOrCreateID(dataDir)
@@ -406,7 +421,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	n, err := node.New(node.Config{
 		ID: id, Name: name, DataDir: dataDir, AdvertiseURL: strings.TrimRight(adv, "/"),
 		Store: st, Runtime: rt, Storage: disk,
-		Builder:   &template.Builder{Store: disk, Logger: log.With("component", "template"), Mirror: c.mirror, CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources},
+		Builder:   builder,
 		AgentPath: agent,
 		AgentEnv: map[string]string{
 			"SPACE_AGENT_JOURNAL_BYTES": strconv.FormatInt(c.journalBytes, 10),

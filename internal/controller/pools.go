@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/store"
@@ -125,6 +126,7 @@ func (c *Controller) pool(ctx context.Context, p store.Pool) {
 			c.log.Warn("create pool member", "pool", p.Key(), "err", err)
 			return
 		}
+		crash.Point("pool.member-recorded")
 	}
 	c.log.Info("refilling warm pool", "pool", p.Key(), "have", len(live), "want", p.Size)
 }

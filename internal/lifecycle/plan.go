@@ -33,6 +33,9 @@ type Facts struct {
 	// NeedsIdentity: a claimed warm-pool member that has not received its owner's
 	// identity yet.
 	NeedsIdentity bool
+	// OpenOps: operations the sandbox's observed generation has reached are still
+	// open (a crash came between the report of a state and their completion).
+	OpenOps bool
 
 	Instance Instance
 	// Checkpoint: a complete suspend checkpoint (memory image) of the sandbox exists.
@@ -83,6 +86,10 @@ const (
 	// operations (failing them with Action.Error when it is set). Action.Note, when
 	// set, records what the sandbox lost.
 	Settle Step = "settle"
+	// FinishOps completes the operations a settled sandbox reached but did not
+	// complete: they succeed if the sandbox is where they asked it to be, else fail
+	// with what the sandbox says.
+	FinishOps Step = "finish-ops"
 	// Resolve reports Action.State without acting on the sandbox's intent (an
 	// interrupted transition is resolved to what the host shows; the next plan acts on
 	// the intent). Action.Note, when set, records what the sandbox lost.
@@ -124,6 +131,9 @@ func Plan(f Facts) Action {
 	}
 	settled := f.ObservedGeneration >= f.Generation
 	if f.State == api.StateFailed {
+		if settled && f.OpenOps {
+			return Action{Step: FinishOps}
+		}
 		return Action{Step: Nothing}
 	}
 	// A source prepares its pending clones first, whatever its desired state.
@@ -134,9 +144,15 @@ func Plan(f Facts) Action {
 		if !settled {
 			return Action{Step: Settle, State: f.State}
 		}
+		if f.OpenOps {
+			return Action{Step: FinishOps}
+		}
 		return Action{Step: Nothing}
 	}
 	if settled {
+		if f.OpenOps {
+			return Action{Step: FinishOps}
+		}
 		return Action{Step: Nothing} // the last attempt at this intent failed; wait for a new one
 	}
 	switch {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
@@ -121,6 +122,9 @@ func (n *Node) runQueuedBuilds(ctx context.Context, b TemplateBuilder) {
 func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operation) {
 	ref, _ := op.Params["template"].(string)
 	claimed, err := n.st.ClaimBuild(ctx, op.ID, fmt.Sprintf("building %s on node %s", ref, n.cfg.Name))
+	if claimed {
+		crash.Point("build.claimed")
+	}
 	if err != nil || !claimed {
 		if err != nil && ctx.Err() == nil {
 			n.log.Warn("claim template build", "op", op.ID, "err", err)
@@ -165,6 +169,7 @@ func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operat
 		finish(api.OpFailed, "failed", err)
 		return
 	}
+	crash.Point("build.built")
 	cfgJSON, err := json.Marshal(cfg)
 	if err == nil {
 		err = n.st.PutRelease(bg, &store.Release{Digest: rel.Digest, Name: spec.Name, Config: cfgJSON, SizeBytes: rel.SizeBytes}, spec.Tag, n.cfg.ID)
@@ -173,6 +178,7 @@ func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operat
 		finish(api.OpFailed, "failed", fmt.Errorf("record release %s: %w", rel.Digest, err))
 		return
 	}
+	crash.Point("build.recorded")
 	n.afterBuild(ctx, rel)
 	finish(api.OpSucceeded, fmt.Sprintf("built %s: %s", spec.Ref(), rel.Digest), nil)
 	n.log.Info("template built", "template", spec.Ref(), "digest", rel.Digest, "took", time.Since(start).Round(time.Millisecond))

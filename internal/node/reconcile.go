@@ -76,6 +76,11 @@ func (n *Node) observe(ctx context.Context, sb *store.Sandbox) (lifecycle.Facts,
 		Transition: sb.Transition, CloneOf: sb.CloneOf, CloneReady: sb.CloneReady,
 		NeedsIdentity: sb.ClaimedAt != nil && sb.IdentityGeneration == 0,
 	}
+	open, err := n.st.HasOpenOperations(ctx, sb.ID, sb.ObservedGeneration)
+	if err != nil {
+		return f, err
+	}
+	f.OpenOps = open
 	if sb.State == api.StatePending || sb.State == api.StateDeleted {
 		return f, nil
 	}
@@ -161,6 +166,12 @@ func (n *Node) execute(ctx context.Context, sb *store.Sandbox, a lifecycle.Actio
 		n.settle(ctx, sb, a)
 	case lifecycle.Resolve:
 		n.resolve(ctx, sb, a)
+	case lifecycle.FinishOps:
+		var failErr error
+		if sb.State != sb.DesiredState {
+			failErr = errors.New(joinNonEmpty("the sandbox is "+sb.State, sb.Error))
+		}
+		n.finishOps(ctx, sb, failErr, "")
 	}
 	if n.work.Err() != nil {
 		return false // shutting down: the next start resumes from what was recorded

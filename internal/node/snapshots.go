@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/lifecycle"
@@ -115,6 +116,7 @@ func (n *Node) buildBaseSnapshot(ctx context.Context, digest string, spec store.
 	if err := n.checkpoint(ctx, snap, sb.ID, filepath.Join(tmp, "checkpoint")); err != nil {
 		return err
 	}
+	crash.Point("basesnap.checkpointed")
 	_ = n.rt.Destroy(ctx, sb.ID)
 	if err := n.disk.CopyDisk(ctx, root, filepath.Join(tmp, "disk"), true); err != nil {
 		return err
@@ -128,6 +130,7 @@ func (n *Node) buildBaseSnapshot(ctx context.Context, digest string, spec store.
 		}
 		return err
 	}
+	crash.Point("basesnap.published")
 	n.log.Info("base snapshot ready", "digest", digest, "key", n.baseKey(spec), "took", time.Since(start).Round(time.Millisecond))
 	return nil
 }
@@ -195,6 +198,7 @@ func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) {
 			n.failClones(ctx, []*store.Sandbox{c}, err)
 			continue
 		}
+		crash.Point("clone.prepared")
 		if err := n.st.SetCloneReady(ctx, c.ID); err != nil {
 			n.log.Warn("mark clone ready", "sandbox", c.ID, "err", err)
 		}
@@ -209,6 +213,7 @@ func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) {
 func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, src *store.Sandbox, root, memDir, diskCopy string) (restored bool, err error) {
 	wasPaused := src.State == api.StatePaused
 	n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error, Transition: lifecycle.TCloneSource})
+	crash.Point("clone.source.recorded")
 	back := func() {
 		n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error})
 	}
@@ -228,7 +233,9 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 		return true, cerr
 	}
 	// The source is stopped now: its disk matches the checkpoint.
+	crash.Point("clone.source.checkpointed")
 	derr := n.disk.CopyDisk(ctx, root, diskCopy, true)
+	crash.Point("clone.source.disk-copied")
 	var rerr error
 	for range 3 {
 		if rerr = n.restoreFrom(ctx, snap, src, memDir, root); rerr == nil || n.work.Err() != nil {
@@ -241,6 +248,7 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 		// plan restores it from there (or, if that keeps failing, boots its disk).
 		return false, fmt.Errorf("restore the source after its snapshot: %w", rerr)
 	}
+	crash.Point("clone.source.restored")
 	// The checkpoint is older than the source from now on: never restore it again.
 	if err := n.disk.Unmark(memDir); err != nil {
 		n.log.Warn("retire clone checkpoint", "sandbox", src.ID, "err", err)
@@ -249,6 +257,7 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 		_ = n.pauseInstance(ctx, src.ID)
 	}
 	back()
+	crash.Point("clone.source.back")
 	return true, derr
 }
 
@@ -292,6 +301,7 @@ func (n *Node) waitClone(ctx context.Context, sb *store.Sandbox) {
 // startClone starts a clone from the memory image and disk its source prepared.
 func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
 	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TClone})
+	crash.Point("clone.start.recorded")
 	err := func() error {
 		snap, err := n.snapshotter()
 		if err != nil {
@@ -326,6 +336,7 @@ func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
 	if sb.DesiredState == api.StatePaused {
 		state = api.StatePaused
 	}
+	crash.Point("clone.start.acted")
 	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: "snapshot"})
 	n.finishOps(ctx, sb, nil, "")
 	n.log.Info("clone running", "sandbox", sb.ID, "source", sb.CloneOf)

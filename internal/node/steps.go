@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/runtime"
@@ -43,6 +44,7 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 	during := lifecycle.During(t)
 	sb = n.report(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t})
 	n.progress(ctx, sb, during)
+	crash.Point(string(t) + ".recorded")
 	out, err := fn()
 	if err != nil {
 		if n.work.Err() != nil {
@@ -52,7 +54,9 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 		n.finishOps(ctx, sb, err, out.note)
 		return err
 	}
+	crash.Point(string(t) + ".acted")
 	sb = n.report(ctx, sb, store.Observed{State: out.state, ObservedGeneration: sb.Generation, Reason: reason, Error: lossError(out.note)})
+	crash.Point(string(t) + ".reported")
 	n.finishOps(ctx, sb, nil, out.note)
 	n.log.Info("sandbox "+out.state, "sandbox", sb.ID, "transition", t, "took", time.Since(start).Round(time.Millisecond))
 	n.measureLater(sb.ID)
@@ -67,6 +71,7 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	n.log.Info("creating sandbox", "sandbox", sb.ID, "template", sb.TemplateRef)
 	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate})
 	n.progress(ctx, sb, "creating on node "+n.cfg.Name)
+	crash.Point("create.recorded")
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		n.log.Warn("clean up an earlier create attempt", "sandbox", sb.ID, "err", err)
 	}
@@ -92,7 +97,9 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	if sb.DesiredState == api.StatePaused {
 		state = api.StatePaused
 	}
+	crash.Point("create.acted")
 	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: path, TemplateDigest: digest})
+	crash.Point("create.reported")
 	n.finishOps(ctx, sb, nil, "")
 	n.log.Info("sandbox "+state, "sandbox", sb.ID, "start_path", path)
 	n.measureLater(sb.ID)
@@ -130,6 +137,7 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 	if err != nil {
 		return "", fmt.Errorf("create disk: %w", err)
 	}
+	crash.Point("create.disk")
 	if err := n.boot(ctx, sb, root); err != nil {
 		return "", err
 	}
@@ -150,12 +158,14 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 	if err := n.rt.Create(ctx, n.spec(sb, root)); err != nil {
 		return fmt.Errorf("start %s instance: %w", n.info.Name, err)
 	}
+	crash.Point("boot.instance")
 	if _, err := n.waitAgent(ctx, sb.ID, n.cfg.AgentReadyTimeout); err != nil {
 		return err
 	}
 	if err := n.setIdentity(ctx, sb); err != nil {
 		return fmt.Errorf("give sandbox its identity: %w", err)
 	}
+	crash.Point("boot.identity")
 	if err := n.runTemplateStart(ctx, sb); err != nil {
 		return err
 	}
@@ -263,6 +273,7 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 		}
 		_ = n.rt.Destroy(ctx, sb.ID)
 		n.dropAgent(sb.ID)
+		crash.Point("suspend.destroyed")
 		return outcome{state: api.StateSuspended}, nil
 	})
 }
@@ -275,10 +286,16 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 	if err := n.quiesce(ctx, id); err != nil {
 		return err
 	}
+	crash.Point("checkpoint.quiesced")
 	if err := snap.Checkpoint(ctx, id, dir); err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
-	return n.disk.MarkComplete(dir)
+	crash.Point("checkpoint.saved")
+	if err := n.disk.MarkComplete(dir); err != nil {
+		return err
+	}
+	crash.Point("checkpoint.marked")
+	return nil
 }
 
 // afterFailedCheckpoint reports what a sandbox is after a failed checkpoint: running
@@ -316,6 +333,7 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 			err = n.restoreFrom(ctx, snap, sb, dir, root)
 			if err == nil {
 				_ = n.disk.RemoveAll(ctx, dir)
+				crash.Point("restore.cleaned")
 				return outcome{state: api.StateRunning}, nil
 			}
 			if n.work.Err() != nil {
@@ -347,10 +365,12 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 	if err := snap.Restore(ctx, n.spec(sb, root), dir); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
+	crash.Point("restore.instance")
 	if err := n.resumeAgent(ctx, sb); err != nil {
 		_ = n.rt.Destroy(ctx, sb.ID)
 		return err
 	}
+	crash.Point("restore.resumed")
 	n.setReady(sb.ID, true)
 	return nil
 }
@@ -362,6 +382,7 @@ func (n *Node) stop(ctx context.Context, sb *store.Sandbox) error {
 		if err := n.rt.Destroy(ctx, sb.ID); err != nil {
 			return outcome{state: sb.State}, fmt.Errorf("stop: %w", err)
 		}
+		crash.Point("stop.destroyed")
 		if dir, err := n.disk.CheckpointDir(sb.ID); err == nil {
 			_ = n.disk.RemoveAll(ctx, dir)
 		}
@@ -374,6 +395,7 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) error {
 	if sb.State != api.StateDeleting {
 		sb = n.report(ctx, sb, store.Observed{State: api.StateDeleting, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: lifecycle.TDelete})
 	}
+	crash.Point("delete.recorded")
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		if n.work.Err() != nil {
 			return err
@@ -382,6 +404,7 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) error {
 		n.finishOps(ctx, sb, err, "")
 		return err
 	}
+	crash.Point("delete.cleaned")
 	sb = n.report(ctx, sb, store.Observed{State: api.StateDeleted, ObservedGeneration: sb.Generation, Deleted: true, Error: sb.Error})
 	n.finishOps(ctx, sb, nil, "")
 	n.log.Info("sandbox deleted", "sandbox", sb.ID)

@@ -194,6 +194,17 @@ func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 			if err := os.Remove(filepath.Join(realData, "postmaster.pid")); err != nil {
 				return nil, fmt.Errorf("pgmanaged: %w", err)
 			}
+		} else if pid != 0 {
+			// A dead postmaster (killed): its lock file may still name a pid that the
+			// kernel keeps as a zombie until someone reaps it, and postgres refuses to
+			// start while that pid exists. The postmaster is gone: remove the file.
+			log.Warn("removing the lock files of a dead postmaster", "pid", pid)
+			sock := filepath.Join(runDir, ".s.PGSQL."+strconv.Itoa(port))
+			for _, f := range []string{filepath.Join(realData, "postmaster.pid"), sock + ".lock", sock} {
+				if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
+					return nil, fmt.Errorf("pgmanaged: %w", err)
+				}
+			}
 		}
 		if err := killLeftovers(ctx, realData, 0); err != nil {
 			return nil, fmt.Errorf("pgmanaged: %w", err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/lifecycle"
@@ -306,6 +307,9 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 	})
 	if err != nil {
 		return nil, err
+	}
+	if sb.ClaimedAt != nil {
+		crash.Point("pool.claimed")
 	}
 	return &Created{Sandbox: sb, Op: op, Response: resp, Status: http.StatusAccepted}, nil
 }

@@ -110,6 +110,15 @@ func (s *Store) OpenOperations(ctx context.Context, sandboxID string) ([]*Operat
 	return collectOps(rows)
 }
 
+// HasOpenOperations reports whether the sandbox has unfinished operations whose target
+// generation is at most upTo.
+func (s *Store) HasOpenOperations(ctx context.Context, sandboxID string, upTo int64) (bool, error) {
+	var open bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM operations WHERE sandbox_id=$1 AND done_at IS NULL
+		AND target_generation <= $2)`, sandboxID, upTo).Scan(&open)
+	return open, err
+}
+
 // OpenOperationsOfKind lists unfinished operations of one kind (e.g. template builds).
 func (s *Store) OpenOperationsOfKind(ctx context.Context, kind string) ([]*Operation, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+opCols+` FROM operations WHERE kind=$1 AND done_at IS NULL ORDER BY created_at`, kind)

@@ -11,8 +11,12 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
+	"net"
+	"strings"
+	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -29,9 +33,57 @@ var migrations embed.FS
 
 // Store is a handle on the database.
 type Store struct {
-	pool *pgxpool.Pool
+	pool db
 	url  string
 	log  *slog.Logger
+}
+
+// db is the connection pool, with connection failures turned into fault.Unavailable:
+// while PostgreSQL is down (restarting, failing over) requests fail with a 503 that
+// clients retry, not with a 500.
+type db struct{ p *pgxpool.Pool }
+
+func (d db) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := d.p.Exec(ctx, sql, args...)
+	return tag, unavailable(err)
+}
+
+func (d db) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	rows, err := d.p.Query(ctx, sql, args...)
+	return rows, unavailable(err)
+}
+
+func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return row{d.p.QueryRow(ctx, sql, args...)}
+}
+
+type row struct{ r pgx.Row }
+
+func (r row) Scan(dest ...any) error { return unavailable(r.r.Scan(dest...)) }
+
+// unavailable marks errors that mean the database cannot be reached (as opposed to a
+// query's own failure) as fault.Unavailable.
+func unavailable(err error) error {
+	if err == nil || errors.Is(err, pgx.ErrNoRows) || fault.KindOf(err) != fault.Internal {
+		return err
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	var pe *pgconn.PgError
+	switch {
+	case errors.As(err, &pe):
+		// A server error: 57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
+		// connect now, 08xxx connection exceptions are the database going away.
+		if strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "08") {
+			return fault.Wrap(fault.Unavailable, fmt.Errorf("database unavailable: %w", err))
+		}
+		return err
+	case errors.As(err, &ce), errors.As(err, &ne), pgconn.SafeToRetry(err),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.ECONNREFUSED),
+		errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE), strings.Contains(err.Error(), "conn closed"):
+		return fault.Wrap(fault.Unavailable, fmt.Errorf("database unavailable: %w", err))
+	}
+	return err
 }
 
 // Config configures Open.
@@ -56,7 +108,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect database: %w", err)
 	}
-	s := &Store{pool: pool, url: cfg.URL, log: cfg.Logger}
+	s := &Store{pool: db{pool}, url: cfg.URL, log: cfg.Logger}
 	if err := s.migrate(ctx); err != nil {
 		pool.Close()
 		return nil, err
@@ -65,8 +117,8 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 }
 
 func (s *Store) migrate(ctx context.Context) error {
-	db := stdlib.OpenDBFromPool(s.pool)
-	defer db.Close()
+	sqlDB := stdlib.OpenDBFromPool(s.pool.p)
+	defer sqlDB.Close()
 	sub, err := fs.Sub(migrations, "migrations")
 	if err != nil {
 		return err
@@ -75,7 +127,7 @@ func (s *Store) migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("migration locker: %w", err)
 	}
-	p, err := goose.NewProvider(goose.DialectPostgres, db, sub, goose.WithSessionLocker(locker))
+	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, sub, goose.WithSessionLocker(locker))
 	if err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
@@ -90,17 +142,17 @@ func (s *Store) migrate(ctx context.Context) error {
 }
 
 // DB returns a database/sql handle for tools that need one.
-func (s *Store) DB() *sql.DB { return stdlib.OpenDBFromPool(s.pool) }
+func (s *Store) DB() *sql.DB { return stdlib.OpenDBFromPool(s.pool.p) }
 
 // Close closes the pool.
-func (s *Store) Close() { s.pool.Close() }
+func (s *Store) Close() { s.pool.p.Close() }
 
 // Ping checks the database answers.
-func (s *Store) Ping(ctx context.Context) error { return s.pool.Ping(ctx) }
+func (s *Store) Ping(ctx context.Context) error { return unavailable(s.pool.p.Ping(ctx)) }
 
 // Connect opens a dedicated connection (for LISTEN or advisory locks).
 func (s *Store) Connect(ctx context.Context) (*pgx.Conn, error) {
-	return pgx.ConnectConfig(ctx, s.pool.Config().ConnConfig.Copy())
+	return pgx.ConnectConfig(ctx, s.pool.p.Config().ConnConfig.Copy())
 }
 
 // querier is what both the pool and a transaction offer.
@@ -117,7 +169,7 @@ type Tx struct {
 
 // InTx runs fn in a transaction, committing if fn returns nil.
 func (s *Store) InTx(ctx context.Context, fn func(tx *Tx) error) error {
-	return pgx.BeginFunc(ctx, s.pool, func(t pgx.Tx) error { return fn(&Tx{tx: t}) })
+	return unavailable(pgx.BeginFunc(ctx, s.pool.p, func(t pgx.Tx) error { return fn(&Tx{tx: t}) }))
 }
 
 func notFound(err error, what string, id string) error {

@@ -55,6 +55,10 @@ type state struct {
 
 	built  bool
 	binDir string
+	// failpoint binaries (built with -tags failpoints), on first need.
+	fpBuilt bool
+	fpDir   string
+	fpErr   error
 	binErr error
 }
 
@@ -96,6 +100,10 @@ func (s *state) teardown() error {
 	if s.pgDir != "" {
 		errs = append(errs, os.RemoveAll(s.pgDir))
 		s.pgDir = ""
+	}
+	if s.fpDir != "" {
+		errs = append(errs, os.RemoveAll(s.fpDir))
+		s.fpDir = ""
 	}
 	if s.binDir != "" {
 		errs = append(errs, os.RemoveAll(s.binDir))
@@ -217,6 +225,26 @@ func Binaries(t testing.TB) (spacePath, agentPath string) {
 	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
 }
 
+// FailpointBinaries is Binaries built with -tags failpoints: crash points act on the
+// SPACE_CRASH_* environment (internal/crash) and space serve offers --runtime fake.
+func FailpointBinaries(t testing.TB) (spacePath, agentPath string) {
+	t.Helper()
+	requireMain(t, "FailpointBinaries")
+	env.mu.Lock()
+	if !env.fpBuilt {
+		env.fpBuilt = true
+		env.fpDir, env.fpErr = buildInto(failpointsTag)
+	}
+	dir, err := env.fpDir, env.fpErr
+	env.mu.Unlock()
+	if err != nil {
+		t.Fatalf("testenv: %v", err)
+	}
+	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
+}
+
+const failpointsTag = "failpoints"
+
 func (s *state) binaries() (string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -224,7 +252,15 @@ func (s *state) binaries() (string, error) {
 		return s.binDir, s.binErr
 	}
 	s.built = true
-	s.binErr = func() error {
+	s.binDir, s.binErr = buildInto("")
+	return s.binDir, s.binErr
+}
+
+// buildInto builds the two commands (with the build tags, if any) into a new
+// temporary directory and returns it.
+func buildInto(tags string) (string, error) {
+	var out string
+	err := func() error {
 		wd, err := os.Getwd()
 		if err != nil {
 			return err
@@ -239,14 +275,14 @@ func (s *state) binaries() (string, error) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		defer cancel()
-		if err := build(ctx, root, dir); err != nil {
+		if err := build(ctx, root, dir, tags); err != nil {
 			_ = os.RemoveAll(dir)
 			return err
 		}
-		s.binDir = dir
+		out = dir
 		return nil
 	}()
-	return s.binDir, s.binErr
+	return out, err
 }
 
 // moduleRoot walks up from dir to the directory holding go.mod.
@@ -263,7 +299,7 @@ func moduleRoot(dir string) (string, error) {
 
 // build compiles the module's two commands into out. space finds space-agent beside
 // its own executable, hence one directory.
-func build(ctx context.Context, root, out string) error {
+func build(ctx context.Context, root, out, tags string) error {
 	// go test puts its own toolchain first on PATH.
 	goBin, err := exec.LookPath("go")
 	if err != nil {
@@ -273,7 +309,11 @@ func build(ctx context.Context, root, out string) error {
 		{"./cmd/space-agent", "space-agent", "CGO_ENABLED=0"},
 		{"./cmd/space", "space", ""},
 	} {
-		cmd := exec.CommandContext(ctx, goBin, "build", "-o", filepath.Join(out, b.name), b.pkg)
+		args := []string{"build", "-o", filepath.Join(out, b.name)}
+		if tags != "" {
+			args = append(args, "-tags", tags)
+		}
+		cmd := exec.CommandContext(ctx, goBin, append(args, b.pkg)...)
 		cmd.Dir = root
 		cmd.Env = os.Environ()
 		if b.cgo != "" {

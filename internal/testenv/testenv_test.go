@@ -298,7 +298,7 @@ func TestBuild(t *testing.T) {
 	out := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	if err := build(ctx, root, out); err != nil {
+	if err := build(ctx, root, out, ""); err != nil {
 		t.Fatal(err)
 	}
 	for name, want := range map[string]string{"space": "space\n", "space-agent": "agent 4\n"} {
@@ -322,7 +322,7 @@ func TestBuild(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(broken, "go.mod"), []byte("module example.com/broken\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := build(ctx, broken, t.TempDir()); err == nil || !strings.Contains(err.Error(), "cmd/space-agent") {
+	if err := build(ctx, broken, t.TempDir(), ""); err == nil || !strings.Contains(err.Error(), "cmd/space-agent") {
 		t.Errorf("build of a module without the commands: %v", err)
 	}
 }

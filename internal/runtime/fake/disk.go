@@ -26,15 +26,25 @@ type Disk struct {
 	rels map[string]storage.Release
 }
 
-// NewDisk returns a directory store under root.
+// NewDisk returns a directory store under root, with the releases recorded there.
 func NewDisk(root string) (*Disk, error) {
 	for _, d := range []string{"templates", "sandboxes", "tmp"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return nil, err
 		}
 	}
-	return &Disk{root: root, rels: map[string]storage.Release{}}, nil
+	d := &Disk{root: root, rels: map[string]storage.Release{}}
+	recs, _ := filepath.Glob(filepath.Join(root, "templates", "*", releaseFile))
+	for _, p := range recs {
+		var rel storage.Release
+		if b, err := os.ReadFile(p); err == nil && json.Unmarshal(b, &rel) == nil {
+			d.rels[rel.Digest] = rel
+		}
+	}
+	return d, nil
 }
+
+const releaseFile = "release.json"
 
 // AddRelease records a release whose root filesystem holds files (path → content).
 func (d *Disk) AddRelease(name, digest string, config json.RawMessage, files map[string]string) (storage.Release, error) {
@@ -58,6 +68,10 @@ func (d *Disk) AddRelease(name, digest string, config json.RawMessage, files map
 		config = json.RawMessage(`{}`)
 	}
 	rel := storage.Release{Name: name, Digest: digest, CreatedAt: time.Now().UTC(), Config: config}
+	rec, _ := json.Marshal(rel)
+	if err := os.WriteFile(filepath.Join(dir, releaseFile), rec, 0o644); err != nil {
+		return storage.Release{}, err
+	}
 	d.mu.Lock()
 	d.rels[digest] = rel
 	d.mu.Unlock()
