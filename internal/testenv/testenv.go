@@ -59,7 +59,7 @@ type state struct {
 	fpBuilt bool
 	fpDir   string
 	fpErr   error
-	binErr error
+	binErr  error
 }
 
 // Main runs the before hooks (e.g. a re-exec gate that turns the test binary into
