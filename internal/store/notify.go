@@ -45,8 +45,8 @@ func (s *Store) Notify(ctx context.Context, channel, payload string) error {
 }
 
 // Listen delivers notifications on the given channels to fn until ctx ends, reconnecting
-// after failures. fn must not block for long. A nil payload call (channel "") is made
-// after every (re)connect so callers can resync state they may have missed.
+// after failures. fn must not block for long. After every (re)connect fn is called once
+// per channel with an empty payload, so callers can resync state they may have missed.
 func (s *Store) Listen(ctx context.Context, log *slog.Logger, fn func(channel, payload string), channels ...string) error {
 	l := &pgxlisten.Listener{
 		Connect: func(ctx context.Context) (*pgx.Conn, error) { return s.Connect(ctx) },
