@@ -27,16 +27,27 @@ type Config struct {
 	ImageSizeBytes int64
 	// Logger receives debug and info messages (default: discarded).
 	Logger *slog.Logger
+	// DisableQuotas leaves btrfs quotas alone: Open does not enable simple quotas, and
+	// per-sandbox disk limits (SetSandboxLimit) are unavailable.
+	DisableQuotas bool
+	// DiskReserve is the fraction (0 to <1) of each file system under the store that
+	// CheckSpace keeps free; 0 keeps nothing free. The operator flag defaults to
+	// DefaultDiskReserve.
+	DiskReserve float64
 }
 
 // Store is an open btrfs store. Its methods are safe for concurrent use.
 type Store struct {
-	root  string // DataDir/store
-	image string // DataDir/store.img, "" if the store is not image-backed
-	log   *slog.Logger
+	root    string // DataDir/store
+	image   string // DataDir/store.img, "" if the store is not image-backed
+	log     *slog.Logger
+	reserve float64    // Config.DiskReserve
+	quota   quotaState // set by Open
 
 	mu   sync.Mutex
 	lock *os.File // shared flock on root/.lock; nil once closed
+
+	dirMu sync.Mutex // serializes making sandbox directories
 }
 
 const (
@@ -46,15 +57,21 @@ const (
 	templatesDir = "templates"
 	sandboxesDir = "sandboxes"
 	tmpDir       = "tmp"
+	groupsDir    = ".qgroups"
 	rootfsName   = "rootfs"
 	releaseFile  = "release.json"
 )
 
 // Open opens the store in cfg.DataDir, creating and mounting it as needed (see the
-// package comment). Setup that fails half-way is undone.
+// package comment). It also brings a store made by an older version up to date: mount
+// flags nosuid,nodev, directory modes 0700, simple quotas. Setup that fails half-way is
+// undone.
 func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if cfg.DataDir == "" {
 		return nil, errors.New("storage: DataDir is required")
+	}
+	if cfg.DiskReserve < 0 || cfg.DiskReserve >= 1 {
+		return nil, fmt.Errorf("storage: disk reserve %v is not a fraction from 0 to below 1", cfg.DiskReserve)
 	}
 	dataDir, err := filepath.Abs(cfg.DataDir)
 	if err != nil {
@@ -68,7 +85,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Store{root: filepath.Join(dataDir, storeDirName), log: log}
+	s := &Store{root: filepath.Join(dataDir, storeDirName), log: log, reserve: cfg.DiskReserve}
 
 	var undo []func()
 	defer func() {
@@ -82,7 +99,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if err := os.MkdirAll(dataDir, 0o755); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
-	madeRoot, err := mkdirNew(s.root, 0o755)
+	madeRoot, err := mkdirNew(s.root, 0o700)
 	if err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
@@ -102,6 +119,9 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 			}
 		}
 		log.DebugContext(ctx, "storage: using btrfs directory", "root", s.root, "image", s.image)
+		if err := s.secureMount(ctx, &undo); err != nil {
+			return nil, fmt.Errorf("storage: %w", err)
+		}
 	} else {
 		if os.Geteuid() != 0 {
 			return nil, fmt.Errorf("storage: %s is not on btrfs and loop-mounting an image there needs root (running as uid %d)", dataDir, os.Geteuid())
@@ -118,7 +138,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 		} else if statErr != nil {
 			return nil, fmt.Errorf("storage: %w", statErr)
 		}
-		if err := mountImage(image, s.root); err != nil {
+		if err := mountImage(image, s.root, storeMountFlags); err != nil {
 			return nil, fmt.Errorf("storage: %w", err)
 		}
 		undo = append(undo, func() { unix.Unmount(s.root, 0) })
@@ -126,15 +146,54 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 		log.InfoContext(ctx, "storage: mounted btrfs image", "image", image, "root", s.root)
 	}
 
-	for _, d := range []string{templatesDir, sandboxesDir, tmpDir} {
-		if err := os.MkdirAll(filepath.Join(s.root, d), 0o755); err != nil {
-			return nil, fmt.Errorf("storage: %w", err)
-		}
+	if err := s.restrictModes(); err != nil {
+		return nil, fmt.Errorf("storage: %w", err)
 	}
 	if err := s.lockAndClean(ctx); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
+	s.initQuotas(ctx, cfg.DisableQuotas)
 	return s, nil
+}
+
+// restrictModes makes the store's directories mode 0700, creating the fixed ones: the
+// root, templates/, sandboxes/, tmp/ and every entry of templates/ and sandboxes/. Only
+// root (the runtimes run as root) may walk to a sandbox's files; an older store with
+// 0755 directories is fixed here.
+func (s *Store) restrictModes() error {
+	if err := os.Chmod(s.root, 0o700); err != nil {
+		return err
+	}
+	for _, d := range []string{templatesDir, sandboxesDir, tmpDir, groupsDir} {
+		p := filepath.Join(s.root, d)
+		if err := os.MkdirAll(p, 0o700); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, 0o700); err != nil {
+			return err
+		}
+	}
+	for _, d := range []string{templatesDir, sandboxesDir} {
+		entries, err := os.ReadDir(filepath.Join(s.root, d))
+		if err != nil {
+			return err
+		}
+		for _, e := range entries {
+			if !e.IsDir() {
+				continue
+			}
+			info, err := e.Info()
+			if err != nil {
+				return err
+			}
+			if info.Mode().Perm() != 0o700 {
+				if err := os.Chmod(filepath.Join(s.root, d, e.Name()), 0o700); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // mkdirNew creates dir if missing and reports whether it did.
