@@ -13,8 +13,6 @@ import (
 	"io/fs"
 	"os"
 	"unsafe"
-
-	"golang.org/x/sys/unix"
 )
 
 const (
@@ -37,7 +35,9 @@ const (
 	// 1<<48 | 258.
 	qgroupLevelShift = 48
 
+	rootTreeObjectID  = 1   // BTRFS_ROOT_TREE_OBJECTID
 	quotaTreeObjectID = 8   // BTRFS_QUOTA_TREE_OBJECTID
+	rootItemKey       = 132 // BTRFS_ROOT_ITEM_KEY
 	qgroupRelationKey = 246 // BTRFS_QGROUP_RELATION_KEY
 )
 
@@ -116,17 +116,15 @@ func subvolumeIDOf(path string) (uint64, error) {
 }
 
 // subvolumeExists reports whether the subvolume with this id exists (f is any directory
-// of the file system). A subvolume deleted but not yet cleaned up may still count.
+// of the file system): whether the root tree holds its root item, which stays until the
+// kernel has dropped a deleted subvolume.
 func subvolumeExists(f *os.File, id uint64) (bool, error) {
-	args := inoLookupArgs{treeID: id, objectID: firstFreeObjectID}
-	err := ioctl(f.Fd(), iocInoLookup, unsafe.Pointer(&args))
-	if errors.Is(err, unix.ENOENT) {
-		return false, nil
-	}
+	found := false
+	err := treeSearch(f, rootTreeObjectID, id, rootItemKey, func(uint64, uint32) { found = true })
 	if err != nil {
 		return false, fmt.Errorf("look up subvolume %d: %w", id, err)
 	}
-	return true, nil
+	return found, nil
 }
 
 // fsUUID returns the file system's UUID in its usual text form, the name of its
@@ -196,49 +194,66 @@ func limitQgroup(f *os.File, id, maxExcl uint64) error {
 	return nil
 }
 
-// qgroupMembers lists the qgroups that are members of parent, from the relation items of
-// the quota tree (the live tree, so relations made in the running transaction count).
-func qgroupMembers(f *os.File, parent uint64) ([]uint64, error) {
-	var members []uint64
+// qgroupRelations lists the qgroups related to id, from the relation items of the quota
+// tree (the live tree, so relations made in the running transaction count): its members
+// (lower levels) and its parents (higher levels).
+func qgroupRelations(f *os.File, id uint64) (members, parents []uint64, err error) {
+	level := id >> qgroupLevelShift
+	// Relation items exist in both directions, (child, REL, parent) and (parent, REL,
+	// child): the other side's level tells which one this is.
+	err = treeSearch(f, quotaTreeObjectID, id, qgroupRelationKey, func(offset uint64, _ uint32) {
+		if offset>>qgroupLevelShift < level {
+			members = append(members, offset)
+		} else {
+			parents = append(parents, offset)
+		}
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("search qgroup relations of %s: %w", qgroupName(id), err)
+	}
+	return members, parents, nil
+}
+
+// treeSearch calls fn with the offset and data length of every item (objectID, typ, *)
+// of the given tree.
+func treeSearch(f *os.File, tree, objectID uint64, typ uint32, fn func(offset uint64, length uint32)) error {
 	args := searchArgs{key: searchKey{
-		treeID:      quotaTreeObjectID,
-		minObjectID: parent,
-		maxObjectID: parent,
+		treeID:      tree,
+		minObjectID: objectID,
+		maxObjectID: objectID,
 		maxOffset:   ^uint64(0),
 		maxTransID:  ^uint64(0),
-		minType:     qgroupRelationKey,
-		maxType:     qgroupRelationKey,
+		minType:     typ,
+		maxType:     typ,
 	}}
 	for {
 		args.key.nrItems = 4096
 		if err := ioctl(f.Fd(), iocTreeSearch, unsafe.Pointer(&args)); err != nil {
-			return nil, fmt.Errorf("search qgroup relations of %s: %w", qgroupName(parent), err)
+			return err
 		}
 		n := int(args.key.nrItems)
 		if n == 0 {
-			return members, nil
+			return nil
 		}
 		var last uint64
 		off := 0
 		for i := 0; i < n; i++ {
 			if off+searchHeaderSize > len(args.buf) {
-				return nil, errors.New("search qgroup relations: truncated result")
+				return errors.New("tree search: truncated result")
 			}
 			h := args.buf[off : off+searchHeaderSize]
-			objectID := binary.NativeEndian.Uint64(h[8:])
+			gotObjectID := binary.NativeEndian.Uint64(h[8:])
 			offset := binary.NativeEndian.Uint64(h[16:])
-			typ := binary.NativeEndian.Uint32(h[24:])
+			gotType := binary.NativeEndian.Uint32(h[24:])
 			length := binary.NativeEndian.Uint32(h[28:])
 			off += searchHeaderSize + int(length)
-			// Relation items exist in both directions: (parent, REL, child) lists the
-			// members, (child, REL, parent) the parents.
-			if objectID == parent && typ == qgroupRelationKey {
-				members = append(members, offset)
+			if gotObjectID == objectID && gotType == typ {
+				fn(offset, length)
 			}
 			last = offset
 		}
 		if last == ^uint64(0) {
-			return members, nil
+			return nil
 		}
 		args.key.minOffset = last + 1
 	}

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -88,7 +89,6 @@ func (s *Store) initQuotas(ctx context.Context, disable bool) {
 		return
 	}
 	s.quota = quotaState{on: true, sysfs: sysfs}
-	s.sweepQgroups(ctx, root)
 }
 
 // QuotasEnabled reports whether per-sandbox disk limits work in this store, and if not,
@@ -144,37 +144,39 @@ func (s *Store) ensureGroup(dir string) error {
 	if !s.quota.on {
 		return nil
 	}
-	f, err := openDir(dir)
+	vol, err := s.volumeID(dir)
+	if err != nil || vol == 0 {
+		return err
+	}
+	root, err := openDir(s.root)
 	if err != nil {
 		return err
 	}
-	defer f.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return err
-	}
-	if !statIsSubvolume(&st) {
-		return nil
-	}
-	vol, err := subvolumeID(f)
-	if err != nil {
-		return err
+	defer root.Close()
+	g := qgroupID(1, vol)
+	if _, err := os.Stat(s.qgroupDir(g)); err == nil {
+		members, _, err := qgroupRelations(root, g)
+		if err != nil {
+			return err
+		}
+		if slices.Contains(members, qgroupID(0, vol)) {
+			return nil
+		}
 	}
 	// The marker, written first, is what lets the sweep at Open find a group whose
 	// volume is gone (a crash during DeleteSandbox).
 	if err := s.markGroup(vol, true); err != nil {
 		return err
 	}
-	g := qgroupID(1, vol)
 	created := false
-	if err := createQgroup(f, g); err == nil {
+	if err := createQgroup(root, g); err == nil {
 		created = true
 	} else if !errors.Is(err, unix.EEXIST) {
 		return err
 	}
-	if err := assignQgroup(f, true, qgroupID(0, vol), g); err != nil && !errors.Is(err, unix.EEXIST) {
+	if err := assignQgroup(root, true, qgroupID(0, vol), g); err != nil && !errors.Is(err, unix.EEXIST) {
 		if created {
-			destroyQgroup(f, g)
+			destroyQgroup(root, g)
 		}
 		return err
 	}
@@ -202,18 +204,11 @@ func (s *Store) markGroup(vol uint64, set bool) error {
 // sandbox directory made before sandbox volumes existed, 0/R of its rootfs subvolume
 // (then only the root filesystem is bounded, not its checkpoints or a disk image).
 func (s *Store) sandboxGroup(dir string) (uint64, error) {
-	sub, err := isSubvolume(dir)
+	vol, err := s.volumeID(dir)
 	if err != nil {
 		return 0, err
 	}
-	if sub {
-		if err := s.ensureGroup(dir); err != nil {
-			return 0, err
-		}
-		vol, err := subvolumeIDOf(dir)
-		if err != nil {
-			return 0, err
-		}
+	if vol != 0 {
 		return qgroupID(1, vol), nil
 	}
 	root := filepath.Join(dir, rootfsName)
@@ -250,24 +245,33 @@ func (s *Store) SetSandboxLimit(ctx context.Context, id string, bytes int64) err
 	if _, err := os.Lstat(dir); err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
+	if err := s.ensureGroup(dir); err != nil {
+		return fmt.Errorf("storage: sandbox %s: %w", id, err)
+	}
 	g, err := s.sandboxGroup(dir)
 	if err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
-	f, err := openDir(dir)
-	if err != nil {
-		return fmt.Errorf("storage: %w", err)
-	}
-	defer f.Close()
 	limit := uint64(bytes)
 	if bytes == 0 {
 		limit = qgroupLimitClear
 	}
-	if err := limitQgroup(f, g, limit); err != nil {
+	if err := s.limit(g, limit); err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
 	s.log.DebugContext(ctx, "storage: sandbox disk limit set", "id", id, "qgroup", qgroupName(g), "bytes", bytes)
 	return nil
+}
+
+// limit sets qgroup g's limit. Quota ioctls go through the store root: one on a
+// directory inside a sandbox at its limit would be charged to the sandbox, and fail.
+func (s *Store) limit(g, maxExcl uint64) error {
+	root, err := openDir(s.root)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	return limitQgroup(root, g, maxExcl)
 }
 
 // DiskUsage is a sandbox's disk use as its quota group counts it.
@@ -338,7 +342,7 @@ func (s *Store) qgroupValue(id uint64, name string) (int64, error) {
 // its quota group.
 func (s *Store) removeSandboxDir(ctx context.Context, dir string) {
 	vol, _ := s.volumeID(dir)
-	if err := removeTree(ctx, dir); err != nil {
+	if err := s.removeAll(ctx, dir); err != nil {
 		s.log.WarnContext(ctx, "storage: undo sandbox directory", "dir", dir, "err", err)
 		return
 	}
@@ -356,6 +360,63 @@ func (s *Store) volumeID(dir string) (uint64, error) {
 		return 0, err
 	}
 	return subvolumeIDOf(dir)
+}
+
+// removeAll is removeTree for paths that may hold sandbox volumes. Deleting a subvolume
+// is charged to the subvolume it sits in, so inside a sandbox at its limit it fails with
+// EDQUOT: then the limits of every subvolume under path (and of their groups) are lifted
+// and the removal is tried again.
+func (s *Store) removeAll(ctx context.Context, path string) error {
+	err := removeTree(ctx, path)
+	if !s.quota.on || !errors.Is(err, unix.EDQUOT) {
+		return err
+	}
+	if lerr := s.liftLimits(ctx, path); lerr != nil {
+		return fmt.Errorf("%w (lifting its disk limits: %v)", err, lerr)
+	}
+	return removeTree(ctx, path)
+}
+
+// liftLimits removes the limits of the qgroups of every subvolume under path and of the
+// groups they belong to.
+func (s *Store) liftLimits(ctx context.Context, path string) error {
+	root, err := openDir(s.root)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	return filepath.WalkDir(path, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return err
+		}
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return ctxErr
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		sub, err := isSubvolume(p)
+		if err != nil || !sub {
+			return err
+		}
+		id, err := subvolumeIDOf(p)
+		if err != nil {
+			return err
+		}
+		_, parents, err := qgroupRelations(root, qgroupID(0, id))
+		if err != nil {
+			return err
+		}
+		for _, g := range append(parents, qgroupID(0, id)) {
+			if err := limitQgroup(root, g, qgroupLimitClear); err != nil && !errors.Is(err, unix.ENOENT) {
+				return err
+			}
+		}
+		return nil
+	})
 }
 
 // dropGroup removes qgroup 1/vol after its volume was deleted: first its members (the
@@ -378,7 +439,7 @@ func (s *Store) dropGroup(ctx context.Context, vol uint64) {
 }
 
 func (s *Store) removeGroup(root *os.File, g uint64) error {
-	members, err := qgroupMembers(root, g)
+	members, _, err := qgroupRelations(root, g)
 	if err != nil {
 		return err
 	}
@@ -396,7 +457,16 @@ func (s *Store) removeGroup(root *os.File, g uint64) error {
 // sweepQgroups removes the quota groups of sandbox volumes that no longer exist (left by
 // a crash during DeleteSandbox), then the empty qgroups of deleted subvolumes (what
 // `btrfs qgroup clear-stale` does). Only groups this store made are touched.
-func (s *Store) sweepQgroups(ctx context.Context, root *os.File) {
+func (s *Store) sweepQgroups(ctx context.Context) {
+	root, err := openDir(s.root)
+	if err != nil {
+		return
+	}
+	defer root.Close()
+	// Commit first, so that frees of dropped subvolumes are accounted.
+	if err := unix.Syncfs(int(root.Fd())); err != nil {
+		return
+	}
 	removed := 0
 	marks, _ := os.ReadDir(filepath.Join(s.root, groupsDir))
 	for _, m := range marks {

@@ -73,6 +73,13 @@ func (s *Store) DeleteSandbox(ctx context.Context, id string) error {
 	if err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
+	if vol != 0 {
+		// Deleting the nested subvolumes is charged to the volume: at its limit it
+		// would fail.
+		if err := s.limit(qgroupID(1, vol), qgroupLimitClear); err != nil {
+			s.log.DebugContext(ctx, "storage: lift disk limit before delete", "id", id, "err", err)
+		}
+	}
 	if err := s.retire(ctx, dir, "delete-sandbox"); err != nil {
 		return err
 	}

@@ -149,10 +149,13 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if err := s.restrictModes(); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
+	s.initQuotas(ctx, cfg.DisableQuotas)
 	if err := s.lockAndClean(ctx); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
-	s.initQuotas(ctx, cfg.DisableQuotas)
+	if s.quota.on {
+		s.sweepQgroups(ctx)
+	}
 	return s, nil
 }
 
@@ -240,7 +243,7 @@ func (s *Store) cleanTmp(ctx context.Context) error {
 	for _, e := range entries {
 		p := filepath.Join(dir, e.Name())
 		s.log.InfoContext(ctx, "storage: removing leftover", "path", p)
-		if err := removeTree(ctx, p); err != nil {
+		if err := s.removeAll(ctx, p); err != nil {
 			return fmt.Errorf("clean tmp: %w", err)
 		}
 	}
@@ -417,7 +420,7 @@ func (s *Store) retire(ctx context.Context, path, prefix string) error {
 		}
 		return fmt.Errorf("storage: %w", err)
 	}
-	if err := removeTree(ctx, d); err != nil {
+	if err := s.removeAll(ctx, d); err != nil {
 		return fmt.Errorf("storage: %w", err)
 	}
 	return nil
