@@ -287,3 +287,29 @@ func TestSetSandboxLimitErrors(t *testing.T) {
 		t.Errorf("ExclusiveBytes without quotas: %v", err)
 	}
 }
+
+// TestReleaseBuildLimit bounds what build steps may write into a release being built.
+func TestReleaseBuildLimit(t *testing.T) {
+	s := quotaStore(t)
+	ctx := context.Background()
+	b, err := s.BeginRelease(ctx)
+	must(t, err)
+	defer b.Discard(ctx)
+	must(t, b.SetLimit(ctx, 16*mib))
+	if n, err := fill(t, filepath.Join(b.Rootfs(), "flood"), 0, 0, 128*mib); !isQuotaErr(err) || n > 16*mib {
+		t.Fatalf("build flood: %d MiB, %v", n/mib, err)
+	}
+	must(t, os.Remove(filepath.Join(b.Rootfs(), "flood")))
+	randomFile(t, filepath.Join(b.Rootfs(), "f"), mib)
+	rel, err := b.Commit(ctx, storage.Release{Name: "limited"})
+	must(t, err)
+	// The release's sandboxes are not bounded by the build's limit.
+	root, err := s.CreateSandboxRoot(ctx, "after", rel.Digest)
+	must(t, err)
+	if n, err := fill(t, filepath.Join(root, "big"), 0, 0, 32*mib); err != nil {
+		t.Fatalf("sandbox of a limited build: %d, %v", n, err)
+	}
+	if err := b.SetLimit(ctx, -1); fault.KindOf(err) != fault.Invalid {
+		t.Errorf("negative build limit: %v", err)
+	}
+}
