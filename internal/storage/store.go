@@ -58,6 +58,7 @@ const (
 	sandboxesDir = "sandboxes"
 	tmpDir       = "tmp"
 	groupsDir    = ".qgroups"
+	trashName    = ".trash" // in a sandbox volume: what is being removed from it
 	rootfsName   = "rootfs"
 	releaseFile  = "release.json"
 )
@@ -235,16 +236,22 @@ func (s *Store) lockAndClean(ctx context.Context) error {
 }
 
 func (s *Store) cleanTmp(ctx context.Context) error {
-	dir := filepath.Join(s.root, tmpDir)
-	entries, err := os.ReadDir(dir)
+	dirs := []string{filepath.Join(s.root, tmpDir)}
+	trashes, err := filepath.Glob(filepath.Join(s.root, sandboxesDir, "*", trashName))
 	if err != nil {
 		return fmt.Errorf("clean tmp: %w", err)
 	}
-	for _, e := range entries {
-		p := filepath.Join(dir, e.Name())
-		s.log.InfoContext(ctx, "storage: removing leftover", "path", p)
-		if err := s.removeAll(ctx, p); err != nil {
+	for _, dir := range append(dirs, trashes...) {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
 			return fmt.Errorf("clean tmp: %w", err)
+		}
+		for _, e := range entries {
+			p := filepath.Join(dir, e.Name())
+			s.log.InfoContext(ctx, "storage: removing leftover", "path", p)
+			if err := s.removeAll(ctx, p); err != nil {
+				return fmt.Errorf("clean tmp: %w", err)
+			}
 		}
 	}
 	return nil
@@ -395,6 +402,24 @@ func (s *Store) IsSubvolume(path string) (bool, error) {
 	return sub, nil
 }
 
+// trashDirFor makes a fresh directory prefix-<random> in the trash of the sandbox volume
+// that holds path.
+func (s *Store) trashDirFor(path, prefix string) (string, error) {
+	id := s.sandboxOf(path)
+	if id == "" {
+		return "", fmt.Errorf("storage: %s is in another subvolume than tmp/ and not in a sandbox volume", path)
+	}
+	trash := filepath.Join(s.root, sandboxesDir, id, trashName)
+	if err := os.MkdirAll(trash, 0o700); err != nil {
+		return "", fmt.Errorf("storage: %w", err)
+	}
+	d, err := os.MkdirTemp(trash, prefix+"-")
+	if err != nil {
+		return "", fmt.Errorf("storage: %w", err)
+	}
+	return d, nil
+}
+
 // tmpDirFor makes a fresh directory in tmp/ named prefix-<random>.
 func (s *Store) tmpDirFor(prefix string) (string, error) {
 	d, err := os.MkdirTemp(filepath.Join(s.root, tmpDir), prefix+"-")
@@ -404,16 +429,27 @@ func (s *Store) tmpDirFor(prefix string) (string, error) {
 	return d, nil
 }
 
-// retire moves path (a direct child of templates/ or sandboxes/) into tmp/ with one rename
-// and removes it there, so that readers never see a half-deleted entry and a crash leaves
-// only a leftover that the next Open removes. A missing path is not an error.
+// retire moves path into tmp/ with one rename and removes it there, so that readers
+// never see a half-deleted entry and a crash leaves only a leftover that the next Open
+// removes. A path inside a sandbox volume (a checkpoint, a clone batch) cannot be renamed
+// out of its subvolume: it goes to the volume's own trash, sandboxes/<id>/.trash/, which
+// Open empties likewise. A missing path is not an error.
 func (s *Store) retire(ctx context.Context, path, prefix string) error {
 	d, err := s.tmpDirFor(prefix)
 	if err != nil {
 		return err
 	}
 	dst := filepath.Join(d, filepath.Base(path))
-	if err := os.Rename(path, dst); err != nil {
+	err = os.Rename(path, dst)
+	if errors.Is(err, unix.EXDEV) {
+		os.Remove(d)
+		if d, err = s.trashDirFor(path, prefix); err != nil {
+			return err
+		}
+		dst = filepath.Join(d, filepath.Base(path))
+		err = os.Rename(path, dst)
+	}
+	if err != nil {
 		os.Remove(d)
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil
