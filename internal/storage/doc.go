@@ -26,6 +26,7 @@
 //	sandboxes/<id>/rootfs        a sandbox's writable snapshot of a release rootfs
 //	sandboxes/<id>/...           free for other per-sandbox files (runtime state, suspend
 //	                             snapshots, disk images); DeleteSandbox removes it all
+//	sandboxes/<id>/.trash/       what is being removed from inside the volume
 //	tmp/                         in-progress builds, imports and deletions
 //	.qgroups/<V>                 marks quota group 1/V as one of this store's
 //
