@@ -137,20 +137,16 @@ func (s *Store) SandboxDisk(id string) (string, error) {
 // fs.ErrExist if the disk exists. SandboxDir may exist already; if this call created it
 // and fails, it removes it again.
 func (s *Store) CreateSandboxDisk(ctx context.Context, id, digest string, size int64) (_ string, err error) {
-	dir, err := s.SandboxDir(id)
-	if err != nil {
+	if _, err := s.SandboxDir(id); err != nil {
 		return "", err
 	}
 	src, err := s.ReleaseImage(ctx, digest, 0)
 	if err != nil {
 		return "", err
 	}
-	if err := ctx.Err(); err != nil {
-		return "", err
-	}
-	made, err := mkdirNew(dir, 0o755)
+	dir, made, err := s.makeSandboxDir(ctx, id)
 	if err != nil {
-		return "", fmt.Errorf("storage: %w", err)
+		return "", err
 	}
 	dst := filepath.Join(dir, diskName)
 	created := false
@@ -162,7 +158,7 @@ func (s *Store) CreateSandboxDisk(ctx context.Context, id, digest string, size i
 			os.Remove(dst)
 		}
 		if made {
-			os.Remove(dir)
+			s.removeSandboxDir(ctx, dir)
 		}
 	}()
 	if err := cloneFile(src, dst); err != nil {

@@ -11,15 +11,24 @@
 // sandboxes keep their filesystems across restarts of space; Unmount exists for tests and
 // tooling.
 //
+// Root in a sandbox writes as host root, so the store is mounted nosuid,nodev (a store
+// directory on the operator's btrfs is bind-mounted onto itself for that) and its
+// directories are mode 0700: no file a sandbox writes is a setuid program or a device
+// node any host user can use. Open also brings stores made by older versions up to
+// date. See docs/security.md, "Storage".
+//
 // # Layout under the store root
 //
 //	.lock                        flock: shared while a Store is open, exclusive to clean tmp/
 //	templates/<hex>/rootfs       a release's root filesystem, read-only subvolume
 //	templates/<hex>/release.json release metadata (Release), written before publication
+//	sandboxes/<id>               the sandbox volume: a subvolume in its own quota group
 //	sandboxes/<id>/rootfs        a sandbox's writable snapshot of a release rootfs
 //	sandboxes/<id>/...           free for other per-sandbox files (runtime state, suspend
 //	                             snapshots, disk images); DeleteSandbox removes it all
+//	sandboxes/<id>/.trash/       what is being removed from inside the volume
 //	tmp/                         in-progress builds, imports and deletions
+//	.qgroups/<V>                 marks quota group 1/V as one of this store's
 //
 // <hex> is the hex part of the release digest "sha256:<hex>" (see TreeDigest). A release
 // becomes visible with one rename of a complete directory from tmp/ into templates/, and
@@ -37,8 +46,15 @@
 // btrfs CLI from btrfs-progs. The loop device is set up with LOOP_CONFIGURE and
 // LO_FLAGS_AUTOCLEAR so that unmounting the store also detaches it.
 //
-// Per-sandbox disk accounting (ExclusiveBytes) is not implemented: it needs btrfs quota
-// groups, which slow snapshot deletion markedly; it can be added behind a Config switch.
+// # Disk limits and reserve
+//
+// With btrfs simple quotas (Linux 6.7+; Open enables them), every extent counts toward
+// the subvolume that wrote it, and subvolumes made inside a sandbox volume V join its
+// group 1/V. SetSandboxLimit limits 1/V: the sandbox's writes to its root filesystem or
+// disk image, its checkpoints and clone batches, but not what it shares with its release.
+// SandboxUsage reports use and limit. CheckSpace refuses requests that would take a file
+// system under the store below Config.DiskReserve. Details and measurements are in
+// docs/architecture.md, "Storage".
 //
 // Errors for missing or already existing objects wrap fs.ErrNotExist and fs.ErrExist.
 package storage

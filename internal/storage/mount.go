@@ -94,13 +94,19 @@ func makeImage(ctx context.Context, path string, size int64) (err error) {
 	return nil
 }
 
+// storeMountFlags are the flags the store is mounted with: nothing a sandbox writes
+// becomes a setuid program or a device node on the host. noexec is not among them: gVisor
+// maps sandbox binaries from the host file executable, and Firecracker's jailer runs its
+// binary from a jail that may live in the store (see docs/security.md).
+const storeMountFlags = unix.MS_NOSUID | unix.MS_NODEV
+
 // mountImage attaches image to a free loop device with LO_FLAGS_AUTOCLEAR and mounts it
-// at dir. Autoclear makes the kernel detach the device once the filesystem is unmounted
+// at dir with flags. Autoclear makes the kernel detach the device once the filesystem is unmounted
 // and our descriptor closed, so neither a failed mount nor a later Unmount leaves a loop
 // device behind. Hand-rolled rather than calling mount(8) so that the undo is exact and
 // no helper process is involved; it is the same LOOP_CTL_GET_FREE + LOOP_CONFIGURE
 // sequence losetup uses.
-func mountImage(image, dir string) error {
+func mountImage(image, dir string, flags uintptr) error {
 	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
 	if err != nil {
 		return fmt.Errorf("open loop control: %w", err)
@@ -136,7 +142,7 @@ func mountImage(image, dir string) error {
 			loop.Close()
 			return fmt.Errorf("attach %s to %s: %w", image, dev, err)
 		}
-		err = unix.Mount(dev, dir, "btrfs", 0, "")
+		err = unix.Mount(dev, dir, "btrfs", flags, "")
 		// Closing drops our reference: the mount now holds the device, or, if the mount
 		// failed, autoclear detaches it here.
 		loop.Close()
@@ -148,4 +154,73 @@ func mountImage(image, dir string) error {
 		}
 		return nil
 	}
+}
+
+// isMountRoot reports whether dir is the root of a mount (not merely a btrfs subvolume,
+// which has a device number of its own too).
+func isMountRoot(dir string) (bool, error) {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx); err != nil {
+		return false, fmt.Errorf("statx %s: %w", dir, err)
+	}
+	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT == 0 { // before Linux 5.8
+		return isMountPoint(dir)
+	}
+	return stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
+}
+
+// secureMount makes the store's mount nosuid,nodev: a mount made by an older version is
+// changed in place; a store directory on the operator's btrfs is first bind-mounted onto
+// itself so that it has mount flags of its own (the bind mount, like the loop mount, stays
+// when the process exits). Without root it only warns: then what sandboxes write belongs
+// to this user and can give no one more privilege than this user has.
+func (s *Store) secureMount(ctx context.Context, undo *[]func()) error {
+	if os.Geteuid() != 0 {
+		s.log.WarnContext(ctx, "storage: not root: the store is not mounted nosuid,nodev", "root", s.root, "uid", os.Geteuid())
+		return nil
+	}
+	mounted, err := isMountRoot(s.root)
+	if err != nil {
+		return err
+	}
+	if !mounted {
+		if err := unix.Mount(s.root, s.root, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind-mount %s onto itself: %w", s.root, err)
+		}
+		*undo = append(*undo, func() { unix.Unmount(s.root, unix.MNT_DETACH) })
+		s.log.InfoContext(ctx, "storage: bind-mounted the store onto itself", "root", s.root)
+	}
+	return setMountFlags(s.root)
+}
+
+// setMountFlags adds nosuid and nodev to the flags of the mount at dir, leaving its other
+// flags as they are.
+func setMountFlags(dir string) error {
+	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV}
+	err := unix.MountSetattr(unix.AT_FDCWD, dir, 0, &attr)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, unix.ENOSYS) {
+		return fmt.Errorf("set nosuid,nodev on %s: %w", dir, err)
+	}
+	// Before Linux 5.12: a bind remount sets every per-mount flag at once, so the current
+	// ones are carried over.
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	flags := uintptr(unix.MS_REMOUNT | unix.MS_BIND | storeMountFlags)
+	for stFlag, msFlag := range map[int64]uintptr{
+		unix.ST_RDONLY: unix.MS_RDONLY, unix.ST_NOEXEC: unix.MS_NOEXEC, unix.ST_NOATIME: unix.MS_NOATIME,
+		unix.ST_NODIRATIME: unix.MS_NODIRATIME, unix.ST_RELATIME: unix.MS_RELATIME,
+	} {
+		if st.Flags&stFlag != 0 {
+			flags |= msFlag
+		}
+	}
+	if err := unix.Mount("", dir, "", flags, ""); err != nil {
+		return fmt.Errorf("remount %s nosuid,nodev: %w", dir, err)
+	}
+	return nil
 }

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/durable"
+	"github.com/spacedev/space/internal/fault"
 )
 
 // Release is the metadata of an immutable template release (templates/<hex>/release.json).
@@ -36,9 +37,10 @@ type Release struct {
 // filesystem. Finish it with Commit or Discard; Discard after Commit does nothing, so
 // `defer b.Discard(ctx)` is the undo for every failure path.
 type ReleaseBuild struct {
-	s    *Store
-	dir  string // tmp/<build-...>, becomes templates/<hex>
-	done bool
+	s       *Store
+	dir     string // tmp/<build-...>, becomes templates/<hex>
+	done    bool
+	limited bool // SetLimit set a limit, which Commit lifts
 }
 
 // BeginRelease starts a release build with an empty writable root filesystem.
@@ -73,6 +75,35 @@ func (s *Store) beginImport(ctx context.Context) (*ReleaseBuild, error) {
 
 // Rootfs returns the path of the root filesystem being built.
 func (b *ReleaseBuild) Rootfs() string { return filepath.Join(b.dir, rootfsName) }
+
+// SetLimit bounds what may be written into the build's root filesystem (build steps run
+// in a sandbox on it): past bytes, writes fail with EDQUOT; 0 removes the limit. What the
+// rootfs shares with the release it started from does not count. Fails with an error of
+// kind fault.Unavailable when the store has no quotas (Store.QuotasEnabled says why).
+func (b *ReleaseBuild) SetLimit(ctx context.Context, bytes int64) error {
+	if bytes < 0 {
+		return fault.New(fault.Invalid, "disk limit %d is negative", bytes)
+	}
+	if !b.s.quota.on {
+		return fault.New(fault.Unavailable, "disk limits are off in this store: %s", b.s.quota.reason)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	id, err := subvolumeIDOf(b.Rootfs())
+	if err != nil {
+		return fmt.Errorf("storage: build limit: %w", err)
+	}
+	limit := uint64(bytes)
+	if bytes == 0 {
+		limit = qgroupLimitClear
+	}
+	if err := b.s.limit(qgroupID(0, id), limit); err != nil {
+		return fmt.Errorf("storage: build limit: %w", err)
+	}
+	b.limited = bytes != 0
+	return nil
+}
 
 // Discard deletes the build. It does nothing after Commit or a previous Discard.
 func (b *ReleaseBuild) Discard(ctx context.Context) error {
@@ -111,6 +142,12 @@ func (b *ReleaseBuild) Commit(ctx context.Context, meta Release) (rel Release, e
 	}
 	if err := setReadOnly(rootfs, true); err != nil {
 		return Release{}, fmt.Errorf("storage: %w", err)
+	}
+	if b.limited {
+		// A release is read-only: the build's limit has no more use.
+		if err := b.SetLimit(ctx, 0); err != nil {
+			return Release{}, err
+		}
 	}
 	digest, size, err := TreeDigest(ctx, rootfs)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 )
 
 // SandboxDir returns the directory that holds everything stored for sandbox id
@@ -35,25 +36,21 @@ func (s *Store) SandboxRoot(id string) (string, error) {
 // SandboxDir may exist already (other per-sandbox files); if this call created it and
 // fails, it removes it again.
 func (s *Store) CreateSandboxRoot(ctx context.Context, id, digest string) (string, error) {
-	dir, err := s.SandboxDir(id)
-	if err != nil {
+	if _, err := s.SandboxDir(id); err != nil {
 		return "", err
 	}
 	src, err := s.ReleaseRoot(digest)
 	if err != nil {
 		return "", err
 	}
-	if err := ctx.Err(); err != nil {
-		return "", err
-	}
-	made, err := mkdirNew(dir, 0o755)
+	dir, made, err := s.makeSandboxDir(ctx, id)
 	if err != nil {
-		return "", fmt.Errorf("storage: %w", err)
+		return "", err
 	}
 	root := filepath.Join(dir, rootfsName)
 	if err := snapshotSubvolume(src, root, false); err != nil {
 		if made {
-			os.Remove(dir)
+			s.removeSandboxDir(ctx, dir)
 		}
 		return "", fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
@@ -62,8 +59,8 @@ func (s *Store) CreateSandboxRoot(ctx context.Context, id, digest string) (strin
 }
 
 // DeleteSandbox removes sandbox id's directory with everything in it, including
-// subvolumes nested inside its root filesystem. Deleting a missing sandbox is not an
-// error.
+// subvolumes nested inside its root filesystem, and its quota group. Deleting a missing
+// sandbox is not an error.
 func (s *Store) DeleteSandbox(ctx context.Context, id string) error {
 	dir, err := s.SandboxDir(id)
 	if err != nil {
@@ -72,11 +69,37 @@ func (s *Store) DeleteSandbox(ctx context.Context, id string) error {
 	if _, err := os.Lstat(dir); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
+	vol, err := s.volumeID(dir)
+	if err != nil {
+		return fmt.Errorf("storage: sandbox %s: %w", id, err)
+	}
+	if vol != 0 {
+		// Deleting the nested subvolumes is charged to the volume: at its limit it
+		// would fail.
+		if err := s.limit(qgroupID(1, vol), qgroupLimitClear); err != nil {
+			s.log.DebugContext(ctx, "storage: lift disk limit before delete", "id", id, "err", err)
+		}
+	}
 	if err := s.retire(ctx, dir, "delete-sandbox"); err != nil {
 		return err
 	}
+	s.dropGroup(ctx, vol)
 	s.log.DebugContext(ctx, "storage: sandbox deleted", "id", id)
 	return nil
+}
+
+// sandboxOf returns the id of the sandbox whose directory holds path (inside the store),
+// or "" if path is not below sandboxes/<id>/.
+func (s *Store) sandboxOf(path string) string {
+	rel, err := filepath.Rel(filepath.Join(s.root, sandboxesDir), path)
+	if err != nil || rel == "." || strings.HasPrefix(rel, "..") {
+		return ""
+	}
+	id, rest, _ := strings.Cut(rel, string(filepath.Separator))
+	if rest == "" || ValidateID(id) != nil {
+		return ""
+	}
+	return id
 }
 
 // ListSandboxes returns the ids of all sandboxes that have a directory in the store,

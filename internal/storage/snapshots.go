@@ -125,11 +125,8 @@ func (s *Store) CopyDisk(ctx context.Context, src, dst string, readOnly bool) er
 	if err != nil {
 		return err
 	}
-	if err := ctx.Err(); err != nil {
+	if err := s.makeParent(ctx, dp); err != nil {
 		return err
-	}
-	if err := os.MkdirAll(filepath.Dir(dp), 0o755); err != nil {
-		return fmt.Errorf("storage: %w", err)
 	}
 	fi, err := os.Stat(sp)
 	if err != nil {
@@ -159,6 +156,9 @@ func (s *Store) CopyTree(ctx context.Context, src, dst string) error {
 	}
 	dp, err := s.inStore(dst)
 	if err != nil {
+		return err
+	}
+	if err := s.makeParent(ctx, dp); err != nil {
 		return err
 	}
 	return filepath.WalkDir(sp, func(p string, d fs.DirEntry, err error) error {
@@ -193,6 +193,24 @@ func (s *Store) CopyTree(ctx context.Context, src, dst string) error {
 	})
 }
 
+// makeParent creates the parent directories of path (inside the store). Below
+// sandboxes/<id>/ the sandbox directory itself is made as a sandbox volume, so that what
+// goes there counts toward the sandbox's disk limit.
+func (s *Store) makeParent(ctx context.Context, path string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if id := s.sandboxOf(path); id != "" {
+		if _, _, err := s.makeSandboxDir(ctx, id); err != nil {
+			return err
+		}
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	return nil
+}
+
 // TempDir makes a fresh directory under the store's tmp/ (cleaned at start-up when no
 // other process uses the store); commit it with os.Rename or remove it with RemoveAll.
 func (s *Store) TempDir(prefix string) (string, error) { return s.tmpDirFor(prefix) }
@@ -210,12 +228,21 @@ func (s *Store) RemoveAll(ctx context.Context, path string) error {
 	return s.retire(ctx, p, "remove")
 }
 
-// ExclusiveBytes reports how many bytes of sandbox id's directory are not shared with
-// anything else (its template, clones, snapshots), measured by `btrfs filesystem du`.
+// ExclusiveBytes reports how many bytes sandbox id's disk use comes to. With quotas on
+// it is SandboxUsage's UsedBytes (what the sandbox's volume owns, read from the kernel's
+// accounting at no cost); otherwise the bytes of its directory not shared with anything
+// else, measured by `btrfs filesystem du` (a walk of the whole tree).
 func (s *Store) ExclusiveBytes(ctx context.Context, id string) (int64, error) {
 	dir, err := s.SandboxDir(id)
 	if err != nil {
 		return 0, err
+	}
+	if s.quota.on {
+		if u, err := s.SandboxUsage(ctx, id); err == nil {
+			return u.UsedBytes, nil
+		} else if errors.Is(err, fs.ErrNotExist) {
+			return 0, err
+		}
 	}
 	bin, err := lookTool("btrfs")
 	if err != nil {

@@ -27,16 +27,27 @@ type Config struct {
 	ImageSizeBytes int64
 	// Logger receives debug and info messages (default: discarded).
 	Logger *slog.Logger
+	// DisableQuotas leaves btrfs quotas alone: Open does not enable simple quotas, and
+	// per-sandbox disk limits (SetSandboxLimit) are unavailable.
+	DisableQuotas bool
+	// DiskReserve is the fraction (0 to <1) of each file system under the store that
+	// CheckSpace keeps free; 0 keeps nothing free. The operator flag defaults to
+	// DefaultDiskReserve.
+	DiskReserve float64
 }
 
 // Store is an open btrfs store. Its methods are safe for concurrent use.
 type Store struct {
-	root  string // DataDir/store
-	image string // DataDir/store.img, "" if the store is not image-backed
-	log   *slog.Logger
+	root    string // DataDir/store
+	image   string // DataDir/store.img, "" if the store is not image-backed
+	log     *slog.Logger
+	reserve float64    // Config.DiskReserve
+	quota   quotaState // set by Open
 
 	mu   sync.Mutex
 	lock *os.File // shared flock on root/.lock; nil once closed
+
+	dirMu sync.Mutex // serializes making sandbox directories
 }
 
 const (
@@ -46,15 +57,22 @@ const (
 	templatesDir = "templates"
 	sandboxesDir = "sandboxes"
 	tmpDir       = "tmp"
+	groupsDir    = ".qgroups"
+	trashName    = ".trash" // in a sandbox volume: what is being removed from it
 	rootfsName   = "rootfs"
 	releaseFile  = "release.json"
 )
 
 // Open opens the store in cfg.DataDir, creating and mounting it as needed (see the
-// package comment). Setup that fails half-way is undone.
+// package comment). It also brings a store made by an older version up to date: mount
+// flags nosuid,nodev, directory modes 0700, simple quotas. Setup that fails half-way is
+// undone.
 func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if cfg.DataDir == "" {
 		return nil, errors.New("storage: DataDir is required")
+	}
+	if cfg.DiskReserve < 0 || cfg.DiskReserve >= 1 {
+		return nil, fmt.Errorf("storage: disk reserve %v is not a fraction from 0 to below 1", cfg.DiskReserve)
 	}
 	dataDir, err := filepath.Abs(cfg.DataDir)
 	if err != nil {
@@ -68,7 +86,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Store{root: filepath.Join(dataDir, storeDirName), log: log}
+	s := &Store{root: filepath.Join(dataDir, storeDirName), log: log, reserve: cfg.DiskReserve}
 
 	var undo []func()
 	defer func() {
@@ -82,7 +100,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 	if err := os.MkdirAll(dataDir, 0o755); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
-	madeRoot, err := mkdirNew(s.root, 0o755)
+	madeRoot, err := mkdirNew(s.root, 0o700)
 	if err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
@@ -102,6 +120,9 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 			}
 		}
 		log.DebugContext(ctx, "storage: using btrfs directory", "root", s.root, "image", s.image)
+		if err := s.secureMount(ctx, &undo); err != nil {
+			return nil, fmt.Errorf("storage: %w", err)
+		}
 	} else {
 		if os.Geteuid() != 0 {
 			return nil, fmt.Errorf("storage: %s is not on btrfs and loop-mounting an image there needs root (running as uid %d)", dataDir, os.Geteuid())
@@ -118,7 +139,7 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 		} else if statErr != nil {
 			return nil, fmt.Errorf("storage: %w", statErr)
 		}
-		if err := mountImage(image, s.root); err != nil {
+		if err := mountImage(image, s.root, storeMountFlags); err != nil {
 			return nil, fmt.Errorf("storage: %w", err)
 		}
 		undo = append(undo, func() { unix.Unmount(s.root, 0) })
@@ -126,15 +147,57 @@ func Open(ctx context.Context, cfg Config) (_ *Store, err error) {
 		log.InfoContext(ctx, "storage: mounted btrfs image", "image", image, "root", s.root)
 	}
 
-	for _, d := range []string{templatesDir, sandboxesDir, tmpDir} {
-		if err := os.MkdirAll(filepath.Join(s.root, d), 0o755); err != nil {
-			return nil, fmt.Errorf("storage: %w", err)
-		}
+	if err := s.restrictModes(); err != nil {
+		return nil, fmt.Errorf("storage: %w", err)
 	}
+	s.initQuotas(ctx, cfg.DisableQuotas)
 	if err := s.lockAndClean(ctx); err != nil {
 		return nil, fmt.Errorf("storage: %w", err)
 	}
+	if s.quota.on {
+		s.sweepQgroups(ctx)
+	}
 	return s, nil
+}
+
+// restrictModes makes the store's directories mode 0700, creating the fixed ones: the
+// root, templates/, sandboxes/, tmp/ and every entry of templates/ and sandboxes/. Only
+// root (the runtimes run as root) may walk to a sandbox's files; an older store with
+// 0755 directories is fixed here.
+func (s *Store) restrictModes() error {
+	if err := os.Chmod(s.root, 0o700); err != nil {
+		return err
+	}
+	for _, d := range []string{templatesDir, sandboxesDir, tmpDir, groupsDir} {
+		p := filepath.Join(s.root, d)
+		if err := os.MkdirAll(p, 0o700); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, 0o700); err != nil {
+			return err
+		}
+	}
+	for _, d := range []string{templatesDir, sandboxesDir} {
+		entries, err := os.ReadDir(filepath.Join(s.root, d))
+		if err != nil {
+			return err
+		}
+		for _, e := range entries {
+			if !e.IsDir() {
+				continue
+			}
+			info, err := e.Info()
+			if err != nil {
+				return err
+			}
+			if info.Mode().Perm() != 0o700 {
+				if err := os.Chmod(filepath.Join(s.root, d, e.Name()), 0o700); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // mkdirNew creates dir if missing and reports whether it did.
@@ -173,16 +236,22 @@ func (s *Store) lockAndClean(ctx context.Context) error {
 }
 
 func (s *Store) cleanTmp(ctx context.Context) error {
-	dir := filepath.Join(s.root, tmpDir)
-	entries, err := os.ReadDir(dir)
+	dirs := []string{filepath.Join(s.root, tmpDir)}
+	trashes, err := filepath.Glob(filepath.Join(s.root, sandboxesDir, "*", trashName))
 	if err != nil {
 		return fmt.Errorf("clean tmp: %w", err)
 	}
-	for _, e := range entries {
-		p := filepath.Join(dir, e.Name())
-		s.log.InfoContext(ctx, "storage: removing leftover", "path", p)
-		if err := removeTree(ctx, p); err != nil {
+	for _, dir := range append(dirs, trashes...) {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
 			return fmt.Errorf("clean tmp: %w", err)
+		}
+		for _, e := range entries {
+			p := filepath.Join(dir, e.Name())
+			s.log.InfoContext(ctx, "storage: removing leftover", "path", p)
+			if err := s.removeAll(ctx, p); err != nil {
+				return fmt.Errorf("clean tmp: %w", err)
+			}
 		}
 	}
 	return nil
@@ -333,6 +402,24 @@ func (s *Store) IsSubvolume(path string) (bool, error) {
 	return sub, nil
 }
 
+// trashDirFor makes a fresh directory prefix-<random> in the trash of the sandbox volume
+// that holds path.
+func (s *Store) trashDirFor(path, prefix string) (string, error) {
+	id := s.sandboxOf(path)
+	if id == "" {
+		return "", fmt.Errorf("storage: %s is in another subvolume than tmp/ and not in a sandbox volume", path)
+	}
+	trash := filepath.Join(s.root, sandboxesDir, id, trashName)
+	if err := os.MkdirAll(trash, 0o700); err != nil {
+		return "", fmt.Errorf("storage: %w", err)
+	}
+	d, err := os.MkdirTemp(trash, prefix+"-")
+	if err != nil {
+		return "", fmt.Errorf("storage: %w", err)
+	}
+	return d, nil
+}
+
 // tmpDirFor makes a fresh directory in tmp/ named prefix-<random>.
 func (s *Store) tmpDirFor(prefix string) (string, error) {
 	d, err := os.MkdirTemp(filepath.Join(s.root, tmpDir), prefix+"-")
@@ -342,23 +429,34 @@ func (s *Store) tmpDirFor(prefix string) (string, error) {
 	return d, nil
 }
 
-// retire moves path (a direct child of templates/ or sandboxes/) into tmp/ with one rename
-// and removes it there, so that readers never see a half-deleted entry and a crash leaves
-// only a leftover that the next Open removes. A missing path is not an error.
+// retire moves path into tmp/ with one rename and removes it there, so that readers
+// never see a half-deleted entry and a crash leaves only a leftover that the next Open
+// removes. A path inside a sandbox volume (a checkpoint, a clone batch) cannot be renamed
+// out of its subvolume: it goes to the volume's own trash, sandboxes/<id>/.trash/, which
+// Open empties likewise. A missing path is not an error.
 func (s *Store) retire(ctx context.Context, path, prefix string) error {
 	d, err := s.tmpDirFor(prefix)
 	if err != nil {
 		return err
 	}
 	dst := filepath.Join(d, filepath.Base(path))
-	if err := os.Rename(path, dst); err != nil {
+	err = os.Rename(path, dst)
+	if errors.Is(err, unix.EXDEV) {
+		os.Remove(d)
+		if d, err = s.trashDirFor(path, prefix); err != nil {
+			return err
+		}
+		dst = filepath.Join(d, filepath.Base(path))
+		err = os.Rename(path, dst)
+	}
+	if err != nil {
 		os.Remove(d)
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil
 		}
 		return fmt.Errorf("storage: %w", err)
 	}
-	if err := removeTree(ctx, d); err != nil {
+	if err := s.removeAll(ctx, d); err != nil {
 		return fmt.Errorf("storage: %w", err)
 	}
 	return nil

@@ -30,14 +30,19 @@ const progressEvery = 5 * time.Second
 // that lead through a symbolic link pointing outside (absolute links, "../" links) are
 // refused and fail the extraction. Symbolic links themselves are created as they are
 // (an absolute link target is resolved inside the sandbox later, never on the host).
-// Owners, permission bits (setuid included) and modification times are kept; device
-// nodes and FIFOs are skipped (the runtime provides /dev). Entries may come in any
-// order (mutate.Extract emits the top layer first): missing parents are created and
-// get their own mode when their entry arrives, and hard links are made at the end.
+// Owners, permission bits and modification times are kept. Setuid and setgid bits are
+// kept too, because sandboxes need them (sudo inside); they are harmless on the host
+// only because the store is mounted nosuid and its directories are 0700 (see
+// docs/security.md, "Storage"). Device nodes and FIFOs are never created (the runtime
+// provides /dev), nor hard links to them: an image cannot place a device node on the
+// host, whatever the mount flags. Entries may come in any order (mutate.Extract emits
+// the top layer first): missing parents are created and get their own mode when their
+// entry arrives, and hard links are made at the end.
 func extractTar(ctx context.Context, root *os.Root, r io.Reader, progress func(string)) (extractStats, error) {
 	var st extractStats
 	type hardlink struct{ name, target string }
 	var links []hardlink
+	skipped := map[string]bool{} // device nodes and FIFOs not created
 	tr := tar.NewReader(r)
 	last := time.Now()
 	for {
@@ -96,8 +101,11 @@ func extractTar(ctx context.Context, root *os.Root, r io.Reader, progress func(s
 				return st, fmt.Errorf("archive entry %q: hard link target %q escapes the root filesystem", hdr.Name, hdr.Linkname)
 			}
 			links = append(links, hardlink{name: name, target: target})
+		case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
+			skipped[name] = true
+			st.Skipped++
 		default:
-			// Devices, FIFOs, PAX global headers: nothing to write.
+			// PAX global headers and the like: nothing to write.
 			st.Skipped++
 		}
 		if progress != nil && time.Since(last) > progressEvery {
@@ -106,6 +114,10 @@ func extractTar(ctx context.Context, root *os.Root, r io.Reader, progress func(s
 		}
 	}
 	for _, l := range links {
+		if skipped[l.target] {
+			st.Skipped++
+			continue
+		}
 		if err := replaceable(root, l.name); err != nil {
 			return st, fmt.Errorf("archive entry %q: %w", l.name, err)
 		}

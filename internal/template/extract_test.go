@@ -114,6 +114,34 @@ func TestExtractTar(t *testing.T) {
 	}
 }
 
+// TestExtractTarNoDevices checks that no device node or FIFO from an image reaches the
+// host, not even through a hard link to one, while the rest of the image is extracted.
+func TestExtractTarNoDevices(t *testing.T) {
+	dir := t.TempDir()
+	st, err := extractInto(t, dir, tarOf(t,
+		entry{name: "dev/", typ: tar.TypeDir, mode: 0o755},
+		entry{name: "dev/mem", typ: tar.TypeChar, mode: 0o666},
+		entry{name: "dev/sda", typ: tar.TypeBlock, mode: 0o666},
+		entry{name: "run/fifo", typ: tar.TypeFifo, mode: 0o666},
+		entry{name: "usr/mem-alias", typ: tar.TypeLink, link: "dev/mem"},
+		entry{name: "usr/bin/sudo", typ: tar.TypeReg, mode: 0o4755, body: "#!sudo"},
+	))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Skipped != 4 || st.Files != 1 {
+		t.Errorf("stats = %+v, want 4 skipped and 1 file", st)
+	}
+	for _, p := range []string{"dev/mem", "dev/sda", "run/fifo", "usr/mem-alias"} {
+		if _, err := os.Lstat(filepath.Join(dir, p)); !os.IsNotExist(err) {
+			t.Errorf("%s exists on the host: %v", p, err)
+		}
+	}
+	if fi, err := os.Stat(filepath.Join(dir, "usr/bin/sudo")); err != nil || fi.Mode()&fs.ModeSetuid == 0 {
+		t.Errorf("setuid binary: %v %v (the setuid bit is kept for use inside sandboxes)", fi, err)
+	}
+}
+
 // TestExtractTarEscapes feeds archives that try to write outside the root: each fails
 // and nothing appears outside.
 func TestExtractTarEscapes(t *testing.T) {

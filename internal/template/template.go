@@ -145,7 +145,7 @@ func (b *Builder) debootstrap(ctx context.Context, rootfs, suite string, package
 	if b.Mirror != "" {
 		args = append(args, b.Mirror)
 	}
-	if err := b.run(ctx, progress, debootstrap, args...); err != nil {
+	if err := b.runInTarget(ctx, progress, rootfs, debootstrap, args...); err != nil {
 		return fmt.Errorf("template: debootstrap: %w", err)
 	}
 	return nil
@@ -158,7 +158,7 @@ func (b *Builder) customizeBase(ctx context.Context, rootfs string) error {
 	if err != nil {
 		return fmt.Errorf("chroot not found: %w", err)
 	}
-	if err := b.run(ctx, nil, chroot, rootfs, "useradd",
+	if err := b.runInTarget(ctx, nil, rootfs, chroot, rootfs, "useradd",
 		"--uid", baseUID, "--user-group", "--create-home", "--home-dir", baseHome,
 		"--shell", "/bin/bash", baseUser); err != nil {
 		return fmt.Errorf("add user: %w", err)
@@ -241,6 +241,23 @@ func (b *Builder) run(ctx context.Context, progress func(string), name string, a
 		return fmt.Errorf("%w\n%s", waitErr, strings.Join(tail, "\n"))
 	}
 	return sc.Err()
+}
+
+// targetDevScript runs "$@" with the build target "$0" on a mount of its own that allows
+// device nodes. The store is mounted nodev (docs/security.md, "Storage"), and debootstrap
+// refuses a nodev target: it and package scripts need the device nodes it makes in
+// target/dev (/dev/null) to work. The mount exists only in the command's private mount
+// namespace and goes away with it; nosuid stays.
+const targetDevScript = `mount --bind -- "$0" "$0" && mount -o remount,bind,dev -- "$0" && exec "$@"`
+
+// runInTarget is run for a command that works on the build target directory target
+// (debootstrap, chroot), with device nodes allowed there (targetDevScript).
+func (b *Builder) runInTarget(ctx context.Context, progress func(string), target, name string, args ...string) error {
+	sh, err := exec.LookPath("sh")
+	if err != nil {
+		return errors.New("sh not found")
+	}
+	return b.run(ctx, progress, sh, append([]string{"-c", targetDevScript, target, name}, args...)...)
 }
 
 // buildEnv is the environment of build commands: a fixed PATH and locale, plus the

@@ -394,8 +394,10 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 	if err := r.waitHostProcsGone(wctx, id, stateDir, procsGrace); err != nil {
 		return errors.Join(delErr, err)
 	}
-	if delErr != nil {
-		// runsc gives up waiting for the sandbox after a few seconds; now it is gone.
+	// runsc gives up waiting for the sandbox after a few seconds; now it is gone. And a
+	// runsc create left running by a killed caller may have registered the container
+	// after the first delete, before waitHostProcsGone killed it.
+	if delErr != nil || r.listed(ctx, id) {
 		if _, err := r.runsc(ctx, "delete", "-force", id); err != nil {
 			return err
 		}
@@ -412,6 +414,12 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 		}
 	}
 	return r.removeRecord(id)
+}
+
+// listed reports whether runsc lists a container with this id.
+func (r *Runtime) listed(ctx context.Context, id string) bool {
+	all, err := r.list(ctx)
+	return err == nil && slices.ContainsFunc(all, func(c containerState) bool { return c.ID == id })
 }
 
 // validID reports whether id is a sandbox id: lowercase alphanumerics.
