@@ -60,6 +60,7 @@ type serveConfig struct {
 	retention      time.Duration
 	logLevel       string
 	runscPlatform  string
+	runscPath      string
 	agentReadyWait time.Duration
 	idleTimeout    time.Duration
 	baseSnapshots  bool
@@ -133,7 +134,8 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.Int64Var(&c.journalBytes, "journal-bytes", 8<<20, "per-process output journal size in bytes")
 	f.DurationVar(&c.retention, "output-retention", 10*time.Minute, "how long an exited process's output stays readable")
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
-	f.StringVar(&c.runscPlatform, "runsc-platform", "ptrace", "gVisor platform: ptrace or kvm")
+	f.StringVar(&c.runscPath, "runsc", os.Getenv("SPACE_RUNSC"), "runsc binary (env SPACE_RUNSC; default "+gvisor.DefaultRunscPath+", built by scripts/setup.sh; Debian's /usr/bin/runsc needs --runsc-platform ptrace)")
+	f.StringVar(&c.runscPlatform, "runsc-platform", gvisor.DefaultPlatform, "gVisor platform: systrap, ptrace (the only one of Debian's runsc) or kvm")
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", 60*time.Second, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", 6*time.Hour, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
@@ -417,9 +419,10 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 	suffix := hex.EncodeToString(sum[:6])
 	newGVisor := func() (runtime.Runtime, error) {
 		return gvisor.New(gvisor.Config{
-			RootDir:  filepath.Join("/run/space", "runsc-"+suffix),
-			Platform: c.runscPlatform,
-			Logger:   log.With("component", "gvisor"),
+			RunscPath: c.runscPath,
+			RootDir:   filepath.Join("/run/space", "runsc-"+suffix),
+			Platform:  c.runscPlatform,
+			Logger:    log.With("component", "gvisor"),
 		})
 	}
 	newQEMU := func() (*qemu.Runtime, error) {

@@ -61,8 +61,6 @@ type bundleOptions struct {
 	CgroupsPath string
 	// NetNS is the path of a network namespace to join; empty means a new one.
 	NetNS string
-	// Compat is the host path of the statx compatibility shim ("" = none).
-	Compat string
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -122,9 +120,6 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 				{Type: specs.MountNamespace},
 			},
 		},
-	}
-	if opts.Compat != "" {
-		s.Mounts = append(s.Mounts, specs.Mount{Destination: CompatPreload, Type: "bind", Source: opts.Compat, Options: []string{"rbind", "ro", "nosuid", "nodev"}})
 	}
 	return s
 }

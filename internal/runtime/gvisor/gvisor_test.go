@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -9,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -36,12 +38,20 @@ func TestMain(m *testing.M) {
 	os.Exit(testMain(m))
 }
 
+// testRunsc and testPlatform are the runsc the tests use: the default one, or the one
+// SPACE_TEST_RUNSC names (e.g. Debian's /usr/bin/runsc with SPACE_TEST_RUNSC_PLATFORM
+// ptrace, to check the fallback).
+var (
+	testRunsc    = cmp.Or(os.Getenv("SPACE_TEST_RUNSC"), DefaultRunscPath)
+	testPlatform = cmp.Or(os.Getenv("SPACE_TEST_RUNSC_PLATFORM"), DefaultPlatform)
+)
+
 func testMain(m *testing.M) int {
-	switch _, err := exec.LookPath("runsc"); {
+	switch _, err := os.Stat(testRunsc); {
 	case os.Geteuid() != 0:
 		skipReason = "runsc tests need root"
 	case err != nil:
-		skipReason = "runsc not installed (apt-get install runsc)"
+		skipReason = fmt.Sprintf("runsc not installed at %s (scripts/setup.sh builds it)", testRunsc)
 	}
 	if skipReason == "" && os.Getenv(helperSpecEnv) == "" {
 		dir, err := os.MkdirTemp("", "gvisor-testagent-")
@@ -83,11 +93,22 @@ func (w tWriter) Write(p []byte) (int, error) {
 
 func newTestRuntime(t *testing.T, rootDir string) *Runtime {
 	t.Helper()
-	rt, err := New(Config{RootDir: rootDir, Logger: testLogger(t)})
+	rt, err := New(Config{RunscPath: testRunsc, Platform: testPlatform, RootDir: rootDir, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { unmountNullNetNS(t, rootDir) })
 	return rt
+}
+
+// unmountNullNetNS unmounts the empty network namespace runsc pins in its root dir for
+// all gofers (a host mount the root dir keeps for the host's lifetime), so that the
+// test's temporary root dir can be removed.
+func unmountNullNetNS(t *testing.T, rootDir string) {
+	p := filepath.Join(rootDir, "null-netns")
+	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		t.Errorf("unmount %s: %v", p, err)
+	}
 }
 
 func newID(t *testing.T) string {
@@ -169,7 +190,7 @@ func assertNothingLeft(t *testing.T, rt *Runtime, spec runtime.Spec) {
 	if slices.ContainsFunc(list, func(i runtime.Instance) bool { return i.ID == spec.ID }) {
 		t.Errorf("List still has %s: %v", spec.ID, list)
 	}
-	out, err := exec.Command("runsc", "--root="+rt.cfg.RootDir, "list", "-format=json").Output()
+	out, err := exec.Command(rt.cfg.RunscPath, "--root="+rt.cfg.RootDir, "list", "-format=json").Output()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -341,7 +362,7 @@ func TestLifecycle(t *testing.T) {
 	})
 	t.Run("info", func(t *testing.T) {
 		info, err := rt.Info(ctx)
-		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != "ptrace" {
+		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != testPlatform {
 			t.Errorf("Info = %+v, %v", info, err)
 		}
 	})
@@ -365,7 +386,7 @@ func TestLifecycle(t *testing.T) {
 		get(t, fc, "/v1/health")
 	})
 	t.Run("stopped", func(t *testing.T) {
-		if out, err := exec.Command("runsc", "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
+		if out, err := exec.Command(rt.cfg.RunscPath, "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
 			t.Fatalf("runsc kill: %v %s", err, out)
 		}
 		deadline := time.Now().Add(10 * time.Second)
@@ -562,9 +583,27 @@ func TestSurvivesCreator(t *testing.T) {
 }
 
 func TestNewWithoutRunsc(t *testing.T) {
-	t.Setenv("PATH", t.TempDir())
-	_, err := New(Config{RootDir: t.TempDir()})
-	if err == nil || !strings.Contains(err.Error(), "apt-get install runsc") {
-		t.Errorf("New without runsc: %v", err)
+	_, err := New(Config{RunscPath: filepath.Join(t.TempDir(), "runsc"), RootDir: t.TempDir()})
+	if err == nil || !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("New with a missing runsc: %v", err)
+	}
+	notRunsc := filepath.Join(t.TempDir(), "runsc")
+	if err := os.WriteFile(notRunsc, []byte("#!/bin/sh\nexit 3\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(Config{RunscPath: notRunsc, RootDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "does not run") {
+		t.Errorf("New with a runsc that fails: %v", err)
+	}
+}
+
+func TestParseVersion(t *testing.T) {
+	for out, want := range map[string]string{
+		"runsc version v0.0.0-20260905035102-160fafc42237\nspec: 1.2.1\n": "v0.0.0-20260905035102-160fafc42237",
+		"runsc version 0.0~20221219.0\nspec: 1.0.2-dev\n":                 "0.0~20221219.0",
+		"": "",
+	} {
+		if got := parseVersion(out); got != want {
+			t.Errorf("parseVersion(%q) = %q, want %q", out, got, want)
+		}
 	}
 }

@@ -7,7 +7,9 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"time"
 
+	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -35,9 +37,10 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 	return nil
 }
 
-// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint);
-// the sandbox stops. The agent must have quiesced first: runsc cannot save a sandbox
-// that holds a bound host socket, and the failed attempt kills it.
+// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint),
+// fsyncs the files, and returns once the sandbox has stopped. The agent must have
+// quiesced first: runsc cannot save a sandbox that holds a bound host socket, and the
+// failed attempt kills it.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor checkpoint: invalid id %q", id)
@@ -48,7 +51,53 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	if _, err := r.runsc(ctx, "checkpoint", "-image-path", dir, id); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
+	if err := syncDir(dir); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	// runsc returns once the image is written; the sandbox exits a moment later.
+	if err := r.waitStopped(ctx, id); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
 	return nil
+}
+
+// waitStopped polls runsc until the container is no longer running, bounded by the
+// command timeout.
+func (r *Runtime) waitStopped(ctx context.Context, id string) error {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
+	defer cancel()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		st, err := r.state(ctx, id)
+		if errors.Is(err, runtime.ErrNotFound) || (err == nil && status(st.Status) == runtime.StatusStopped) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the sandbox to stop: still %s: %w", st.Status, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// syncDir fsyncs the regular files in dir and dir itself.
+func syncDir(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if e.Type().IsRegular() {
+			if err := durable.Sync(filepath.Join(dir, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	return durable.Sync(dir)
 }
 
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
@@ -79,7 +128,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	if err := os.MkdirAll(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
-	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID), Compat: r.compat})
+	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID)})
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
