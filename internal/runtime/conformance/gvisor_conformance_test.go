@@ -19,6 +19,13 @@ func TestGVisor(t *testing.T) {
 	}
 	conformance.Run(t, conformance.Factory{
 		New: func(t *testing.T, rootDir string) runtime.Runtime {
+			// The sandboxes' user namespace must search the way to the runtime's id-mapped
+			// views; t.TempDir makes its directories 0700.
+			for _, d := range []string{rootDir, filepath.Dir(rootDir)} {
+				if err := os.Chmod(d, 0o711); err != nil {
+					t.Fatal(err)
+				}
+			}
 			rt, err := gvisor.New(gvisor.Config{RootDir: rootDir, Logger: testLogger(t)})
 			if err != nil {
 				t.Fatal(err)
