@@ -24,6 +24,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/template/templatetest"
 	"github.com/spacedev/space/internal/testenv"
@@ -62,7 +63,7 @@ type srv struct {
 
 func requireHost(t testing.TB) {
 	testenv.RequireRoot(t)
-	testenv.RequireBinary(t, "runsc", "apt-get install runsc")
+	testenv.RequireBinary(t, gvisor.DefaultRunscPath, "scripts/setup.sh builds it")
 	templatetest.RequireStore(t)
 }
 
@@ -216,7 +217,7 @@ func (s *srv) RunscRoot() string {
 
 // runscIDs lists the runsc containers of this server.
 func (s *srv) runscIDs() []string {
-	out, err := exec.Command("runsc", "--root", s.RunscRoot(), "list", "-format=json").Output()
+	out, err := exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "list", "-format=json").Output()
 	if err != nil {
 		return nil
 	}
@@ -234,8 +235,8 @@ func (s *srv) runscIDs() []string {
 func (s *srv) cleanup() {
 	s.Stop()
 	for _, id := range s.runscIDs() {
-		_ = exec.Command("runsc", "--root", s.RunscRoot(), "kill", id, "KILL").Run()
-		_ = exec.Command("runsc", "--root", s.RunscRoot(), "delete", "-force", id).Run()
+		_ = exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "kill", id, "KILL").Run()
+		_ = exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "delete", "-force", id).Run()
 	}
 	if s.opts.embedded {
 		// A killed server may leave its PostgreSQL running: stop it.
