@@ -68,6 +68,9 @@ type bundleOptions struct {
 	// RunSource is the host directory mounted at wire.RunMountDir; empty means
 	// <StateDir>/run.
 	RunSource string
+	// GuestPids mounts gVisor's cgroups in the sandbox, where the pids limit is set
+	// (runsc releases that have --in-sandbox-cgroup).
+	GuestPids bool
 	// UIDBase, when not 0, puts the sandbox in a user namespace mapping its ids
 	// 0…UserNSSize-1 to host ids UIDBase….
 	UIDBase uint32
@@ -118,13 +121,6 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 			// gVisor mounts a tmpfs at /tmp anyway when the image's /tmp is empty; saying
 			// so makes /tmp the same whatever the template holds there.
 			{Destination: "/tmp", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev", "mode=1777"}},
-			// gVisor's own cgroups (not the host's): with this mount the container's
-			// tasks live in a cgroup of their own inside the Sentry (/<id>), where the
-			// runtime sets the pids limit. It is writable so that the agent can start user
-			// processes in a child cgroup with a tighter limit, keeping room for itself;
-			// sandbox root can also raise the limit, which only brings it to the host
-			// backstop (see hostPidsFactor). Programs also see their limits here.
-			{Destination: cgroupMountDir, Type: "cgroup2", Source: "cgroup2", Options: []string{"nosuid", "noexec", "nodev"}},
 			{Destination: wire.AgentPath, Type: "bind", Source: spec.AgentPath, Options: []string{"rbind", "ro", "nosuid", "nodev"}},
 			{Destination: wire.RunMountDir, Type: "bind", Source: runSource, Options: []string{"rbind", "rw", "nosuid", "nodev", "noexec"}},
 		},
@@ -139,6 +135,15 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 				{Type: specs.MountNamespace},
 			},
 		},
+	}
+	if opts.GuestPids {
+		// gVisor's own cgroups (not the host's): with this mount the container's tasks
+		// live in a cgroup of their own inside the Sentry (/<id>), where the runtime sets
+		// the pids limit. It is writable so that the agent can start user processes in
+		// a child cgroup with a tighter limit, keeping room for itself; sandbox root can
+		// also raise the limit, which only brings it to the host backstop (see
+		// hostPidsFactor). Programs also see their limits here.
+		s.Mounts = slices.Insert(s.Mounts, 4, specs.Mount{Destination: cgroupMountDir, Type: "cgroup2", Source: "cgroup2", Options: []string{"nosuid", "noexec", "nodev"}})
 	}
 	if opts.UIDBase != 0 {
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: opts.UIDBase, Size: UserNSSize}}

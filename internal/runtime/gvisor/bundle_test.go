@@ -28,6 +28,7 @@ func TestBundleGolden(t *testing.T) {
 		RootPath:    "/run/space/runsc/mnt/abc123/rootfs",
 		RunSource:   "/run/space/runsc/mnt/abc123/run",
 		UIDBase:     DefaultUIDBase,
+		GuestPids:   true,
 	}))
 	if err != nil {
 		t.Fatal(err)

@@ -98,9 +98,13 @@ const (
 type Runtime struct {
 	cfg     Config
 	log     *slog.Logger
-	version string   // of runsc, from `runsc --version`
-	userns  *os.File // the user namespace of the id-mapped views; nil with NoUserNS
-	stop    context.CancelFunc
+	version string // of runsc, from `runsc --version`
+	// guestPids says runsc can hold the pids limit inside the sandbox (it has
+	// --in-sandbox-cgroup, and cgroup v2 inside, whose limits write-control can set).
+	// Older releases (Debian's 2022 runsc) only get the host limit.
+	guestPids bool
+	userns    *os.File // the user namespace of the id-mapped views; nil with NoUserNS
+	stop      context.CancelFunc
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -151,6 +155,17 @@ func New(cfg Config) (*Runtime, error) {
 		return nil, fmt.Errorf("gvisor: %s does not run: %w", cfg.RunscPath, err)
 	}
 	r.version = parseVersion(string(out))
+	// `runsc flags` describes the flags this release knows, on stderr.
+	flags, err := exec.CommandContext(ctx, cfg.RunscPath, "flags").CombinedOutput()
+	if err != nil {
+		return nil, fmt.Errorf("gvisor: %s flags: %w: %s", cfg.RunscPath, err, flags)
+	}
+	r.guestPids = bytes.Contains(flags, []byte("-in-sandbox-cgroup"))
+	// Releases without directfs (2022 and older) neither run the sandbox in the spec's
+	// user namespace nor open bind-mount sources the namespace cannot reach for it.
+	if !cfg.NoUserNS && !bytes.Contains(flags, []byte("-directfs")) {
+		return nil, fmt.Errorf("gvisor: runsc %s cannot run sandboxes in a user namespace; run without it (space serve --runsc-userns=false)", r.version)
+	}
 	if err := r.makeRootDir(); err != nil {
 		return nil, err
 	}
@@ -214,8 +229,23 @@ func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 		Version: r.version,
 		// The agent cannot hold a host socket across a checkpoint: after a restore it
 		// learns its identity from a resume file in its run directory.
-		Details: map[string]string{"platform": r.cfg.Platform, "runsc": r.cfg.RunscPath, "userns": r.usernsInfo(), "agent_resume": "file"},
+		Details: map[string]string{
+			"platform":     r.cfg.Platform,
+			"runsc":        r.cfg.RunscPath,
+			"userns":       r.usernsInfo(),
+			"pids_limit":   r.pidsInfo(),
+			"agent_resume": "file",
+		},
 	}, nil
+}
+
+// pidsInfo says where the pids limit holds for Info: "sandbox" (inside the Sentry, with
+// the host backstop) or "host" (the host cgroup only: older runsc releases).
+func (r *Runtime) pidsInfo() string {
+	if r.guestPids {
+		return "sandbox"
+	}
+	return "host"
 }
 
 // usernsInfo describes the user namespace for Info: "UIDBase:size", or "off".
@@ -297,6 +327,9 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, s
 	if err := r.run(ctx, spec, sub...); err != nil {
 		return mountPoints, err
 	}
+	if !r.guestPids {
+		return mountPoints, nil
+	}
 	return mountPoints, r.limitTasks(ctx, spec, cgroup)
 }
 
@@ -305,6 +338,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, s
 func (r *Runtime) prepareMounts(spec runtime.Spec) (bundleOptions, error) {
 	opts := bundleOptions{
 		CgroupsPath: r.cgroupsPath(spec.ID),
+		GuestPids:   r.guestPids,
 		RootPath:    spec.RootFS,
 		RunSource:   filepath.Join(spec.StateDir, runDir),
 	}
@@ -385,7 +419,11 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 		return fmt.Errorf("open runsc log: %w", err)
 	}
 	defer logf.Close()
-	args := append([]string{"--network=none", "--overlay2=none", "--host-uds=create", "--in-sandbox-cgroup=v2"}, sub...)
+	args := []string{"--network=none", "--overlay2=none", "--host-uds=create"}
+	if r.guestPids {
+		args = append(args, "--in-sandbox-cgroup=v2")
+	}
+	args = append(args, sub...)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
 	defer cancel()
 	full := r.args(args...)

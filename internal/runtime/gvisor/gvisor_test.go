@@ -42,7 +42,7 @@ func TestMain(m *testing.M) {
 
 // testRunsc and testPlatform are the runsc the tests use: the default one, or the one
 // SPACE_TEST_RUNSC names (e.g. Debian's /usr/bin/runsc with SPACE_TEST_RUNSC_PLATFORM
-// ptrace, to check the fallback).
+// ptrace and SPACE_TEST_RUNSC_NO_USERNS=1, to check the fallback).
 var (
 	testRunsc    = cmp.Or(os.Getenv("SPACE_TEST_RUNSC"), DefaultRunscPath)
 	testPlatform = cmp.Or(os.Getenv("SPACE_TEST_RUNSC_PLATFORM"), DefaultPlatform)
@@ -415,6 +415,11 @@ func TestLifecycle(t *testing.T) {
 		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != testPlatform {
 			t.Errorf("Info = %+v, %v", info, err)
 		}
+		// The pinned release holds the pids limit inside the sandbox (else the fork bomb
+		// test would skip).
+		if testRunsc == DefaultRunscPath && info.Details["pids_limit"] != "sandbox" {
+			t.Errorf("Info details %v: want pids_limit sandbox", info.Details)
+		}
 	})
 	t.Run("create again fails and keeps the instance", func(t *testing.T) {
 		if err := rt.Create(ctx, spec); err == nil {
@@ -644,6 +649,13 @@ func TestNewWithoutRunsc(t *testing.T) {
 	if _, err := New(Config{RunscPath: notRunsc, RootDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "does not run") {
 		t.Errorf("New with a runsc that fails: %v", err)
 	}
+	// The release is probed for what it can do; a broken probe is an error.
+	if err := os.WriteFile(notRunsc, []byte("#!/bin/sh\n[ \"$1\" = --version ] && echo 'runsc version x' && exit 0\nexit 3\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(Config{RunscPath: notRunsc, RootDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "flags") {
+		t.Errorf("New with a runsc that fails: %v", err)
+	}
 }
 
 func TestParseVersion(t *testing.T) {
@@ -699,6 +711,9 @@ func TestForkBombContained(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
 	rt := newTestRuntime(t, testRootDir(t))
+	if !rt.guestPids {
+		t.Skipf("runsc %s holds no pids limit inside the sandbox", rt.version)
+	}
 	spec := testSpec(t, newID(t))
 	spec.PidsLimit = 256
 	if err := rt.Create(ctx, spec); err != nil {

@@ -25,7 +25,7 @@ const (
 	logFileOld     = "runsc.log.1"
 	logRotateSize  = 1 << 20
 	logKeepSize    = 256 << 10
-	logRotateEvery = 2 * time.Second
+	logRotateEvery = 5 * time.Second
 )
 
 // logPath is the instance's current log file.
