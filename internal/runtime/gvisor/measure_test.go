@@ -15,7 +15,8 @@ import (
 )
 
 // TestMeasureRunsc times bare runsc, old against new, side by side: `runsc run` of
-// `true`, and checkpoint and restore of a sleeping container, each on a busybox root
+// `true`, of a dd making 200,000 system calls, and checkpoint and restore of a sleeping
+// container, each on a busybox root
 // filesystem with no network. It only runs with SPACE_MEASURE_RUNSC=1 (it takes about
 // a minute); SPACE_MEASURE_RUNS sets the runs per figure (default 10).
 //
@@ -30,6 +31,12 @@ func TestMeasureRunsc(t *testing.T) {
 		fmt.Sscan(n, &runs)
 	}
 	rootfs := busyboxRootfs(t)
+	type config struct {
+		name, platform        string
+		m                     measurer
+		run, ckpt, restr, sys []time.Duration
+	}
+	var configs []*config
 	for _, c := range []struct{ name, runsc, platform string }{
 		{"debian 20221219", "/usr/bin/runsc", "ptrace"},
 		{"pinned", DefaultRunscPath, "ptrace"},
@@ -41,17 +48,23 @@ func TestMeasureRunsc(t *testing.T) {
 		}
 		m := measurer{t: t, runsc: c.runsc, platform: c.platform, root: t.TempDir(), rootfs: rootfs}
 		t.Cleanup(func() { unmountNullNetNS(t, m.root) })
-		var run, ckpt, rest []time.Duration
-		for i := range runs {
-			run = append(run, m.run(fmt.Sprintf("r%d", i)))
+		configs = append(configs, &config{name: c.name, platform: c.platform, m: m})
+	}
+	// Round-robin, so that the load of a shared machine falls on every configuration
+	// alike.
+	for i := range runs {
+		for _, c := range configs {
+			c.run = append(c.run, c.m.run(fmt.Sprintf("r%d", i), "/bin/true"))
+			c.sys = append(c.sys, c.m.run(fmt.Sprintf("s%d", i), "/bin/dd", "if=/dev/zero", "of=/dev/null", "bs=1", "count=100000"))
+			ck, r := c.m.checkpointRestore(fmt.Sprintf("c%d", i))
+			c.ckpt, c.restr = append(c.ckpt, ck), append(c.restr, r)
 		}
-		for i := range runs {
-			c, r := m.checkpointRestore(fmt.Sprintf("c%d", i))
-			ckpt, rest = append(ckpt, c), append(rest, r)
-		}
-		t.Logf("%-16s %-8s run true: %v   checkpoint: %v   restore: %v   (median of %d; min…max %v…%v, %v…%v, %v…%v)",
-			c.name, c.platform, median(run), median(ckpt), median(rest), runs,
-			slices.Min(run), slices.Max(run), slices.Min(ckpt), slices.Max(ckpt), slices.Min(rest), slices.Max(rest))
+	}
+	for _, c := range configs {
+		t.Logf("%-16s %-8s run true: %v   run dd 200k syscalls: %v   checkpoint: %v   restore: %v   (median of %d; min %v, %v, %v, %v)",
+			c.name, c.platform, median(c.run), median(c.sys), median(c.ckpt), median(c.restr), runs,
+			slices.Min(c.run).Round(time.Millisecond), slices.Min(c.sys).Round(time.Millisecond),
+			slices.Min(c.ckpt).Round(time.Millisecond), slices.Min(c.restr).Round(time.Millisecond))
 	}
 }
 
@@ -106,10 +119,10 @@ func (m measurer) bundle(argv ...string) string {
 	return dir
 }
 
-// run times `runsc run` of true (to its exit).
-func (m measurer) run(id string) time.Duration {
+// run times `runsc run` of argv (to its exit).
+func (m measurer) run(id string, argv ...string) time.Duration {
 	m.t.Helper()
-	b := m.bundle("/bin/true")
+	b := m.bundle(argv...)
 	start := time.Now()
 	m.must("run", "-bundle", b, id)
 	d := time.Since(start)
@@ -163,7 +176,7 @@ func busyboxRootfs(t *testing.T) string {
 	if err := os.WriteFile(filepath.Join(dir, "bin", "busybox"), data, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for _, name := range []string{"true", "sleep", "sh"} {
+	for _, name := range []string{"true", "sleep", "sh", "dd"} {
 		if err := os.Symlink("busybox", filepath.Join(dir, "bin", name)); err != nil {
 			t.Fatal(err)
 		}
