@@ -352,6 +352,11 @@ func TestCheckpointRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("restore: %v", time.Since(start))
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), dst.ID); err != nil {
+			t.Error(err)
+		}
+	})
 	if err := os.WriteFile(filepath.Join(dst.StateDir, runDir, "resume"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
