@@ -37,9 +37,8 @@ type Spec struct {
 	CPU int
 	// MemoryMB bounds the sandbox's memory.
 	MemoryMB int
-	// PidsLimit bounds the tasks (processes and threads) inside the instance, so that a
-	// fork bomb fails with EAGAIN instead of exhausting the host; 0 means the runtime's
-	// default. Runtimes whose guest has its own kernel may leave it to that kernel.
+	// PidsLimit bounds the number of host tasks (processes and threads) the sandbox's
+	// processes on the host may have (cgroup pids.max); 0 takes the runtime's default.
 	PidsLimit int
 	// Network enables networking; the default (false) means no network at all.
 	Network bool

@@ -327,7 +327,7 @@ func TestCheckpointRestore(t *testing.T) {
 	ctx := context.Background()
 	rt := newTestRuntime(t, testRootDir(t))
 	src := testSpec(t, newID(t))
-	src.PidsLimit = 100
+	src.PidsLimit = hostPidsFactor*100 + hostPidsSlack
 	c := startSandbox(t, rt, src)
 	quiesce(t, c, src)
 	dir := t.TempDir()
@@ -346,7 +346,7 @@ func TestCheckpointRestore(t *testing.T) {
 
 	dst := testSpec(t, newID(t))
 	dst.RootFS = src.RootFS
-	dst.PidsLimit = 150
+	dst.PidsLimit = hostPidsFactor*150 + hostPidsSlack
 	start = time.Now()
 	if err := rt.Restore(ctx, dst, dir); err != nil {
 		t.Fatal(err)
@@ -368,8 +368,8 @@ func TestCheckpointRestore(t *testing.T) {
 	} else if got := strings.TrimSpace(string(get(t, dc, "/read?path=/sys/fs/cgroup/"+src.ID+"/pids.max"))); got != "150" {
 		t.Errorf("pids.max inside the restored sandbox = %s, want 150", got)
 	}
-	if got := readInt(t, filepath.Join(pidsCgroupDir(dst.ID), "pids.max")); got != int(hostPidsLimit(dst)) {
-		t.Errorf("host pids.max = %d, want %d", got, hostPidsLimit(dst))
+	if got := readInt(t, filepath.Join(pidsCgroupDir(dst.ID), "pids.max")); got != dst.PidsLimit {
+		t.Errorf("host pids.max = %d, want %d", got, dst.PidsLimit)
 	}
 	for pid, uid := range hostUIDs(t, rt, dst) {
 		if uid != DefaultUIDBase && !testNoUserNS {

@@ -141,7 +141,7 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 		// live in a cgroup of their own inside the Sentry (/<id>), where the runtime sets
 		// the pids limit. It is writable so that the agent can start user processes in
 		// a child cgroup with a tighter limit, keeping room for itself; sandbox root can
-		// also raise the limit, which only brings it to the host backstop (see
+		// also raise the limit, which only brings it to the host limit (see
 		// hostPidsFactor). Programs also see their limits here.
 		s.Mounts = slices.Insert(s.Mounts, 4, specs.Mount{Destination: cgroupMountDir, Type: "cgroup2", Source: "cgroup2", Options: []string{"nosuid", "noexec", "nodev"}})
 	}
@@ -175,35 +175,41 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 	return nil
 }
 
-// DefaultPidsLimit is the limit on tasks inside a sandbox whose Spec names none.
-const DefaultPidsLimit = 2048
-
-// The pids limit is enforced twice. Inside the sandbox, gVisor's own pids controller
-// (the container's cgroup in the Sentry, set with `runsc write-control` after start)
-// makes fork and clone fail with EAGAIN at Spec.PidsLimit tasks. On the host, the
-// sandbox's cgroup gets pids.max = hostPidsFactor*limit + hostPidsSlack, a backstop
-// that the guest limit keeps out of reach: each guest process costs the systrap
+// Spec.PidsLimit is the sandbox's host cgroup pids.max (the OCI config's
+// linux.resources.pids.limit), as for every runtime. Under gVisor that host limit must
+// never be reached: a Sentry that cannot create a thread dies ("failed to create new OS
+// thread"), taking the sandbox with it. So the runtime also limits the tasks inside the
+// sandbox, through gVisor's own pids controller (the container's cgroup in the Sentry,
+// set with `runsc write-control` after start), where fork and clone fail with EAGAIN, at
+// (PidsLimit - hostPidsSlack) / hostPidsFactor: each guest process costs the systrap
 // platform a stub process with a system call thread and up to GOMAXPROCS sysmsg threads
-// (the Sentry pools them for reuse after the guest process exits), and a guest thread
-// blocked in a host system call holds a Sentry thread. The backstop must not be the one
-// that bites: a Sentry that cannot create a thread dies ("failed to create new OS
-// thread"), taking the sandbox with it.
+// (the Sentry pools them for reuse after the guest process exits), a guest thread
+// blocked in a host system call holds a Sentry thread, and the Sentry and the gofer
+// have threads of their own. A fork bomb at 2048 tasks inside peaks at ~1,700 host
+// tasks.
 const (
 	hostPidsFactor = 4
 	hostPidsSlack  = 256
+	// DefaultPidsLimit is the host limit of a sandbox whose Spec names none: 2048
+	// tasks inside.
+	DefaultPidsLimit = hostPidsFactor*2048 + hostPidsSlack
+	// MinPidsLimit is the smallest PidsLimit: 16 tasks inside.
+	MinPidsLimit = hostPidsFactor*16 + hostPidsSlack
 )
 
-// pidsLimit is the Spec's limit on tasks inside the sandbox, or the default.
-func pidsLimit(spec runtime.Spec) int64 {
+// hostPidsLimit is the pids.max of the sandbox's host cgroup: the Spec's, or the
+// default.
+func hostPidsLimit(spec runtime.Spec) int64 {
 	if spec.PidsLimit > 0 {
 		return int64(spec.PidsLimit)
 	}
 	return DefaultPidsLimit
 }
 
-// hostPidsLimit is the pids.max of the sandbox's host cgroup.
-func hostPidsLimit(spec runtime.Spec) int64 {
-	return hostPidsFactor*pidsLimit(spec) + hostPidsSlack
+// guestPidsLimit is the limit on tasks inside the sandbox that keeps the host limit out
+// of reach.
+func guestPidsLimit(spec runtime.Spec) int64 {
+	return (hostPidsLimit(spec) - hostPidsSlack) / hostPidsFactor
 }
 
 // resources turns the Spec's CPU, memory and pids limit into host cgroup limits.

@@ -53,10 +53,10 @@ func TestResources(t *testing.T) {
 		cpu, mem, pids       int
 		quota, limitMB, want int64 // 0 = no limit
 	}{
-		{0, 0, 0, 0, 0, hostPidsFactor*DefaultPidsLimit + hostPidsSlack},
-		{1, 0, 0, 100_000, 0, hostPidsFactor*DefaultPidsLimit + hostPidsSlack},
-		{0, 256, 64, 0, 256, hostPidsFactor*64 + hostPidsSlack},
-		{3, 1024, 4096, 300_000, 1024, hostPidsFactor*4096 + hostPidsSlack},
+		{0, 0, 0, 0, 0, DefaultPidsLimit},
+		{1, 0, 0, 100_000, 0, DefaultPidsLimit},
+		{0, 256, 640, 0, 256, 640},
+		{3, 1024, 4096, 300_000, 1024, 4096},
 	} {
 		res := resources(runtime.Spec{CPU: tc.cpu, MemoryMB: tc.mem, PidsLimit: tc.pids})
 		if res.Pids == nil || res.Pids.Limit != tc.want {
@@ -75,6 +75,20 @@ func TestResources(t *testing.T) {
 		if quota != tc.quota || limit != tc.limitMB {
 			t.Errorf("cpu %d mem %d: quota %d limit %d MiB, want %d, %d", tc.cpu, tc.mem, quota, limit, tc.quota, tc.limitMB)
 		}
+	}
+}
+
+func TestPidsLimits(t *testing.T) {
+	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1280: 256, 1281: 256} {
+		if got := guestPidsLimit(runtime.Spec{PidsLimit: host}); got != guest {
+			t.Errorf("PidsLimit %d: %d tasks inside, want %d", host, got, guest)
+		}
+	}
+	if DefaultPidsLimit != 8448 {
+		t.Errorf("DefaultPidsLimit = %d", DefaultPidsLimit)
+	}
+	if err := validateSpec(runtime.Spec{ID: "x", RootFS: "/", StateDir: t.TempDir(), AgentPath: "/bin/sh", PidsLimit: MinPidsLimit - 1}); err == nil {
+		t.Error("a pids limit below the minimum was accepted")
 	}
 }
 

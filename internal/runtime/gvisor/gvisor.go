@@ -240,7 +240,7 @@ func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 }
 
 // pidsInfo says where the pids limit holds for Info: "sandbox" (inside the Sentry, with
-// the host backstop) or "host" (the host cgroup only: older runsc releases).
+// the host limit) or "host" (the host cgroup only: older runsc releases).
 func (r *Runtime) pidsInfo() string {
 	if r.guestPids {
 		return "sandbox"
@@ -396,7 +396,7 @@ func (r *Runtime) releaseMounts(id, stateDir string) error {
 // cgroup (see hostPidsFactor). The agent is the only task until the node asks it for
 // more, which happens after Create or Restore returns.
 func (r *Runtime) limitTasks(ctx context.Context, spec runtime.Spec, cgroup string) error {
-	out, err := r.runsc(ctx, "write-control", spec.ID, "pids", "/"+cgroup, "pids.max", strconv.FormatInt(pidsLimit(spec), 10))
+	out, err := r.runsc(ctx, "write-control", spec.ID, "pids", "/"+cgroup, "pids.max", strconv.FormatInt(guestPidsLimit(spec), 10))
 	if err != nil {
 		return fmt.Errorf("set the sandbox's pids limit: %w: %s", err, bytes.TrimSpace(out))
 	}
@@ -643,8 +643,11 @@ func validateSpec(spec runtime.Spec) error {
 	} else if !fi.Mode().IsRegular() {
 		return fmt.Errorf("agent %s is not a regular file", spec.AgentPath)
 	}
-	if spec.CPU < 0 || spec.MemoryMB < 0 || spec.PidsLimit < 0 {
-		return fmt.Errorf("negative cpu (%d), memory (%d) or pids limit (%d)", spec.CPU, spec.MemoryMB, spec.PidsLimit)
+	if spec.CPU < 0 || spec.MemoryMB < 0 {
+		return fmt.Errorf("negative cpu (%d) or memory (%d)", spec.CPU, spec.MemoryMB)
+	}
+	if spec.PidsLimit != 0 && spec.PidsLimit < MinPidsLimit {
+		return fmt.Errorf("pids limit %d below gVisor's minimum %d (the Sentry, the gofer and the platform need host tasks of their own)", spec.PidsLimit, MinPidsLimit)
 	}
 	return nil
 }
