@@ -10,7 +10,6 @@ fi
 
 # Debian packages space uses at run time and in tests.
 pkgs=(
-  runsc            # gVisor: the sandbox runtime on hosts without usable KVM
   btrfs-progs      # mkfs.btrfs and btrfs send/receive for the template store
   debootstrap      # builds the base template (Debian bookworm)
   postgresql-15    # initdb/postgres for the embedded private cluster
@@ -39,6 +38,33 @@ if ! command -v go >/dev/null; then
   echo "setup.sh: Go 1.26 or newer is required (install it to /usr/local/go)" >&2
   exit 1
 fi
+# gVisor's runsc, built from its Go module at a pinned version: Debian's runsc is a
+# 2022 release (ptrace platform only, no systrap). The build takes a few minutes; the
+# binary is cached per version, so reruns and version switches back are instant. space
+# runs /usr/local/lib/space/runsc by default (docs/runtimes.md, "gVisor"); it never
+# touches a runsc the operator installed elsewhere (e.g. /usr/local/bin, /usr/bin).
+# To move the pin: pick a version from `go list -m -versions gvisor.dev/gvisor` (or
+# @latest), rerun this script and the gvisor runtime and conformance tests.
+RUNSC_VERSION=v0.0.0-20260905035102-160fafc42237
+runsc_cache="/var/cache/space/runsc/$RUNSC_VERSION/runsc"
+runsc_bin=/usr/local/lib/space/runsc
+if [ ! -x "$runsc_cache" ]; then
+  echo "setup.sh: building runsc $RUNSC_VERSION (a few minutes)"
+  runsc_tmp="$(mktemp -d)"
+  # Outside the repository, so that its go.mod plays no part; CGO off as upstream builds it.
+  (cd "$runsc_tmp" && GOBIN="$runsc_tmp/bin" CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod \
+    go install -trimpath -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$RUNSC_VERSION" \
+    "gvisor.dev/gvisor/runsc@$RUNSC_VERSION")
+  install -D -m 0755 "$runsc_tmp/bin/runsc" "$runsc_cache"
+  rm -rf "$runsc_tmp"
+fi
+if ! cmp -s "$runsc_cache" "$runsc_bin"; then
+  # Copy and rename: running sandboxes keep the old file (runsc re-executes itself
+  # through /proc/self/exe), new ones get the new one.
+  install -D -m 0755 "$runsc_cache" "$runsc_bin.new"
+  mv -f "$runsc_bin.new" "$runsc_bin"
+fi
+
 # The real E2B JS SDKs the E2B compatibility tests drive (internal/e2e/e2bsdk),
 # pinned by its lockfile. Debian's nodejs/npm when the machine has none.
 if ! command -v npm >/dev/null; then
@@ -49,4 +75,4 @@ if command -v npm >/dev/null; then
 else
   echo "setup.sh: npm not found: the E2B SDK tests will be skipped (install Node.js 20+)" >&2
 fi
-echo "setup.sh: ready ($(go version | cut -d' ' -f3), $(runsc --version 2>/dev/null | head -1))"
+echo "setup.sh: ready ($(go version | cut -d' ' -f3), $("$runsc_bin" --version 2>/dev/null | head -1))"

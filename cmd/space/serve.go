@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -65,6 +66,9 @@ type serveConfig struct {
 	retention      time.Duration
 	logLevel       string
 	runscPlatform  string
+	runscPath      string
+	runscUserNS    bool
+	runscUIDBase   uint
 	agentReadyWait time.Duration
 	idleTimeout    time.Duration
 	baseSnapshots  bool
@@ -138,7 +142,10 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.Int64Var(&c.journalBytes, "journal-bytes", wire.DefaultJournalBytes, "per-process output journal size in bytes")
 	f.DurationVar(&c.retention, "output-retention", wire.DefaultRetention, "how long an exited process's output stays readable")
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
-	f.StringVar(&c.runscPlatform, "runsc-platform", gvisor.DefaultPlatform, "gVisor platform: ptrace or kvm")
+	f.StringVar(&c.runscPath, "runsc", os.Getenv("SPACE_RUNSC"), "runsc binary (env SPACE_RUNSC; default "+gvisor.DefaultRunscPath+", built by scripts/setup.sh; Debian's /usr/bin/runsc needs --runsc-platform ptrace)")
+	f.StringVar(&c.runscPlatform, "runsc-platform", gvisor.DefaultPlatform, "gVisor platform: systrap, ptrace (the only one of Debian's runsc) or kvm")
+	f.BoolVar(&c.runscUserNS, "runsc-userns", true, "run gVisor sandboxes in a user namespace: their processes run as unprivileged host uids, not root (needs id-mapped mounts: Linux 6.3+)")
+	f.UintVar(&c.runscUIDBase, "runsc-uid-base", uint(gvisor.DefaultUIDBase), "first host uid/gid of the gVisor sandboxes' user namespace (65536 ids; must be used by nothing else on the host)")
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", node.DefaultAgentReadyTimeout, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", service.DefaultIdleTimeout, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
@@ -451,10 +458,26 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 	sum := sha256.Sum256([]byte(dataDir))
 	suffix := hex.EncodeToString(sum[:6])
 	newGVisor := func() (runtime.Runtime, error) {
+		if c.runscUIDBase == 0 || c.runscUIDBase > math.MaxUint32 {
+			return nil, fmt.Errorf("--runsc-uid-base %d: want 1…%d", c.runscUIDBase, uint32(math.MaxUint32))
+		}
+		// The sandboxes' user namespace reaches its id-mapped views in the root dir:
+		// /run/space must be searchable (not listable) by others.
+		if err := os.MkdirAll("/run/space", 0o711); err != nil {
+			return nil, err
+		}
+		if c.runscUserNS {
+			if err := os.Chmod("/run/space", 0o711); err != nil {
+				return nil, err
+			}
+		}
 		return gvisor.New(gvisor.Config{
-			RootDir:  filepath.Join("/run/space", "runsc-"+suffix),
-			Platform: c.runscPlatform,
-			Logger:   log.With("component", "gvisor"),
+			RunscPath: c.runscPath,
+			RootDir:   filepath.Join("/run/space", "runsc-"+suffix),
+			Platform:  c.runscPlatform,
+			UIDBase:   uint32(c.runscUIDBase),
+			NoUserNS:  !c.runscUserNS,
+			Logger:    log.With("component", "gvisor"),
 		})
 	}
 	newQEMU := func() (*qemu.Runtime, error) {

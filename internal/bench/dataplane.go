@@ -17,6 +17,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 )
 
 // runscRoot is where the local server's runsc keeps its state (see cmd/space).
@@ -58,7 +59,7 @@ func execRoundTrip(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		xs = append(xs, ms(time.Since(start)))
 		start = time.Now()
-		if out, err := exec.CommandContext(ctx, "runsc", "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "/bin/true").CombinedOutput(); err != nil {
+		if out, err := exec.CommandContext(ctx, gvisor.DefaultRunscPath, "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "/bin/true").CombinedOutput(); err != nil {
 			return nil, fmt.Errorf("runsc exec: %v: %s", err, out)
 		}
 		bs = append(bs, ms(time.Since(start)))
@@ -97,7 +98,7 @@ func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
 		xs = append(xs, float64(w.n)/(1<<20)/time.Since(start).Seconds())
 		droppedTotal += dropped
 		start = time.Now()
-		cmd := exec.CommandContext(ctx, "runsc", "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
+		cmd := exec.CommandContext(ctx, gvisor.DefaultRunscPath, "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
 		devnull, _ := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
 		cmd.Stdout = devnull
 		err = cmd.Run()

@@ -24,6 +24,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/template/templatetest"
 	"github.com/spacedev/space/internal/testenv"
@@ -62,7 +63,7 @@ type srv struct {
 
 func requireHost(t testing.TB) {
 	testenv.RequireRoot(t)
-	testenv.RequireBinary(t, "runsc", "apt-get install runsc")
+	testenv.RequireBinary(t, gvisor.DefaultRunscPath, "scripts/setup.sh builds it")
 	templatetest.RequireStore(t)
 }
 
@@ -216,7 +217,7 @@ func (s *srv) RunscRoot() string {
 
 // runscIDs lists the runsc containers of this server.
 func (s *srv) runscIDs() []string {
-	out, err := exec.Command("runsc", "--root", s.RunscRoot(), "list", "-format=json").Output()
+	out, err := exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "list", "-format=json").Output()
 	if err != nil {
 		return nil
 	}
@@ -233,10 +234,22 @@ func (s *srv) runscIDs() []string {
 
 func (s *srv) cleanup() {
 	s.Stop()
-	for _, id := range s.runscIDs() {
-		_ = exec.Command("runsc", "--root", s.RunscRoot(), "kill", id, "KILL").Run()
-		_ = exec.Command("runsc", "--root", s.RunscRoot(), "delete", "-force", id).Run()
+	// The gVisor runtime's Destroy also removes what it mounts for a sandbox (run dir,
+	// log, id-mapped views), which killing the runsc container would leave behind.
+	if len(s.runscIDs()) > 0 {
+		if rt, err := gvisor.New(gvisor.Config{RootDir: s.RunscRoot()}); err == nil {
+			dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			if list, err := rt.List(dctx); err == nil {
+				for _, in := range list {
+					_ = rt.Destroy(dctx, in.ID)
+				}
+			}
+			cancel()
+			rt.Close()
+		}
 	}
+	// runsc pins an empty network namespace for its gofers in its root dir (a mount).
+	_ = syscall.Unmount(filepath.Join(s.RunscRoot(), "null-netns"), syscall.MNT_DETACH)
 	if s.opts.embedded {
 		// A killed server may leave its PostgreSQL running: stop it.
 		if b, err := os.ReadFile(filepath.Join(s.dataDir, "postgres", "data", "postmaster.pid")); err == nil {

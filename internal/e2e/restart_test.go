@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 )
 
 var execCommand = exec.Command
@@ -18,7 +19,7 @@ var execCommand = exec.Command
 // runscPid returns the pid of a runsc container's sandbox process.
 func (s *srv) runscPid(t testing.TB, id string) int {
 	t.Helper()
-	out, err := exec.Command("runsc", "--root", s.RunscRoot(), "state", id).Output()
+	out, err := exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "state", id).Output()
 	if err != nil {
 		t.Fatalf("runsc state %s: %v", id, err)
 	}

@@ -1,6 +1,7 @@
 package gvisor
 
 import (
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -17,12 +18,12 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 )
 
-// Files the runtime creates in an instance's StateDir; Destroy removes exactly these.
-const (
-	configFile = "config.json" // the OCI bundle config (StateDir is the bundle)
-	logFile    = "runsc.log"   // stdio of `runsc run` and of the agent
-	runDir     = "run"         // bind-mounted at wire.RunMountDir; holds the agent socket
-)
+// configFile is the OCI bundle config in the instance's StateDir (the bundle). Destroy
+// removes it and the run and log mounts (mounts.go): all the runtime creates there.
+const configFile = "config.json"
+
+// cgroupMountDir is where the sandbox sees its (gVisor-internal) cgroups.
+const cgroupMountDir = "/sys/fs/cgroup"
 
 // agentListenEnv tells the agent where to listen.
 const agentListenEnv = "SPACE_AGENT_LISTEN"
@@ -61,8 +62,18 @@ type bundleOptions struct {
 	CgroupsPath string
 	// NetNS is the path of a network namespace to join; empty means a new one.
 	NetNS string
-	// Compat is the host path of the statx compatibility shim ("" = none).
-	Compat string
+	// RootPath is the root the sandbox gets (an id-mapped view of the Spec's RootFS, or
+	// the RootFS itself); empty means the RootFS.
+	RootPath string
+	// RunSource is the host directory mounted at wire.RunMountDir; empty means
+	// <StateDir>/run.
+	RunSource string
+	// GuestPids mounts gVisor's cgroups in the sandbox, where the pids limit is set
+	// (runsc releases that have --in-sandbox-cgroup).
+	GuestPids bool
+	// UIDBase, when not 0, puts the sandbox in a user namespace mapping its ids
+	// 0…UserNSSize-1 to host ids UIDBase….
+	UIDBase uint32
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -82,6 +93,8 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 	}
 	slices.Sort(envList)
 
+	rootPath := cmp.Or(opts.RootPath, spec.RootFS)
+	runSource := cmp.Or(opts.RunSource, filepath.Join(spec.StateDir, "run"))
 	caps := slices.Clone(defaultCaps)
 	s := &specs.Spec{
 		Version: ociVersion,
@@ -99,7 +112,7 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 				{Type: "RLIMIT_NOFILE", Hard: 65536, Soft: 65536},
 			},
 		},
-		Root:     &specs.Root{Path: spec.RootFS, Readonly: false},
+		Root:     &specs.Root{Path: rootPath, Readonly: false},
 		Hostname: spec.ID,
 		Mounts: []specs.Mount{
 			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
@@ -109,7 +122,7 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 			// so makes /tmp the same whatever the template holds there.
 			{Destination: "/tmp", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "nodev", "mode=1777"}},
 			{Destination: wire.AgentPath, Type: "bind", Source: spec.AgentPath, Options: []string{"rbind", "ro", "nosuid", "nodev"}},
-			{Destination: wire.RunMountDir, Type: "bind", Source: filepath.Join(spec.StateDir, runDir), Options: []string{"rbind", "rw", "nosuid", "nodev", "noexec"}},
+			{Destination: wire.RunMountDir, Type: "bind", Source: runSource, Options: []string{"rbind", "rw", "nosuid", "nodev", "noexec"}},
 		},
 		Linux: &specs.Linux{
 			CgroupsPath: opts.CgroupsPath,
@@ -123,8 +136,20 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 			},
 		},
 	}
-	if opts.Compat != "" {
-		s.Mounts = append(s.Mounts, specs.Mount{Destination: CompatPreload, Type: "bind", Source: opts.Compat, Options: []string{"rbind", "ro", "nosuid", "nodev"}})
+	if opts.GuestPids {
+		// gVisor's own cgroups (not the host's): with this mount the container's tasks
+		// live in a cgroup of their own inside the Sentry (/<id>), where the runtime sets
+		// the pids limit. It is writable so that the agent can start user processes in
+		// a child cgroup with a tighter limit, keeping room for itself; sandbox root can
+		// also raise the limit, which only brings it to the host limit (see
+		// hostPidsFactor). Programs also see their limits here.
+		s.Mounts = slices.Insert(s.Mounts, 4, specs.Mount{Destination: cgroupMountDir, Type: "cgroup2", Source: "cgroup2", Options: []string{"nosuid", "noexec", "nodev"}})
+	}
+	if opts.UIDBase != 0 {
+		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: opts.UIDBase, Size: UserNSSize}}
+		s.Linux.Namespaces = append(s.Linux.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
+		s.Linux.UIDMappings = m
+		s.Linux.GIDMappings = slices.Clone(m)
 	}
 	return s
 }
@@ -150,12 +175,46 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 	return nil
 }
 
-// resources turns the Spec's CPU and memory into cgroup limits (nil when unlimited).
-func resources(spec runtime.Spec) *specs.LinuxResources {
-	if spec.CPU <= 0 && spec.MemoryMB <= 0 {
-		return nil
+// Spec.PidsLimit is the sandbox's host cgroup pids.max (the OCI config's
+// linux.resources.pids.limit), as for every runtime. Under gVisor that host limit must
+// never be reached: a Sentry that cannot create a thread dies ("failed to create new OS
+// thread"), taking the sandbox with it. So the runtime also limits the tasks inside the
+// sandbox, through gVisor's own pids controller (the container's cgroup in the Sentry,
+// set with `runsc write-control` after start), where fork and clone fail with EAGAIN, at
+// (PidsLimit - hostPidsSlack) / hostPidsFactor: each guest process costs the systrap
+// platform a stub process with a system call thread and up to GOMAXPROCS sysmsg threads
+// (the Sentry pools them for reuse after the guest process exits), a guest thread
+// blocked in a host system call holds a Sentry thread, and the Sentry and the gofer
+// have threads of their own. A fork bomb at 2048 tasks inside peaks at ~1,700 host
+// tasks.
+const (
+	hostPidsFactor = 4
+	hostPidsSlack  = 256
+	// DefaultPidsLimit is the host limit of a sandbox whose Spec names none: 2048
+	// tasks inside.
+	DefaultPidsLimit = hostPidsFactor*2048 + hostPidsSlack
+	// MinPidsLimit is the smallest PidsLimit: 16 tasks inside.
+	MinPidsLimit = hostPidsFactor*16 + hostPidsSlack
+)
+
+// hostPidsLimit is the pids.max of the sandbox's host cgroup: the Spec's, or the
+// default.
+func hostPidsLimit(spec runtime.Spec) int64 {
+	if spec.PidsLimit > 0 {
+		return int64(spec.PidsLimit)
 	}
-	res := &specs.LinuxResources{}
+	return DefaultPidsLimit
+}
+
+// guestPidsLimit is the limit on tasks inside the sandbox that keeps the host limit out
+// of reach.
+func guestPidsLimit(spec runtime.Spec) int64 {
+	return (hostPidsLimit(spec) - hostPidsSlack) / hostPidsFactor
+}
+
+// resources turns the Spec's CPU, memory and pids limit into host cgroup limits.
+func resources(spec runtime.Spec) *specs.LinuxResources {
+	res := &specs.LinuxResources{Pids: &specs.LinuxPids{Limit: hostPidsLimit(spec)}}
 	if spec.MemoryMB > 0 {
 		limit := int64(spec.MemoryMB) << 20
 		res.Memory = &specs.LinuxMemory{Limit: &limit}
@@ -184,7 +243,15 @@ func makeMountPoints(rootfs string, mounts []specs.Mount) (created []string, err
 			created = nil
 		}
 	}()
+	var synthetic []string // destinations of file systems gVisor makes up (proc, sysfs, …)
 	for _, m := range mounts {
+		// A mount inside one of those needs no mount point in the rootfs.
+		if slices.ContainsFunc(synthetic, func(d string) bool { return within(m.Destination, d) }) {
+			continue
+		}
+		if m.Type != "bind" {
+			synthetic = append(synthetic, m.Destination)
+		}
 		// A bind mount of a file needs a file to mount on; everything else a directory.
 		fileTarget := false
 		if m.Type == "bind" {
@@ -207,6 +274,12 @@ func makeMountPoints(rootfs string, mounts []specs.Mount) (created []string, err
 		}
 	}
 	return created, nil
+}
+
+// within reports whether path p is dir or below it.
+func within(p, dir string) bool {
+	p, dir = path.Clean(p), path.Clean(dir)
+	return p == dir || strings.HasPrefix(p, strings.TrimSuffix(dir, "/")+"/")
 }
 
 // makeMountPoint creates name (a directory or an empty file) unless something is there.

@@ -23,7 +23,13 @@ func TestBundleGolden(t *testing.T) {
 		MemoryMB:  512,
 		AgentEnv:  map[string]string{"SPACE_LOG": "debug", "PATH": "/opt/bin:/usr/bin:/bin"},
 	}
-	got, err := marshalSpec(bundleSpec(spec, bundleOptions{CgroupsPath: "/space/abc123"}))
+	got, err := marshalSpec(bundleSpec(spec, bundleOptions{
+		CgroupsPath: "/space/abc123",
+		RootPath:    "/run/space/runsc/mnt/abc123/rootfs",
+		RunSource:   "/run/space/runsc/mnt/abc123/run",
+		UIDBase:     DefaultUIDBase,
+		GuestPids:   true,
+	}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,15 +50,18 @@ func TestBundleGolden(t *testing.T) {
 
 func TestResources(t *testing.T) {
 	for _, tc := range []struct {
-		cpu, mem       int
-		quota, limitMB int64 // 0 = no limit
+		cpu, mem, pids       int
+		quota, limitMB, want int64 // 0 = no limit
 	}{
-		{0, 0, 0, 0},
-		{1, 0, 100_000, 0},
-		{0, 256, 0, 256},
-		{3, 1024, 300_000, 1024},
+		{0, 0, 0, 0, 0, DefaultPidsLimit},
+		{1, 0, 0, 100_000, 0, DefaultPidsLimit},
+		{0, 256, 640, 0, 256, 640},
+		{3, 1024, 4096, 300_000, 1024, 4096},
 	} {
-		res := resources(runtime.Spec{CPU: tc.cpu, MemoryMB: tc.mem})
+		res := resources(runtime.Spec{CPU: tc.cpu, MemoryMB: tc.mem, PidsLimit: tc.pids})
+		if res.Pids == nil || res.Pids.Limit != tc.want {
+			t.Errorf("pids %d: limit %v, want %d", tc.pids, res.Pids, tc.want)
+		}
 		var quota, limit int64
 		if res != nil && res.CPU != nil {
 			quota = *res.CPU.Quota
@@ -66,9 +75,20 @@ func TestResources(t *testing.T) {
 		if quota != tc.quota || limit != tc.limitMB {
 			t.Errorf("cpu %d mem %d: quota %d limit %d MiB, want %d, %d", tc.cpu, tc.mem, quota, limit, tc.quota, tc.limitMB)
 		}
-		if (tc.cpu == 0 && tc.mem == 0) != (res == nil) {
-			t.Errorf("cpu %d mem %d: resources %v", tc.cpu, tc.mem, res)
+	}
+}
+
+func TestPidsLimits(t *testing.T) {
+	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1280: 256, 1281: 256} {
+		if got := guestPidsLimit(runtime.Spec{PidsLimit: host}); got != guest {
+			t.Errorf("PidsLimit %d: %d tasks inside, want %d", host, got, guest)
 		}
+	}
+	if DefaultPidsLimit != 8448 {
+		t.Errorf("DefaultPidsLimit = %d", DefaultPidsLimit)
+	}
+	if err := validateSpec(runtime.Spec{ID: "x", RootFS: "/", StateDir: t.TempDir(), AgentPath: "/bin/sh", PidsLimit: MinPidsLimit - 1}); err == nil {
+		t.Error("a pids limit below the minimum was accepted")
 	}
 }
 

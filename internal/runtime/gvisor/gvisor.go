@@ -1,16 +1,20 @@
 // Package gvisor implements runtime.Runtime with gVisor's runsc. Each sandbox is one runsc
 // container whose PID 1 is the space agent; the agent listens on a unix socket in a host
-// directory (<StateDir>/run) bind-mounted into the sandbox at wire.RunMountDir.
+// directory (<StateDir>/run, a small tmpfs) bind-mounted into the sandbox at
+// wire.RunMountDir.
 //
-// The package owns the OCI bundle it writes into the instance's StateDir, every runsc
-// invocation, runsc's root dir (Config.RootDir) and a small per-instance record kept under
-// it, through which an instance is found again from its id alone after a node restart.
-// Checkpoint/restore (snapshot.go) needs the agent's cooperation: runsc cannot
-// checkpoint a sandbox that holds a bound host socket, so the agent closes it first
-// and resumes from a file (runtime.ResumeByFile).
+// The package owns the OCI bundle it writes into the instance's StateDir, the host mounts
+// it makes for the instance (mounts.go), every runsc invocation, runsc's root dir
+// (Config.RootDir) and a small per-instance record kept under it, through which an
+// instance is found again from its id alone after a node restart. The sandbox runs in a
+// user namespace (Config.UIDBase), under a pids limit (bundle.go) and with its output in
+// a capped, rotated log (logs.go). runsc cannot checkpoint a sandbox that holds a bound
+// host socket, so the agent closes its socket before a checkpoint and resumes from a
+// file (runtime.ResumeByFile).
 package gvisor
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +25,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -33,19 +38,31 @@ import (
 
 // Config configures the gVisor runtime.
 type Config struct {
-	// RunscPath is the runsc binary; empty means "runsc" looked up on PATH.
+	// RunscPath is the runsc binary; empty means DefaultRunscPath, the pinned release
+	// scripts/setup.sh builds. Another runsc (e.g. Debian's 2022 package) must be named
+	// explicitly, and may need Platform "ptrace".
 	RunscPath string
 	// RootDir is runsc's --root state directory, private to this runtime. The default,
 	// /run/space/runsc, is on tmpfs: runsc containers do not survive a host reboot and
 	// neither should their state.
 	RootDir string
-	// Platform is runsc's --platform (default ptrace, which works everywhere).
+	// Platform is runsc's --platform (default systrap: seccomp-trapped system calls, no
+	// KVM needed, several times faster than ptrace).
 	Platform string
 	// CgroupParent is the cgroup under which each sandbox gets its own (<parent>/<id>);
 	// default /space. A relative path is taken relative to runsc's own cgroups. Hosts where
 	// runsc may not manage cgroups can pass --ignore-cgroups in ExtraFlags (and lose the
 	// CPU and memory limits).
 	CgroupParent string
+	// UIDBase is the first host uid (and gid) of the sandboxes' user namespace: a
+	// sandbox's uid N is host uid UIDBase+N (N < UserNSSize), so the Sentry, the gofer and
+	// the platform's processes run as host uid UIDBase, not root. 0 means DefaultUIDBase.
+	// The range must be used by nothing else on the host. Needs id-mapped mounts (Linux
+	// 6.3+ for the tmpfs of the run directory) and RootDir searchable by that uid.
+	UIDBase uint32
+	// NoUserNS runs sandboxes without the user namespace: the Sentry and the gofer run
+	// as host root (in a namespace runsc makes, which maps ids one to one).
+	NoUserNS bool
 	// ExtraFlags are global runsc flags added to every invocation (e.g. --debug-log=DIR/).
 	ExtraFlags []string
 	// CommandTimeout bounds each runsc invocation (default 30s).
@@ -56,10 +73,14 @@ type Config struct {
 
 // Defaults of Config.
 const (
+	DefaultRunscPath      = "/usr/local/lib/space/runsc"
 	DefaultRootDir        = "/run/space/runsc"
-	DefaultPlatform       = "ptrace"
+	DefaultPlatform       = "systrap"
 	DefaultCgroupParent   = "/space"
 	DefaultCommandTimeout = 30 * time.Second
+	// DefaultUIDBase is 0x70000000: above the ranges systemd hands to containers
+	// (524288…1879048191) and below 2^31, in a range systemd documents as unused.
+	DefaultUIDBase uint32 = 0x70000000
 )
 
 // cleanupTimeout bounds the undo of a failed Create. It is long because the sandbox's
@@ -76,21 +97,27 @@ const (
 // Runtime runs sandboxes with runsc. It is safe for concurrent use; it keeps no state in
 // memory, so a new Runtime over the same RootDir sees every instance of an old one.
 type Runtime struct {
-	cfg    Config
-	log    *slog.Logger
-	compat string // host path of the statx shim
+	cfg     Config
+	log     *slog.Logger
+	version string // of runsc, from `runsc --version`
+	// guestPids says runsc can hold the pids limit inside the sandbox (it has
+	// --in-sandbox-cgroup, and cgroup v2 inside, whose limits write-control can set).
+	// Older releases (Debian's 2022 runsc) only get the host limit.
+	guestPids bool
+	userns    *os.File // the user namespace of the id-mapped views; nil with NoUserNS
+	stop      context.CancelFunc
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
 
-// New checks the configuration, finds runsc and creates the root dir.
+// New checks the configuration, finds runsc, creates the root dir and starts the log
+// rotation; Close stops it.
 func New(cfg Config) (*Runtime, error) {
 	if cfg.RunscPath == "" {
-		p, err := exec.LookPath("runsc")
-		if err != nil {
-			return nil, fmt.Errorf("gvisor: runsc not found on PATH (install it with `apt-get install runsc`): %w", err)
+		cfg.RunscPath = DefaultRunscPath
+		if _, err := os.Stat(cfg.RunscPath); err != nil {
+			return nil, fmt.Errorf("gvisor: runsc not found at %s (scripts/setup.sh builds it; or name another runsc): %w", cfg.RunscPath, err)
 		}
-		cfg.RunscPath = p
 	} else if _, err := os.Stat(cfg.RunscPath); err != nil {
 		return nil, fmt.Errorf("gvisor: runsc: %w", err)
 	}
@@ -110,43 +137,129 @@ func New(cfg Config) (*Runtime, error) {
 	if cfg.CommandTimeout <= 0 {
 		cfg.CommandTimeout = DefaultCommandTimeout
 	}
+	if cfg.UIDBase == 0 {
+		cfg.UIDBase = DefaultUIDBase
+	}
+	if uint64(cfg.UIDBase)+UserNSSize > 1<<32-1 {
+		return nil, fmt.Errorf("gvisor: uid base %d leaves no room for %d ids", cfg.UIDBase, UserNSSize)
+	}
 	cfg.ExtraFlags = slices.Clone(cfg.ExtraFlags)
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
-		return nil, fmt.Errorf("gvisor: create root dir: %w", err)
-	}
-	compat, err := writeCompat(cfg.RootDir)
+	r := &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor")}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.CommandTimeout)
+	defer cancel()
+	out, err := r.exec(ctx, []string{"--version"})
 	if err != nil {
+		return nil, fmt.Errorf("gvisor: %s does not run: %w", cfg.RunscPath, err)
+	}
+	r.version = parseVersion(string(out))
+	// `runsc flags` describes the flags this release knows, on stderr.
+	flags, err := exec.CommandContext(ctx, cfg.RunscPath, "flags").CombinedOutput()
+	if err != nil {
+		return nil, fmt.Errorf("gvisor: %s flags: %w: %s", cfg.RunscPath, err, flags)
+	}
+	r.guestPids = bytes.Contains(flags, []byte("-in-sandbox-cgroup"))
+	// Releases without directfs (2022 and older) neither run the sandbox in the spec's
+	// user namespace nor open bind-mount sources the namespace cannot reach for it.
+	if !cfg.NoUserNS && !bytes.Contains(flags, []byte("-directfs")) {
+		return nil, fmt.Errorf("gvisor: runsc %s cannot run sandboxes in a user namespace; run without it (space serve --runsc-userns=false)", r.version)
+	}
+	if err := r.makeRootDir(); err != nil {
 		return nil, err
 	}
-	return &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor"), compat: compat}, nil
+	if !cfg.NoUserNS {
+		if r.userns, err = newUserNS(cfg.UIDBase); err != nil {
+			return nil, fmt.Errorf("gvisor: %w", err)
+		}
+	}
+	bg, stop := context.WithCancel(context.Background())
+	r.stop = stop
+	go r.rotateLogs(bg)
+	return r, nil
+}
+
+// makeRootDir creates the root dir and the directory of the id-mapped views in it. With
+// the user namespace, the sandboxes' uid must reach those views: the root dir is then
+// searchable by everyone (0711, as runsc makes its own), but not listable; runsc's state
+// files in it are not readable by others (0640).
+func (r *Runtime) makeRootDir() error {
+	mode := os.FileMode(0o700)
+	if !r.cfg.NoUserNS {
+		mode = 0o711
+	}
+	for _, dir := range []string{r.cfg.RootDir, filepath.Join(r.cfg.RootDir, mountsDir)} {
+		if err := os.MkdirAll(dir, mode); err != nil {
+			return fmt.Errorf("gvisor: create root dir: %w", err)
+		}
+		if err := os.Chmod(dir, mode); err != nil {
+			return fmt.Errorf("gvisor: root dir: %w", err)
+		}
+	}
+	if !r.cfg.NoUserNS {
+		if err := searchable(filepath.Join(r.cfg.RootDir, mountsDir), r.cfg.UIDBase); err != nil {
+			return fmt.Errorf("gvisor: root dir: %w", err)
+		}
+	}
+	return nil
+}
+
+// Close stops the log rotation and releases the user namespace. Sandboxes keep running.
+func (r *Runtime) Close() error {
+	r.stop()
+	if r.userns != nil {
+		return r.userns.Close()
+	}
+	return nil
+}
+
+// parseVersion takes the version out of `runsc --version`'s output ("runsc version V\n
+// spec: S\n").
+func parseVersion(out string) string {
+	first, _, _ := strings.Cut(out, "\n")
+	return strings.TrimSpace(strings.TrimPrefix(first, "runsc version"))
 }
 
 // Info reports runsc's version and the platform in use.
-func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
-	out, err := r.exec(ctx, []string{"--version"})
-	if err != nil {
-		return runtime.Info{}, fmt.Errorf("gvisor info: %w", err)
-	}
-	first, _, _ := strings.Cut(string(out), "\n")
-	version := strings.TrimSpace(strings.TrimPrefix(first, "runsc version"))
+func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 	return runtime.Info{
 		Name:    "gvisor",
 		Disk:    runtime.DiskDir,
-		Version: version,
+		Version: r.version,
 		// The agent cannot hold a host socket across a checkpoint: after a restore it
 		// learns its identity from a resume file in its run directory.
-		Caps:    runtime.Caps{AgentResume: runtime.ResumeByFile, Preload: CompatPreload},
-		Details: map[string]string{"platform": r.cfg.Platform},
+		Caps: runtime.Caps{AgentResume: runtime.ResumeByFile},
+		Details: map[string]string{
+			"platform":   r.cfg.Platform,
+			"runsc":      r.cfg.RunscPath,
+			"userns":     r.usernsInfo(),
+			"pids_limit": r.pidsInfo(),
+		},
 	}, nil
 }
 
-// Create writes the instance's OCI bundle into spec.StateDir and starts the sandbox
-// detached, in its own session, so that it outlives the calling process. On error it
-// removes everything it created.
+// pidsInfo says where the pids limit holds for Info: "sandbox" (inside the Sentry, with
+// the host limit) or "host" (the host cgroup only: older runsc releases).
+func (r *Runtime) pidsInfo() string {
+	if r.guestPids {
+		return "sandbox"
+	}
+	return "host"
+}
+
+// usernsInfo describes the user namespace for Info: "UIDBase:size", or "off".
+func (r *Runtime) usernsInfo() string {
+	if r.cfg.NoUserNS {
+		return "off"
+	}
+	return fmt.Sprintf("%d:%d", r.cfg.UIDBase, UserNSSize)
+}
+
+// Create writes the instance's OCI bundle into spec.StateDir, makes its host mounts and
+// starts the sandbox detached, in its own session, so that it outlives the calling
+// process. On error it removes everything it created.
 func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := validateSpec(spec); err != nil {
 		return fmt.Errorf("gvisor create: %w", err)
@@ -156,7 +269,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		// the host's), and runtime.Spec cannot name one yet.
 		return fmt.Errorf("gvisor create %s: network: %w", spec.ID, runtime.ErrUnsupported)
 	}
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
 		}
@@ -190,19 +303,103 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	owned = true
-
-	if err := os.Mkdir(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
-	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID), Compat: r.compat})
+	return nil
+}
+
+// start makes the instance's host mounts, writes its bundle, runs runsc's sub (run or
+// restore) and sets the pids limit on the container's cgroup inside the Sentry, named
+// cgroup. It returns the mount points it created in the rootfs. The caller undoes a
+// failure with destroy.
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, sub ...string) (mountPoints []string, err error) {
+	opts, err := r.prepareMounts(spec)
+	if err != nil {
+		return nil, err
+	}
+	oci := bundleSpec(spec, opts)
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
-		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+		return nil, err
 	}
 	if err := writeBundle(spec.StateDir, oci); err != nil {
-		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+		return mountPoints, err
 	}
-	if err := r.run(ctx, spec, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
-		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	if err := r.run(ctx, spec, sub...); err != nil {
+		return mountPoints, err
+	}
+	if !r.guestPids {
+		return mountPoints, nil
+	}
+	return mountPoints, r.limitTasks(ctx, spec, cgroup)
+}
+
+// prepareMounts makes the instance's host mounts (see mounts.go) and returns the bundle
+// options that name them.
+func (r *Runtime) prepareMounts(spec runtime.Spec) (bundleOptions, error) {
+	opts := bundleOptions{
+		CgroupsPath: r.cgroupsPath(spec.ID),
+		GuestPids:   r.guestPids,
+		RootPath:    spec.RootFS,
+		RunSource:   filepath.Join(spec.StateDir, runDir),
+	}
+	for dir, size := range map[string]int64{opts.RunSource: runTmpfsSize, filepath.Join(spec.StateDir, logDir): logTmpfsSize} {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return opts, err
+		}
+		if err := mountTmpfs(dir, size); err != nil {
+			return opts, err
+		}
+	}
+	if r.cfg.NoUserNS {
+		return opts, nil
+	}
+	views := r.mountDir(spec.ID)
+	if err := os.Mkdir(views, 0o711); err != nil {
+		return opts, err
+	}
+	for _, v := range []struct {
+		src, name string
+		noexec    bool
+	}{{spec.RootFS, rootfsMount, false}, {opts.RunSource, runDir, true}} {
+		dst := filepath.Join(views, v.name)
+		if err := os.Mkdir(dst, 0o700); err != nil {
+			return opts, err
+		}
+		if err := idmapBind(v.src, dst, r.userns, v.noexec); err != nil {
+			return opts, err
+		}
+	}
+	opts.RootPath = filepath.Join(views, rootfsMount)
+	opts.RunSource = filepath.Join(views, runDir)
+	opts.UIDBase = r.cfg.UIDBase
+	return opts, nil
+}
+
+// releaseMounts undoes prepareMounts (views first: they hold the run tmpfs). stateDir
+// may be empty when unknown.
+func (r *Runtime) releaseMounts(id, stateDir string) error {
+	views := r.mountDir(id)
+	dirs := []string{filepath.Join(views, rootfsMount), filepath.Join(views, runDir), views}
+	if stateDir != "" {
+		dirs = append(dirs, filepath.Join(stateDir, runDir), filepath.Join(stateDir, logDir))
+	}
+	var errs []error
+	for _, d := range dirs {
+		if err := unmountAll(d); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// limitTasks sets the pids limit of the container's cgroup inside the Sentry, named
+// cgroup (see hostPidsFactor). The agent is the only task until the node asks it for
+// more, which happens after Create or Restore returns.
+func (r *Runtime) limitTasks(ctx context.Context, spec runtime.Spec, cgroup string) error {
+	out, err := r.runsc(ctx, "write-control", spec.ID, "pids", "/"+cgroup, "pids.max", strconv.FormatInt(guestPidsLimit(spec), 10))
+	if err != nil {
+		return fmt.Errorf("set the sandbox's pids limit: %w: %s", err, bytes.TrimSpace(out))
 	}
 	return nil
 }
@@ -213,17 +410,21 @@ func (r *Runtime) cgroupsPath(id string) string {
 	return filepath.Join(r.cfg.CgroupParent, id)
 }
 
-// run starts the container with `runsc run -detach`. runsc and the sandbox it leaves
-// behind get their own session (no terminal signal reaches them) and write their stdio,
-// which includes the agent's, to runsc.log in the StateDir.
+// run starts the container with `runsc run -detach` (or restore). runsc and the sandbox
+// it leaves behind get their own session (no terminal signal reaches them) and write
+// their stdio, which includes the agent's, to the instance's log (logs.go).
 func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) error {
-	logPath := filepath.Join(spec.StateDir, logFile)
+	logPath := logPath(spec.StateDir)
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return fmt.Errorf("open runsc log: %w", err)
 	}
 	defer logf.Close()
-	args := append([]string{"--network=none", "--overlay2=none", "--host-uds=create"}, sub...)
+	args := []string{"--network=none", "--overlay2=none", "--host-uds=create"}
+	if r.guestPids {
+		args = append(args, "--in-sandbox-cgroup=v2")
+	}
+	args = append(args, sub...)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
 	defer cancel()
 	full := r.args(args...)
@@ -305,7 +506,7 @@ func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error)
 	if err != nil {
 		return "", fmt.Errorf("gvisor status %s: %w", id, err)
 	}
-	return status(st.Status), nil
+	return observed(st), nil
 }
 
 // List reports every container under the root dir, plus the instances that only have a
@@ -323,7 +524,7 @@ func (r *Runtime) List(ctx context.Context) ([]runtime.Instance, error) {
 	var out []runtime.Instance
 	for _, c := range all {
 		seen[c.ID] = true
-		out = append(out, runtime.Instance{ID: c.ID, Status: status(c.Status)})
+		out = append(out, runtime.Instance{ID: c.ID, Status: observed(c)})
 	}
 	for _, id := range ids {
 		if !seen[id] {
@@ -344,7 +545,7 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	if err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
-	if s := status(st.Status); s != runtime.StatusRunning {
+	if s := observed(st); s != runtime.StatusRunning {
 		return fmt.Errorf("gvisor adopt %s: instance is %s, not running", spec.ID, s)
 	}
 	if filepath.Clean(st.Bundle) != filepath.Clean(spec.StateDir) {
@@ -402,14 +603,11 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 			return err
 		}
 	}
+	if err := r.releaseMounts(id, stateDir); err != nil {
+		return fmt.Errorf("release mounts: %w", err)
+	}
 	if stateDir != "" {
-		var errs []error
-		for _, name := range []string{configFile, logFile, runDir} {
-			if err := os.RemoveAll(filepath.Join(stateDir, name)); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		if err := errors.Join(errs...); err != nil {
+		if err := os.RemoveAll(filepath.Join(stateDir, configFile)); err != nil {
 			return fmt.Errorf("clean state dir: %w", err)
 		}
 	}
@@ -456,6 +654,9 @@ func validateSpec(spec runtime.Spec) error {
 	}
 	if spec.CPU < 0 || spec.MemoryMB < 0 {
 		return fmt.Errorf("negative cpu (%d) or memory (%d)", spec.CPU, spec.MemoryMB)
+	}
+	if spec.PidsLimit != 0 && spec.PidsLimit < MinPidsLimit {
+		return fmt.Errorf("pids limit %d below gVisor's minimum %d (the Sentry, the gofer and the platform need host tasks of their own)", spec.PidsLimit, MinPidsLimit)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -9,13 +10,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,12 +40,21 @@ func TestMain(m *testing.M) {
 	os.Exit(testMain(m))
 }
 
+// testRunsc and testPlatform are the runsc the tests use: the default one, or the one
+// SPACE_TEST_RUNSC names (e.g. Debian's /usr/bin/runsc with SPACE_TEST_RUNSC_PLATFORM
+// ptrace and SPACE_TEST_RUNSC_NO_USERNS=1, to check the fallback).
+var (
+	testRunsc    = cmp.Or(os.Getenv("SPACE_TEST_RUNSC"), DefaultRunscPath)
+	testPlatform = cmp.Or(os.Getenv("SPACE_TEST_RUNSC_PLATFORM"), DefaultPlatform)
+	testNoUserNS = os.Getenv("SPACE_TEST_RUNSC_NO_USERNS") != ""
+)
+
 func testMain(m *testing.M) int {
-	switch _, err := exec.LookPath("runsc"); {
+	switch _, err := os.Stat(testRunsc); {
 	case os.Geteuid() != 0:
 		skipReason = "runsc tests need root"
 	case err != nil:
-		skipReason = "runsc not installed (apt-get install runsc)"
+		skipReason = fmt.Sprintf("runsc not installed at %s (scripts/setup.sh builds it)", testRunsc)
 	}
 	if skipReason == "" && os.Getenv(helperSpecEnv) == "" {
 		dir, err := os.MkdirTemp("", "gvisor-testagent-")
@@ -83,11 +96,41 @@ func (w tWriter) Write(p []byte) (int, error) {
 
 func newTestRuntime(t *testing.T, rootDir string) *Runtime {
 	t.Helper()
-	rt, err := New(Config{RootDir: rootDir, Logger: testLogger(t)})
+	cfg := Config{RunscPath: testRunsc, Platform: testPlatform, RootDir: rootDir, NoUserNS: testNoUserNS, Logger: testLogger(t)}
+	// Extra runsc flags for investigating a failure, e.g. "--debug --debug-log=/tmp/d/".
+	cfg.ExtraFlags = strings.Fields(os.Getenv("SPACE_TEST_RUNSC_FLAGS"))
+	rt, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() {
+		rt.Close()
+		unmountNullNetNS(t, rootDir)
+	})
 	return rt
+}
+
+// unmountNullNetNS unmounts the empty network namespace runsc pins in its root dir for
+// all gofers (a host mount the root dir keeps for the host's lifetime), so that the
+// test's temporary root dir can be removed.
+func unmountNullNetNS(t *testing.T, rootDir string) {
+	p := filepath.Join(rootDir, "null-netns")
+	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		t.Errorf("unmount %s: %v", p, err)
+	}
+}
+
+// testRootDir is a root dir for a test runtime. The sandboxes' user namespace must be
+// able to search the directories above it, and t.TempDir makes them 0700.
+func testRootDir(t *testing.T) string {
+	t.Helper()
+	tmp := t.TempDir()
+	for _, d := range []string{tmp, filepath.Dir(tmp)} {
+		if err := os.Chmod(d, 0o711); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return filepath.Join(tmp, "runsc")
 }
 
 func newID(t *testing.T) string {
@@ -169,7 +212,7 @@ func assertNothingLeft(t *testing.T, rt *Runtime, spec runtime.Spec) {
 	if slices.ContainsFunc(list, func(i runtime.Instance) bool { return i.ID == spec.ID }) {
 		t.Errorf("List still has %s: %v", spec.ID, list)
 	}
-	out, err := exec.Command("runsc", "--root="+rt.cfg.RootDir, "list", "-format=json").Output()
+	out, err := exec.Command(rt.cfg.RunscPath, "--root="+rt.cfg.RootDir, "list", "-format=json").Output()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,6 +233,34 @@ func assertNothingLeft(t *testing.T, rt *Runtime, spec runtime.Spec) {
 			t.Errorf("cgroup %s: %v", dir, err)
 		}
 	}
+	if _, err := os.Stat(rt.mountDir(spec.ID)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("mount dir: %v", err)
+	}
+	if m := mountsUnder(t, spec.StateDir, rt.mountDir(spec.ID)); len(m) > 0 {
+		t.Errorf("mounts left: %v", m)
+	}
+}
+
+// mountsUnder lists the mount points in /proc/self/mountinfo at or below the dirs.
+func mountsUnder(t *testing.T, dirs ...string) []string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found []string
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 {
+			continue
+		}
+		for _, d := range dirs {
+			if f[4] == d || strings.HasPrefix(f[4], d+"/") {
+				found = append(found, f[4])
+			}
+		}
+	}
+	return found
 }
 
 // procsMentioning lists the processes whose command line contains one of the strings,
@@ -240,7 +311,7 @@ func readTrim(t *testing.T, path string) string {
 func TestLifecycle(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
-	rootDir := filepath.Join(t.TempDir(), "runsc")
+	rootDir := testRootDir(t)
 	rt := newTestRuntime(t, rootDir)
 	id := newID(t)
 	spec := testSpec(t, id)
@@ -341,8 +412,13 @@ func TestLifecycle(t *testing.T) {
 	})
 	t.Run("info", func(t *testing.T) {
 		info, err := rt.Info(ctx)
-		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != "ptrace" {
+		if err != nil || info.Name != "gvisor" || info.Version == "" || info.Details["platform"] != testPlatform {
 			t.Errorf("Info = %+v, %v", info, err)
+		}
+		// The pinned release holds the pids limit inside the sandbox (else the fork bomb
+		// test would skip).
+		if testRunsc == DefaultRunscPath && info.Details["pids_limit"] != "sandbox" {
+			t.Errorf("Info details %v: want pids_limit sandbox", info.Details)
 		}
 	})
 	t.Run("create again fails and keeps the instance", func(t *testing.T) {
@@ -365,7 +441,7 @@ func TestLifecycle(t *testing.T) {
 		get(t, fc, "/v1/health")
 	})
 	t.Run("stopped", func(t *testing.T) {
-		if out, err := exec.Command("runsc", "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
+		if out, err := exec.Command(rt.cfg.RunscPath, "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
 			t.Fatalf("runsc kill: %v %s", err, out)
 		}
 		deadline := time.Now().Add(10 * time.Second)
@@ -421,7 +497,7 @@ func TestCreateFailureLeavesNothing(t *testing.T) {
 		{"network", func(t *testing.T, s *runtime.Spec) { s.Network = true }, runtime.ErrUnsupported},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+			rt := newTestRuntime(t, testRootDir(t))
 			spec := testSpec(t, newID(t))
 			tc.modify(t, &spec)
 			err := rt.Create(context.Background(), spec)
@@ -444,7 +520,7 @@ func TestCreateFailureLeavesNothing(t *testing.T) {
 func TestUnknownInstance(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
-	rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+	rt := newTestRuntime(t, testRootDir(t))
 	if err := rt.Destroy(ctx, "nosuchid"); err != nil {
 		t.Errorf("Destroy: %v", err)
 	}
@@ -467,7 +543,7 @@ func TestUnknownInstance(t *testing.T) {
 func TestInterruptedCreate(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
-	rt := newTestRuntime(t, filepath.Join(t.TempDir(), "runsc"))
+	rt := newTestRuntime(t, testRootDir(t))
 	spec := testSpec(t, newID(t))
 	if err := rt.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir}); err != nil {
 		t.Fatal(err)
@@ -519,7 +595,7 @@ func TestHelperCreate(t *testing.T) {
 func TestSurvivesCreator(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
-	rootDir := filepath.Join(t.TempDir(), "runsc")
+	rootDir := testRootDir(t)
 	spec := testSpec(t, newID(t))
 	raw, err := json.Marshal(spec)
 	if err != nil {
@@ -562,9 +638,197 @@ func TestSurvivesCreator(t *testing.T) {
 }
 
 func TestNewWithoutRunsc(t *testing.T) {
-	t.Setenv("PATH", t.TempDir())
-	_, err := New(Config{RootDir: t.TempDir()})
-	if err == nil || !strings.Contains(err.Error(), "apt-get install runsc") {
-		t.Errorf("New without runsc: %v", err)
+	_, err := New(Config{RunscPath: filepath.Join(t.TempDir(), "runsc"), RootDir: t.TempDir()})
+	if err == nil || !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("New with a missing runsc: %v", err)
 	}
+	notRunsc := filepath.Join(t.TempDir(), "runsc")
+	if err := os.WriteFile(notRunsc, []byte("#!/bin/sh\nexit 3\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(Config{RunscPath: notRunsc, RootDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "does not run") {
+		t.Errorf("New with a runsc that fails: %v", err)
+	}
+	// The release is probed for what it can do; a broken probe is an error.
+	if err := os.WriteFile(notRunsc, []byte("#!/bin/sh\n[ \"$1\" = --version ] && echo 'runsc version x' && exit 0\nexit 3\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(Config{RunscPath: notRunsc, RootDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "flags") {
+		t.Errorf("New with a runsc that fails: %v", err)
+	}
+}
+
+func TestParseVersion(t *testing.T) {
+	for out, want := range map[string]string{
+		"runsc version v0.0.0-20260905035102-160fafc42237\nspec: 1.2.1\n": "v0.0.0-20260905035102-160fafc42237",
+		"runsc version 0.0~20221219.0\nspec: 1.0.2-dev\n":                 "0.0~20221219.0",
+		"": "",
+	} {
+		if got := parseVersion(out); got != want {
+			t.Errorf("parseVersion(%q) = %q, want %q", out, got, want)
+		}
+	}
+}
+
+// pidsCgroupDir is the host cgroup directory holding the instance's pids controller.
+func pidsCgroupDir(id string) string {
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil { // v2
+		return filepath.Join("/sys/fs/cgroup", DefaultCgroupParent, id)
+	}
+	return filepath.Join("/sys/fs/cgroup/pids", DefaultCgroupParent, id)
+}
+
+func readInt(t *testing.T, path string) int {
+	t.Helper()
+	n, err := strconv.Atoi(readTrim(t, path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func post(t *testing.T, c *http.Client, path string) []byte {
+	t.Helper()
+	resp, err := c.Post("http://agent"+path, "text/plain", nil)
+	if err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode/100 != 2 {
+		t.Fatalf("POST %s: %d %v %s", path, resp.StatusCode, err, body)
+	}
+	return body
+}
+
+// TestForkBombContained: a fork bomb inside a sandbox runs into the sandbox's pids limit
+// (gVisor's cgroup: forks fail with EAGAIN), never into the host cgroup's (which would
+// kill the Sentry), the host's task count for the sandbox's cgroup stays below its
+// limit, and the sandbox keeps answering during and after the bomb. The test agent runs
+// the bomb the way the agent should run user processes: in a child cgroup with a
+// tighter limit, so that the agent itself can still start threads.
+func TestForkBombContained(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	if !rt.guestPids {
+		t.Skipf("runsc %s holds no pids limit inside the sandbox", rt.version)
+	}
+	spec := testSpec(t, newID(t))
+	spec.PidsLimit = 1280 // 256 tasks inside
+	if err := rt.Create(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
+		}
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	c := agentClient(t, rt, spec.ID)
+	waitHealthy(t, c)
+	hostCg := pidsCgroupDir(spec.ID)
+	hostLimit := spec.PidsLimit
+	if got := readInt(t, filepath.Join(hostCg, "pids.max")); got != hostLimit {
+		t.Fatalf("host pids.max = %d, want %d", got, hostLimit)
+	}
+	cg := path.Join(cgroupMountDir, spec.ID) // the sandbox's cgroup, seen from inside
+	if got := strings.TrimSpace(string(get(t, c, "/read?path="+cg+"/pids.max"))); got != "256" {
+		t.Fatalf("pids.max inside the sandbox = %s, want 256", got)
+	}
+	write := func(p, data string) {
+		t.Helper()
+		resp, err := c.Post("http://agent/write?path="+p, "text/plain", strings.NewReader(data))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("write %s: %s", p, resp.Status)
+		}
+	}
+	post(t, c, "/mkdir?path="+cg+"/agent")
+	post(t, c, "/mkdir?path="+cg+"/user")
+	write(cg+"/agent/cgroup.procs", "1")
+	write(cg+"/cgroup.subtree_control", "+pids")
+	write(cg+"/user/pids.max", "200")
+	t.Logf("tasks before the bomb: %s inside, %d on the host (limit %d)",
+		strings.TrimSpace(string(get(t, c, "/read?path="+cg+"/pids.current"))), readInt(t, filepath.Join(hostCg, "pids.current")), hostLimit)
+
+	post(t, c, "/forkbomb?cgroup="+cg+"/user")
+	stopped := false
+	defer func() {
+		if !stopped {
+			post(t, c, "/forkbomb/stop")
+		}
+	}()
+	// The bomb is contained once its cgroup refused a fork.
+	deadline := time.Now().Add(60 * time.Second)
+	peak := 0
+	for {
+		cur := readInt(t, filepath.Join(hostCg, "pids.current"))
+		peak = max(peak, cur)
+		events := string(get(t, c, "/read?path="+cg+"/user/pids.events"))
+		if refused := eventCount(t, events, "max"); refused > 0 {
+			t.Logf("forks refused inside: %d; host tasks %d (peak %d)", refused, cur, peak)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the bomb never reached the limit: host tasks %d (peak %d), %s", cur, peak, events)
+		}
+		time.Sleep(20 * time.Millisecond) // poll interval
+	}
+	// Keep the bomb pushing against the limit for a while; the agent keeps answering.
+	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); {
+		peak = max(peak, readInt(t, filepath.Join(hostCg, "pids.current")))
+		get(t, c, "/v1/health")
+		time.Sleep(20 * time.Millisecond) // poll interval
+	}
+	var n int
+	if err := json.Unmarshal(get(t, c, "/procs"), &n); err != nil {
+		t.Fatal(err)
+	}
+	inside, err := strconv.Atoi(strings.TrimSpace(string(get(t, c, "/read?path="+cg+"/pids.current"))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("during the bomb: %d processes, %d tasks inside; host tasks peak %d", n, inside, peak)
+	if inside > 256 {
+		t.Errorf("%d tasks inside, above the limit 256", inside)
+	}
+	if refused := eventCount(t, readTrim(t, filepath.Join(hostCg, "pids.events")), "max"); refused > 0 || peak >= hostLimit {
+		t.Errorf("the host limit was hit: %d forks refused, peak %d of %d", refused, peak, hostLimit)
+	}
+
+	var rounds int
+	if err := json.Unmarshal(post(t, c, "/forkbomb/stop"), &rounds); err != nil {
+		t.Fatal(err)
+	}
+	stopped = true
+	t.Logf("bomb killed in %d rounds", rounds)
+	waitHealthy(t, c)
+	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("Status after the bomb = %v, %v", st, err)
+	}
+	if got := strings.TrimSpace(string(get(t, c, "/read?path="+cg+"/user/pids.current"))); got != "0" {
+		t.Errorf("tasks left in the bomb's cgroup: %s", got)
+	}
+	t.Logf("host tasks after the bomb: %d (systrap keeps stub processes for reuse)", readInt(t, filepath.Join(hostCg, "pids.current")))
+}
+
+// eventCount reads the count of one event ("max N") from a pids.events file.
+func eventCount(t *testing.T, events, name string) int {
+	t.Helper()
+	for _, line := range strings.Split(strings.TrimSpace(events), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			n, err := strconv.Atoi(v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	return 0
 }

@@ -16,6 +16,10 @@ const recordsDir = "space-records"
 type record struct {
 	ID       string `json:"id"`
 	StateDir string `json:"state_dir"`
+	// Cgroup is the name of the container's cgroup inside the Sentry, where its pids
+	// limit is set: the container id it was first created with, which a checkpoint
+	// carries over to every instance restored from it.
+	Cgroup string `json:"cgroup,omitempty"`
 }
 
 // records is the store of the instances' records, under the root dir.

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 // containerState is the JSON that `runsc state` and `runsc list -format=json` print (the
@@ -104,6 +105,20 @@ func (r *Runtime) list(ctx context.Context) ([]containerState, error) {
 		}
 	}
 	return all, nil
+}
+
+// observed is the instance's status from runsc's state, corrected for a sandbox process
+// that has exited but is not reaped yet: runsc tests it with kill(pid, 0), which
+// succeeds on a zombie, and the process that reaps it (whoever inherited it when
+// `runsc run -detach` exited: init or a subreaper) may take its time.
+func observed(st containerState) runtime.Status {
+	s := status(st.Status)
+	if s != runtime.StatusStopped && st.PID > 0 {
+		if p, err := instances.ReadProc(st.PID); err != nil || !p.Live() {
+			return runtime.StatusStopped
+		}
+	}
+	return s
 }
 
 // status maps an OCI status string to a runtime.Status.

@@ -2,12 +2,14 @@ package gvisor
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
+	"time"
 
+	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -35,9 +37,10 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 	return nil
 }
 
-// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint);
-// the sandbox stops. The agent must have quiesced first: runsc cannot save a sandbox
-// that holds a bound host socket, and the failed attempt kills it.
+// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint),
+// fsyncs the files, and returns once the sandbox has stopped. The agent must have
+// quiesced first: runsc cannot save a sandbox that holds a bound host socket, and the
+// failed attempt kills it.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor checkpoint: invalid id %q", id)
@@ -45,10 +48,98 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
+	meta := checkpointMeta{Cgroup: id}
+	if rec, err := r.readRecord(id); err == nil && rec.Cgroup != "" {
+		meta.Cgroup = rec.Cgroup
+	}
+	if err := writeMeta(dir, meta); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
 	if _, err := r.runsc(ctx, "checkpoint", "-image-path", dir, id); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
+	if err := syncDir(dir); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	// runsc returns once the image is written; the sandbox exits a moment later.
+	if err := r.waitStopped(ctx, id); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
 	return nil
+}
+
+// metaFile is the runtime's own file in a checkpoint directory, beside runsc's.
+const metaFile = "space-gvisor.json"
+
+// checkpointMeta is what Restore needs to know about a checkpoint besides runsc's image.
+type checkpointMeta struct {
+	// Cgroup is the name of the container's cgroup inside the checkpointed Sentry.
+	Cgroup string `json:"cgroup"`
+}
+
+func writeMeta(dir string, m checkpointMeta) error {
+	data, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, metaFile), data, 0o600); err != nil {
+		return fmt.Errorf("write checkpoint metadata: %w", err)
+	}
+	return nil
+}
+
+func readMeta(dir string) (checkpointMeta, error) {
+	var m checkpointMeta
+	data, err := os.ReadFile(filepath.Join(dir, metaFile))
+	if err != nil {
+		return m, fmt.Errorf("read checkpoint metadata: %w", err)
+	}
+	if err := json.Unmarshal(data, &m); err != nil {
+		return m, fmt.Errorf("read checkpoint metadata: %w", err)
+	}
+	if !validID(m.Cgroup) {
+		return m, fmt.Errorf("checkpoint metadata: invalid cgroup %q", m.Cgroup)
+	}
+	return m, nil
+}
+
+// waitStopped polls runsc until the container is no longer running, bounded by the
+// command timeout.
+func (r *Runtime) waitStopped(ctx context.Context, id string) error {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
+	defer cancel()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		st, err := r.state(ctx, id)
+		if errors.Is(err, runtime.ErrNotFound) || (err == nil && observed(st) == runtime.StatusStopped) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the sandbox to stop: still %s: %w", st.Status, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// syncDir fsyncs the regular files in dir and dir itself.
+func syncDir(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if e.Type().IsRegular() {
+			if err := durable.Sync(filepath.Join(dir, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	return durable.Sync(dir)
 }
 
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
@@ -58,10 +149,11 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	if err := validateSpec(spec); err != nil {
 		return fmt.Errorf("gvisor restore: %w", err)
 	}
-	if _, err := os.Stat(filepath.Join(dir, "checkpoint.img")); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	meta, err := readMeta(dir)
+	if err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup}); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	var mountPoints []string
@@ -76,17 +168,9 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 		}
 		removeMountPoints(spec.RootFS, mountPoints)
 	}()
-	if err := os.MkdirAll(filepath.Join(spec.StateDir, runDir), 0o700); err != nil {
-		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
-	}
-	oci := bundleSpec(spec, bundleOptions{CgroupsPath: r.cgroupsPath(spec.ID), Compat: r.compat})
-	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
-		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
-	}
-	if err := writeBundle(spec.StateDir, oci); err != nil {
-		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
-	}
-	if err := r.run(ctx, spec, "restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	// The pids limit is part of the checkpointed kernel state, but this instance's Spec
+	// may name another one (a base snapshot restored for a new sandbox): start sets it.
+	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, "restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	return nil

@@ -4,15 +4,34 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
+	"strconv"
 	"strings"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
 )
 
 func main() {
+	if len(os.Args) > 2 && os.Args[1] == "bomb" {
+		// Join the cgroup first (the way space-agent starts user processes), then bomb.
+		if cg := os.Args[2]; cg != "" {
+			if err := os.WriteFile(cg+"/cgroup.procs", []byte("0"), 0); err != nil {
+				fmt.Fprintln(os.Stderr, "bomb: join cgroup:", err)
+				os.Exit(1)
+			}
+		}
+		bomb()
+		return
+	}
 	if err := run(); err != nil {
 		fmt.Fprintln(os.Stderr, "testagent:", err)
 		os.Exit(1)
@@ -24,11 +43,6 @@ func run() error {
 	path, ok := strings.CutPrefix(listen, "unix:")
 	if !ok {
 		return fmt.Errorf("SPACE_AGENT_LISTEN=%q: want unix:PATH", listen)
-	}
-	_ = os.Remove(path)
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		return err
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/health", func(w http.ResponseWriter, r *http.Request) {
@@ -73,6 +87,23 @@ func run() error {
 		}
 		w.Write(b)
 	})
+	// GET /read?path=P returns the file P (inside the sandbox).
+	mux.HandleFunc("GET /read", func(w http.ResponseWriter, r *http.Request) {
+		b, err := os.ReadFile(r.URL.Query().Get("path"))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.Write(b)
+	})
+	// POST /mkdir?path=P makes directory P (inside the sandbox).
+	mux.HandleFunc("POST /mkdir", func(w http.ResponseWriter, r *http.Request) {
+		if err := os.Mkdir(r.URL.Query().Get("path"), 0o755); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
 	// POST /write?path=P writes the request body to P (inside the sandbox).
 	mux.HandleFunc("POST /write", func(w http.ResponseWriter, r *http.Request) {
 		f, err := os.Create(r.URL.Query().Get("path"))
@@ -88,7 +119,151 @@ func run() error {
 		}
 		w.WriteHeader(http.StatusNoContent)
 	})
-	return http.Serve(l, mux)
+	var bombMu sync.Mutex
+	bombPgid := 0
+	// POST /forkbomb starts a fork bomb: copies of this program that each start copies
+	// of themselves as fast as they can, in one process group.
+	mux.HandleFunc("POST /forkbomb", func(w http.ResponseWriter, r *http.Request) {
+		bombMu.Lock()
+		defer bombMu.Unlock()
+		cmd := exec.Command("/proc/self/exe", "bomb", r.URL.Query().Get("cgroup"))
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		if err := cmd.Start(); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		bombPgid = cmd.Process.Pid
+		go reapAll() // PID 1 inherits the orphans
+		writeJSON(w, bombPgid)
+	})
+	// POST /forkbomb/stop kills the bomb's process group until no member is left.
+	mux.HandleFunc("POST /forkbomb/stop", func(w http.ResponseWriter, r *http.Request) {
+		bombMu.Lock()
+		defer bombMu.Unlock()
+		deadline := time.Now().Add(30 * time.Second)
+		for rounds := 1; ; rounds++ {
+			err := syscall.Kill(-bombPgid, syscall.SIGKILL)
+			if errors.Is(err, syscall.ESRCH) {
+				writeJSON(w, rounds)
+				return
+			}
+			if err != nil || time.Now().After(deadline) {
+				http.Error(w, fmt.Sprintf("kill bomb after %d rounds: %v", rounds, err), http.StatusInternalServerError)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	// GET /procs counts the sandbox's processes.
+	mux.HandleFunc("GET /procs", func(w http.ResponseWriter, r *http.Request) {
+		entries, err := os.ReadDir("/proc")
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		n := 0
+		for _, e := range entries {
+			if _, err := strconv.Atoi(e.Name()); err == nil {
+				n++
+			}
+		}
+		writeJSON(w, n)
+	})
+	// GET /statx?path=P calls statx(2) with AT_NO_AUTOMOUNT, as GNU coreutils 9 does
+	// (old gVisor releases rejected the flag with EINVAL).
+	mux.HandleFunc("GET /statx", func(w http.ResponseWriter, r *http.Request) {
+		p, err := syscall.BytePtrFromString(r.URL.Query().Get("path"))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		const atFDCWD, atNoAutomount, statxBasicStats = -100, 0x800, 0x7ff
+		var buf [256]byte
+		fd := atFDCWD
+		_, _, errno := syscall.Syscall6(332 /* SYS_STATX on amd64 */, uintptr(fd), uintptr(unsafe.Pointer(p)), atNoAutomount, statxBasicStats, uintptr(unsafe.Pointer(&buf[0])), 0)
+		if errno != 0 {
+			http.Error(w, errno.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	// POST /stderr?n=N writes N bytes of log lines to the agent's stderr (its log).
+	mux.HandleFunc("POST /stderr", func(w http.ResponseWriter, r *http.Request) {
+		n, err := strconv.Atoi(r.URL.Query().Get("n"))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		line := []byte(strings.Repeat("x", 99) + "\n")
+		written := 0
+		for written < n {
+			k, err := os.Stderr.Write(line)
+			written += k
+			if err != nil {
+				break // the log is full: the agent goes on
+			}
+		}
+		writeJSON(w, written)
+	})
+	// POST /quiesce answers, then closes the listener (runsc cannot checkpoint a bound
+	// host socket) and waits for a file "resume" in the socket's directory to listen
+	// again, like space-agent.
+	quiesce := make(chan struct{}, 1)
+	mux.HandleFunc("POST /quiesce", func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusNoContent)
+		quiesce <- struct{}{}
+	})
+	dir := path[:strings.LastIndex(path, "/")]
+	for {
+		_ = os.Remove(path)
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			return err
+		}
+		srv := &http.Server{Handler: mux}
+		go srv.Serve(l)
+		<-quiesce
+		// Shutdown lets the quiesce answer go out, then closes every connection.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err = srv.Shutdown(ctx)
+		cancel()
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(dir+"/quiesced", nil, 0o600); err != nil {
+			return err
+		}
+		for {
+			if _, err := os.Stat(dir + "/resume"); err == nil {
+				break
+			}
+			time.Sleep(5 * time.Millisecond) // poll interval
+		}
+		_ = os.Remove(dir + "/resume")
+		_ = os.Remove(dir + "/quiesced")
+	}
+}
+
+// bomb starts copies of itself without end; failures (the pids limit) only slow it.
+func bomb() {
+	for {
+		cmd := exec.Command("/proc/self/exe", "bomb", "")
+		if err := cmd.Start(); err != nil {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		go cmd.Wait()
+	}
+}
+
+// reapAll waits for any child until there is none left.
+func reapAll() {
+	for {
+		var ws syscall.WaitStatus
+		if _, err := syscall.Wait4(-1, &ws, 0, nil); errors.Is(err, syscall.ECHILD) {
+			return
+		}
+	}
 }
 
 func writeJSON(w http.ResponseWriter, v any) {

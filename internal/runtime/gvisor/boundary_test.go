@@ -1,0 +1,400 @@
+package gvisor
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/runtime"
+)
+
+// needUserNS skips tests of the user namespace when the tests run without it (the
+// fallback runsc).
+func needUserNS(t *testing.T) {
+	t.Helper()
+	if testNoUserNS {
+		t.Skip("SPACE_TEST_RUNSC_NO_USERNS is set")
+	}
+}
+
+// startSandbox creates a sandbox from spec with rt, waits for its agent and registers
+// its destruction.
+func startSandbox(t *testing.T, rt *Runtime, spec runtime.Spec) *http.Client {
+	t.Helper()
+	if err := rt.Create(context.Background(), spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
+		}
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	c := agentClient(t, rt, spec.ID)
+	waitHealthy(t, c)
+	return c
+}
+
+// hostUIDs reports the real uid of each host process runsc runs for the instance.
+func hostUIDs(t *testing.T, rt *Runtime, spec runtime.Spec) map[int]uint32 {
+	t.Helper()
+	pids, err := rt.hostProcs(spec.ID, spec.StateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pids) < 2 {
+		t.Fatalf("host processes %v: want at least the sandbox and the gofer", pids)
+	}
+	uids := map[int]uint32{}
+	for _, pid := range pids {
+		var st unix.Stat_t
+		if err := unix.Stat(fmt.Sprintf("/proc/%d", pid), &st); err != nil {
+			continue // gone meanwhile
+		}
+		uids[pid] = st.Uid
+	}
+	return uids
+}
+
+// TestUserNamespace: the Sentry, the gofer and the platform's stub processes run as the
+// unprivileged host uid UIDBase (sandbox root), not as root; sandbox root sees itself as
+// uid 0 and its files as its own; files it writes keep ordinary ownership on disk (the
+// rootfs is an id-mapped view); the views are nosuid and nodev.
+func TestUserNamespace(t *testing.T) {
+	needRunsc(t)
+	needUserNS(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	if err := os.WriteFile(filepath.Join(spec.RootFS, "template-file"), []byte("t"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := startSandbox(t, rt, spec)
+
+	for pid, uid := range hostUIDs(t, rt, spec) {
+		if uid != DefaultUIDBase {
+			t.Errorf("host process %d runs as uid %d, want %d", pid, uid, DefaultUIDBase)
+		}
+	}
+	status := string(get(t, c, "/status"))
+	if !strings.Contains(strings.Join(strings.Fields(status), " "), "Uid: 0 0 0 0") {
+		t.Errorf("sandbox root is not uid 0 inside:\n%s", status)
+	}
+	// A root-only file of the template is sandbox root's.
+	if got := string(get(t, c, "/read?path=/template-file")); got != "t" {
+		t.Errorf("template file = %q", got)
+	}
+	resp, err := c.Post("http://agent/write?path=/written", "text/plain", strings.NewReader("w"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNoContent {
+		t.Fatalf("write: %s", resp.Status)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(spec.RootFS, "written"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != 0 || st.Gid != 0 {
+		t.Errorf("file written by sandbox root is %d:%d on disk, want 0:0", st.Uid, st.Gid)
+	}
+	if err := unix.Stat(filepath.Join(rt.mountDir(spec.ID), rootfsMount, "written"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != DefaultUIDBase {
+		t.Errorf("file written by sandbox root is uid %d in the view, want %d", st.Uid, DefaultUIDBase)
+	}
+	for _, v := range []string{rootfsMount, runDir} {
+		var fs unix.Statfs_t
+		if err := unix.Statfs(filepath.Join(rt.mountDir(spec.ID), v), &fs); err != nil {
+			t.Fatal(err)
+		}
+		if fs.Flags&unix.ST_NOSUID == 0 || fs.Flags&unix.ST_NODEV == 0 {
+			t.Errorf("view %s is not nosuid,nodev: flags %#x", v, fs.Flags)
+		}
+	}
+	info, err := rt.Info(context.Background())
+	if err != nil || info.Details["userns"] != fmt.Sprintf("%d:%d", DefaultUIDBase, UserNSSize) {
+		t.Errorf("Info = %+v, %v", info, err)
+	}
+}
+
+// TestNoUserNS: with the user namespace off, sandboxes still work (their processes run
+// as host root, in runsc's one-to-one namespace).
+func TestNoUserNS(t *testing.T) {
+	needRunsc(t)
+	rootDir := filepath.Join(t.TempDir(), "runsc")
+	rt, err := New(Config{RunscPath: testRunsc, Platform: testPlatform, RootDir: rootDir, NoUserNS: true, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		rt.Close()
+		unmountNullNetNS(t, rootDir)
+	})
+	spec := testSpec(t, newID(t))
+	startSandbox(t, rt, spec)
+	for pid, uid := range hostUIDs(t, rt, spec) {
+		if uid >= DefaultUIDBase && uid < DefaultUIDBase+UserNSSize {
+			t.Errorf("host process %d runs as uid %d, in the user namespace's range", pid, uid)
+		}
+	}
+	if info, _ := rt.Info(context.Background()); info.Details["userns"] != "off" {
+		t.Errorf("Info details %v", info.Details)
+	}
+	if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, spec)
+}
+
+// TestRootDirNotSearchable: New refuses a root dir the sandboxes' uid cannot reach.
+func TestRootDirNotSearchable(t *testing.T) {
+	needRunsc(t)
+	needUserNS(t)
+	_, err := New(Config{RunscPath: testRunsc, RootDir: filepath.Join(t.TempDir(), "runsc")})
+	if err == nil || !strings.Contains(err.Error(), "not searchable") {
+		t.Errorf("New under a 0700 directory: %v", err)
+	}
+}
+
+// TestRunDirBounded: the agent's run directory is a small tmpfs (nosuid, nodev,
+// noexec) of the runtime: sandbox code cannot fill the host's disk through it.
+func TestRunDirBounded(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	c := startSandbox(t, rt, spec)
+
+	run := filepath.Join(spec.StateDir, runDir)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(run, &fs); err != nil {
+		t.Fatal(err)
+	}
+	if fs.Type != unix.TMPFS_MAGIC || fs.Blocks*uint64(fs.Bsize) > runTmpfsSize {
+		t.Errorf("run dir: type %#x, %d bytes; want a tmpfs of at most %d", fs.Type, fs.Blocks*uint64(fs.Bsize), runTmpfsSize)
+	}
+	if fs.Flags&(unix.ST_NOSUID|unix.ST_NODEV|unix.ST_NOEXEC) != unix.ST_NOSUID|unix.ST_NODEV|unix.ST_NOEXEC {
+		t.Errorf("run dir flags %#x, want nosuid,nodev,noexec", fs.Flags)
+	}
+	resp, err := c.Post("http://agent/write?path=/run/space/big", "text/plain", bytes.NewReader(make([]byte, 2*runTmpfsSize)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode == http.StatusNoContent {
+		t.Error("writing twice the run dir's size succeeded")
+	}
+	if fi, err := os.Stat(filepath.Join(run, "big")); err == nil && fi.Size() > runTmpfsSize {
+		t.Errorf("big is %d bytes on the host", fi.Size())
+	}
+	// The agent still listens: a full run dir does not break the socket.
+	get(t, c, "/v1/health")
+}
+
+// TestLogCapped: whatever the sandbox writes to its stdio lands in a log on a capped
+// tmpfs, rotated in the background, and log files are 0600.
+func TestLogCapped(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	c := startSandbox(t, rt, spec)
+	dir := filepath.Join(spec.StateDir, logDir)
+
+	// Much more than the tmpfs holds, in chunks the rotation can follow.
+	total := 0
+	for range 12 {
+		var n int
+		if err := json.Unmarshal(post(t, c, "/stderr?n="+strconv.Itoa(1<<20)), &n); err != nil {
+			t.Fatal(err)
+		}
+		total += n
+		var fs unix.Statfs_t
+		if err := unix.Statfs(dir, &fs); err != nil {
+			t.Fatal(err)
+		}
+		if used := (fs.Blocks - fs.Bfree) * uint64(fs.Bsize); used > logTmpfsSize {
+			t.Fatalf("log tmpfs holds %d bytes", used)
+		}
+	}
+	t.Logf("the agent wrote %d bytes", total)
+	// The rotation catches up.
+	deadline := time.Now().Add(3 * logRotateEvery)
+	for {
+		fi, err := os.Stat(logPath(spec.StateDir))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Size() <= logRotateSize {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("log not rotated: %d bytes", fi.Size())
+		}
+		time.Sleep(50 * time.Millisecond) // poll interval
+	}
+	for _, name := range []string{logFile, logFileOld} {
+		fi, err := os.Stat(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Perm() != 0o600 {
+			t.Errorf("%s mode %v, want 0600", name, fi.Mode().Perm())
+		}
+	}
+	if fi, _ := os.Stat(filepath.Join(dir, logFileOld)); fi.Size() > logKeepSize {
+		t.Errorf("%s is %d bytes, want at most %d", logFileOld, fi.Size(), logKeepSize)
+	}
+	get(t, c, "/v1/health")
+	// New output still arrives after a rotation, at the start of the truncated file
+	// (the sandbox appends; a writer at its own offset would leave a hole).
+	before, err := os.Stat(logPath(spec.StateDir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	post(t, c, "/stderr?n=100")
+	after, err := os.Stat(logPath(spec.StateDir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Size() != before.Size()+100 {
+		t.Errorf("log grew from %d to %d bytes for 100 bytes of output", before.Size(), after.Size())
+	}
+}
+
+func TestRotateLog(t *testing.T) {
+	dir := t.TempDir()
+	cur := filepath.Join(dir, logFile)
+	data := bytes.Repeat([]byte("0123456789"), 100)
+	if err := os.WriteFile(cur, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := rotateLog(dir, 2000, 300); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, logFileOld)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("rotated below the limit: %v", err)
+	}
+	if err := rotateLog(dir, 500, 300); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(dir, logFileOld)); !bytes.Equal(got, data[len(data)-300:]) {
+		t.Errorf("old log = %q", got)
+	}
+	if fi, _ := os.Stat(cur); fi.Size() != 0 {
+		t.Errorf("current log is %d bytes after rotation", fi.Size())
+	}
+	if err := rotateLog(filepath.Join(dir, "missing"), 1, 1); err != nil {
+		t.Errorf("rotate without a log: %v", err)
+	}
+}
+
+// quiesce asks the test agent to close its socket and waits until it has.
+func quiesce(t *testing.T, c *http.Client, spec runtime.Spec) {
+	t.Helper()
+	post(t, c, "/quiesce")
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Stat(filepath.Join(spec.StateDir, runDir, "quiesced")); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("agent did not quiesce")
+		}
+		time.Sleep(5 * time.Millisecond) // poll interval
+	}
+}
+
+// TestCheckpointRestore: a checkpoint restores as another instance (a clone) with its
+// own pids limit on the container cgroup it inherited, its own host mounts and user
+// namespace, and Destroy leaves nothing of either.
+func TestCheckpointRestore(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	src := testSpec(t, newID(t))
+	src.PidsLimit = hostPidsFactor*100 + hostPidsSlack
+	c := startSandbox(t, rt, src)
+	quiesce(t, c, src)
+	dir := t.TempDir()
+	start := time.Now()
+	if err := rt.Checkpoint(ctx, src.ID, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("checkpoint: %v", time.Since(start))
+	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusStopped {
+		t.Errorf("Status after Checkpoint = %v, %v", st, err)
+	}
+	if err := rt.Destroy(ctx, src.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, src)
+
+	dst := testSpec(t, newID(t))
+	dst.RootFS = src.RootFS
+	dst.PidsLimit = hostPidsFactor*150 + hostPidsSlack
+	start = time.Now()
+	if err := rt.Restore(ctx, dst, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restore: %v", time.Since(start))
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), dst.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(dst.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dc := agentClient(t, rt, dst.ID)
+	waitHealthy(t, dc)
+	// The container's cgroup inside the Sentry keeps the original's name.
+	if !rt.guestPids {
+		t.Log("this runsc holds no pids limit inside the sandbox")
+	} else if got := strings.TrimSpace(string(get(t, dc, "/read?path=/sys/fs/cgroup/"+src.ID+"/pids.max"))); got != "150" {
+		t.Errorf("pids.max inside the restored sandbox = %s, want 150", got)
+	}
+	if got := readInt(t, filepath.Join(pidsCgroupDir(dst.ID), "pids.max")); got != dst.PidsLimit {
+		t.Errorf("host pids.max = %d, want %d", got, dst.PidsLimit)
+	}
+	for pid, uid := range hostUIDs(t, rt, dst) {
+		if uid != DefaultUIDBase && !testNoUserNS {
+			t.Errorf("host process %d runs as uid %d", pid, uid)
+		}
+	}
+	var fs unix.Statfs_t
+	if err := unix.Statfs(filepath.Join(dst.StateDir, runDir), &fs); err != nil || fs.Type != unix.TMPFS_MAGIC {
+		t.Errorf("run dir after restore: %#x %v", fs.Type, err)
+	}
+	if err := rt.Destroy(ctx, dst.ID); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, rt, dst)
+}
+
+// TestRestoreWithoutMetadata: a directory that is not a checkpoint of this runtime is
+// refused before anything is made.
+func TestRestoreWithoutMetadata(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	err := rt.Restore(context.Background(), spec, t.TempDir())
+	if err == nil || !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("Restore from an empty dir: %v", err)
+	}
+	assertNothingLeft(t, rt, spec)
+}
