@@ -39,6 +39,11 @@ type options struct {
 	// noBase leaves the store without the base template (the server builds it).
 	noBase bool
 	args   []string
+	// failpoints runs a -tags failpoints build (crash points act on env).
+	failpoints bool
+	// env is extra environment of the server process (kept across restarts unless
+	// changed with setEnv).
+	env []string
 	// dbURL shares a database with another server (a fleet).
 	dbURL string
 }
@@ -83,6 +88,9 @@ func start(t testing.TB, o options) *srv { return startWith(t, o, nil) }
 func startWith(t testing.TB, o options, prepare func(dataDir string)) *srv {
 	requireHost(t)
 	bin, _ := testenv.Binaries(t)
+	if o.failpoints {
+		bin, _ = testenv.FailpointBinaries(t)
+	}
 	dataDir := t.TempDir()
 	s := &srv{t: t, bin: bin, dataDir: dataDir, addr: freeAddr(t), opts: o}
 	if o.dbURL != "" {
@@ -120,6 +128,7 @@ func (s *srv) launch() {
 	}
 	args = append(args, s.opts.args...)
 	cmd := exec.Command(s.bin, args...)
+	cmd.Env = append(os.Environ(), s.opts.env...)
 	log := &bytes.Buffer{}
 	w := &lockedWriter{b: log}
 	cmd.Stdout, cmd.Stderr = w, w

@@ -1,0 +1,174 @@
+package e2e
+
+import (
+	"bufio"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+)
+
+// TestCrashWalkKeepsMemory is the crash walk (internal/crashtest) on gVisor, where a
+// checkpoint keeps memory: space is killed (kill -9) at each crash point of suspend,
+// wake and clone, restarted, and a process started before the transition must still
+// run afterwards unless the sandbox says it lost its memory — and a loss is only
+// acceptable where the snapshot was not complete yet.
+func TestCrashWalkKeepsMemory(t *testing.T) {
+	dir := t.TempDir()
+	crashLog, arm := filepath.Join(dir, "crash.log"), filepath.Join(dir, "crash.arm")
+	s := start(t, options{failpoints: true, args: []string{"--base-snapshots=false"},
+		env: []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}})
+	points := func() []string {
+		f, err := os.Open(crashLog)
+		if err != nil {
+			return nil
+		}
+		defer f.Close()
+		var out []string
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if p := sc.Text(); p != "" && !slices.Contains(out, p) {
+				out = append(out, p)
+			}
+		}
+		return out
+	}
+	// setup makes a running sandbox with a marker file and a long process.
+	setup := func() (string, int) {
+		sb := s.create(t, api.CreateSandboxRequest{})
+		if _, _, code := s.exec(t, sb.ID, "sh", "-c", "echo kept > /root/marker"); code != 0 {
+			t.Fatal("marker")
+		}
+		sess, err := s.C.CreateSession(ctx(t, time.Minute), sb.ID, api.CreateSessionRequest{Command: "sleep 3600"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := s.C.Attach(ctx(t, time.Minute), sess, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		st.Close()
+		return sb.ID, sess.PID
+	}
+	type step struct {
+		name  string
+		pre   []string // verbs before the walked one
+		verb  string
+		clone bool
+	}
+	for _, sc := range []step{
+		{name: "suspend", verb: api.OpSuspend},
+		{name: "wake", pre: []string{api.OpSuspend}, verb: api.OpWake},
+		{name: "clone", clone: true},
+	} {
+		// Discover the points of the transition.
+		id, _ := setup()
+		for _, v := range sc.pre {
+			s.verb(t, id, v)
+		}
+		_ = os.Truncate(crashLog, 0)
+		act := func(id string) []string {
+			if sc.clone {
+				clones, err := s.C.Clone(ctx(t, time.Minute), id, api.CloneRequest{Count: 1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return []string{clones[0].Operation.ID}
+			}
+			op, err := s.C.Lifecycle(ctx(t, time.Minute), id, sc.verb)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return []string{op.ID}
+		}
+		for _, op := range act(id) {
+			if _, err := s.C.WaitOperation(ctx(t, 2*time.Minute), op); err != nil {
+				t.Fatal(err)
+			}
+		}
+		walked := points()
+		t.Logf("%s passes %s", sc.name, strings.Join(walked, " "))
+		for _, p := range walked {
+			// Only where memory is at stake: the snapshot, the restore, the source's
+			// way back.
+			if !strings.HasPrefix(p, "checkpoint.") && !strings.HasPrefix(p, "restore.") &&
+				!strings.HasPrefix(p, "clone.source.") && !strings.HasPrefix(p, "suspend.destroyed") {
+				continue
+			}
+			s.Kill()
+			_ = os.Remove(arm)
+			s.opts.env = []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
+				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)}
+			s.Restart()
+			id, pid := setup()
+			for _, v := range sc.pre {
+				s.verb(t, id, v)
+			}
+			if err := os.WriteFile(arm, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			ops := act(id)
+			s.mu.Lock()
+			done := s.done
+			s.mu.Unlock()
+			select {
+			case <-done:
+			case <-time.After(2 * time.Minute):
+				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
+			}
+			s.mu.Lock()
+			s.cmd = nil
+			s.mu.Unlock()
+			_ = os.Remove(arm)
+			s.opts.env = nil
+			s.Restart()
+			for _, op := range ops {
+				got, err := s.C.WaitOperation(ctx(t, 3*time.Minute), op)
+				if err != nil || !got.Done() {
+					t.Fatalf("%s@%s: operation %+v %v", sc.name, p, got, err)
+				}
+			}
+			var sb *api.Sandbox
+			waitFor(t, 2*time.Minute, "the source to rest", func() bool {
+				sb = s.state(t, id)
+				return sb.State == sb.DesiredState || sb.State == api.StateStopped || sb.State == api.StateFailed
+			})
+			// Only a crash between runsc's checkpoint (which ends the instance) and the
+			// snapshot's completion marker may cost the memory.
+			lost := strings.Contains(sb.Error, "lost")
+			if lost && p != "checkpoint.saved" {
+				t.Errorf("%s@%s: memory lost although it was kept (running instance or complete snapshot): %s", sc.name, p, sb.Error)
+			}
+			if sb.State == api.StateSuspended {
+				s.verb(t, id, api.OpWake)
+			}
+			if sb.State == api.StateStopped {
+				if !lost {
+					t.Errorf("%s@%s: stopped without saying it lost its memory", sc.name, p)
+				}
+				_, _ = s.C.DeleteSandbox(ctx(t, time.Minute), id)
+				continue
+			}
+			if out, _, _ := s.exec(t, id, "cat", "/root/marker"); strings.TrimSpace(out) != "kept" {
+				t.Errorf("%s@%s: the disk lost its data: %q", sc.name, p, out)
+			}
+			if !lost {
+				procs, err := s.C.ListProcesses(ctx(t, time.Minute), id)
+				if err != nil {
+					t.Fatal(err)
+				}
+				alive := slices.ContainsFunc(procs, func(pr api.Process) bool { return pr.PID == pid && pr.State == api.ProcRunning })
+				if !alive {
+					t.Errorf("%s@%s: no loss recorded, but the process %d is gone", sc.name, p, pid)
+				}
+			}
+			if _, err := s.C.DeleteSandbox(ctx(t, time.Minute), id); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
