@@ -47,6 +47,10 @@ type Options struct {
 	Service func(*service.Config)
 	// Controller adjusts the controller's config.
 	Controller func(*controller.Config)
+	// Node adjusts the node's config (e.g. a Builder, base snapshots).
+	Node func(*node.Config)
+	// NoBase starts without the base release (a Builder makes it on first use).
+	NoBase bool
 }
 
 // Space is a running in-process space.
@@ -137,7 +141,13 @@ func Start(t testing.TB, opts Options) *Space {
 		s.go_(ctl.Run)
 	}
 	s.NodeID = ids.Node()
-	s.Base = s.AddRelease("base", "latest", BaseConfig, map[string]string{"etc/os-release": "ID=fake\n"})
+	if opts.NoBase {
+		if err := st.RegisterNode(ctx, &store.Node{ID: s.NodeID, Name: "node-" + s.NodeID[:6], Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		s.Base = s.AddRelease("base", "latest", BaseConfig, map[string]string{"etc/os-release": "ID=fake\n"})
+	}
 	if opts.NoNode {
 		// The node row AddRelease registered is no node anybody runs.
 		if _, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour)); err != nil {
@@ -174,9 +184,12 @@ func (s *Space) AddRelease(name, tag string, config json.RawMessage, files map[s
 	if err != nil {
 		s.T.Fatal(err)
 	}
-	// The node's row must exist for node_releases: register it first.
-	if err := s.Store.RegisterNode(s.ctx, &store.Node{ID: s.NodeID, Name: "node-" + s.NodeID[:6], Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
-		s.T.Fatal(err)
+	// The node's row must exist for node_releases: register it first (not again: that
+	// would fence a running node).
+	if _, err := s.Store.GetNode(s.ctx, s.NodeID); err != nil {
+		if err := s.Store.RegisterNode(s.ctx, &store.Node{ID: s.NodeID, Name: "node-" + s.NodeID[:6], Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
+			s.T.Fatal(err)
+		}
 	}
 	if err := s.Store.PutRelease(s.ctx, &store.Release{Digest: rel.Digest, Name: name, Config: config}, tag, s.NodeID); err != nil {
 		s.T.Fatal(err)
@@ -187,12 +200,16 @@ func (s *Space) AddRelease(name, tag string, config json.RawMessage, files map[s
 // StartNode runs the node (again, after StopNode: as a restart would).
 func (s *Space) StartNode() {
 	s.T.Helper()
-	n, err := node.New(node.Config{
+	cfg := node.Config{
 		ID: s.NodeID, Name: "node-" + s.NodeID[:6], DataDir: s.DataDir, AdvertiseURL: s.URL,
 		Store: s.Store, Runtime: s.Runtime, Storage: s.Disk, AgentPath: s.agentPath, Logger: s.Log,
 		Resync: time.Second, Heartbeat: 500 * time.Millisecond, AgentReadyTimeout: 20 * time.Second,
-		ShutdownGrace: 5 * time.Second, NoBaseSnapshots: true,
-	})
+		ShutdownGrace: 5 * time.Second, NoBaseSnapshots: true, DefaultCPU: 1, DefaultMemoryMB: 512,
+	}
+	if s.opts.Node != nil {
+		s.opts.Node(&cfg)
+	}
+	n, err := node.New(cfg)
 	if err != nil {
 		s.T.Fatal(err)
 	}
@@ -312,6 +329,9 @@ func (s *Space) Eventually(timeout time.Duration, what string, cond func() bool)
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// AgentPath is the space-agent binary the fake runtime runs.
+func (s *Space) AgentPath() string { return s.agentPath }
 
 // Context is the space's context (ends when the test does).
 func (s *Space) Context() context.Context { return s.ctx }

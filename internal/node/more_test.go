@@ -1,0 +1,324 @@
+package node_test
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/node"
+	"github.com/spacedev/space/internal/runtime/fake"
+	"github.com/spacedev/space/internal/service"
+	"github.com/spacedev/space/internal/spacetest"
+	"github.com/spacedev/space/internal/storage"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
+)
+
+// After a boot, the node saves the template's base snapshot; later creates restore it.
+func TestBaseSnapshotThenRestore(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{Node: func(c *node.Config) { c.NoBaseSnapshots = false }})
+	first := s.Create(api.CreateSandboxRequest{})
+	if first.StartPath != "boot" {
+		t.Fatalf("first create: %s", first.StartPath)
+	}
+	s.Eventually(30*time.Second, "the base snapshot", func() bool {
+		m, _ := filepath.Glob(filepath.Join(s.DataDir, "store", "templates", "*", "snapshots", "*", "checkpoint", "complete"))
+		return len(m) == 1
+	})
+	second := s.Create(api.CreateSandboxRequest{})
+	if second.StartPath != "snapshot" {
+		t.Fatalf("second create: %s", second.StartPath)
+	}
+	run(t, s, second.ID, "true")
+	// A fresh boot skips the snapshot.
+	if fresh := s.Create(api.CreateSandboxRequest{FreshBoot: true}); fresh.StartPath != "boot" {
+		t.Fatalf("fresh boot: %s", fresh.StartPath)
+	}
+}
+
+// A template's start command runs at boot and its ready check gates the create.
+func TestTemplateStartAndReady(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	cfg := json.RawMessage(`{"user":"user","start":["sh","-c","echo up > started; sleep 600"],"ready":{"command":"test -f started","timeout":"20s"}}`)
+	s.AddRelease("svc", "latest", cfg, map[string]string{"x": "y"})
+	sb := s.Create(api.CreateSandboxRequest{Template: "svc"})
+	procs, err := s.C.ListProcesses(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, p := range procs {
+		found = found || p.State == api.ProcRunning && strings.Contains(strings.Join(p.Argv, " "), "sleep 600")
+	}
+	if !found {
+		t.Fatalf("the start command is not running: %+v", procs)
+	}
+	// A ready check that never passes fails the create with the reason.
+	bad := json.RawMessage(`{"ready":{"command":"false","timeout":"1s"}}`)
+	s.AddRelease("never", "latest", bad, map[string]string{"x": "z"})
+	created, err := s.C.CreateSandbox(ctx(t), api.CreateSandboxRequest{Template: "never"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := s.WaitOp(created.Operation.ID, api.OpFailed)
+	if !strings.Contains(op.Error, "ready check") {
+		t.Fatalf("op %+v", op)
+	}
+}
+
+// builder is a TemplateBuilder over the fake disk: a build runs its steps in a build
+// sandbox (the real agent) and records a release.
+type builder struct {
+	disk  *fake.Disk
+	steps int
+}
+
+func (b *builder) AllowedSources() template.Sources {
+	src, _ := template.ParseSources()
+	return src
+}
+
+func (b *builder) BuildBase(ctx context.Context, progress func(string)) (storage.Release, error) {
+	progress("building base (fake)")
+	return b.disk.AddRelease(node.BaseTemplate, "sha256:"+strings.Repeat("b", 64), spacetest.BaseConfig, map[string]string{"etc/os-release": "ID=built\n"})
+}
+
+func (b *builder) Build(ctx context.Context, spec *template.Spec, opts template.BuildOptions) (storage.Release, template.Config, error) {
+	dir, err := os.MkdirTemp("", "fakebuild")
+	if err != nil {
+		return storage.Release{}, template.Config{}, err
+	}
+	defer os.RemoveAll(dir)
+	sb, err := opts.Sandbox(ctx, dir, template.Config{})
+	if err != nil {
+		return storage.Release{}, template.Config{}, err
+	}
+	defer sb.Close(context.WithoutCancel(ctx))
+	h, err := sb.Agent().Health(ctx)
+	if err != nil {
+		return storage.Release{}, template.Config{}, err
+	}
+	b.steps++
+	opts.Progress("step ran in a build sandbox (agent " + h.Version + ")")
+	cfg := template.Config{User: "user"}
+	raw, _ := json.Marshal(cfg)
+	rel, err := b.disk.AddRelease(spec.Name, "sha256:"+strings.Repeat("c", 64), raw, map[string]string{"built": spec.Name})
+	return rel, cfg, err
+}
+
+// The builtin base template is built on first use, by the node, once.
+func TestBuildsBaseOnFirstUse(t *testing.T) {
+	var b *builder
+	s := spacetest.Start(t, spacetest.Options{NoBase: true,
+		Service: func(c *service.Config) { c.BuiltinTemplates = []string{node.BaseTemplate} },
+		Node: func(c *node.Config) {
+			b = &builder{disk: c.Storage.(*fake.Disk)}
+			c.Builder = b
+		}})
+	sb := s.Create(api.CreateSandboxRequest{})
+	if !strings.HasPrefix(sb.TemplateDigest, "sha256:bbbb") {
+		t.Fatalf("built base: %+v", sb)
+	}
+	// A template build: queued on the node, run in a build sandbox, recorded.
+	admin, err := s.Service.Authenticate(ctx(t), s.AdminKey, service.KeySpace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(20*time.Second, "the node to publish its template sources", func() bool {
+		_, err := s.Service.BuildTemplate(ctx(t), admin, []byte("name: built\nfrom:\n  template: base\n"))
+		if err == nil {
+			return true
+		}
+		return false
+	})
+	s.Eventually(time.Minute, "the build", func() bool {
+		tpl, err := s.C.ListTemplates(ctx(t))
+		if err != nil {
+			return false
+		}
+		for _, x := range tpl {
+			if x.Name == "built" {
+				return true
+			}
+		}
+		return false
+	})
+	if b.steps != 1 {
+		t.Fatalf("steps run: %d", b.steps)
+	}
+}
+
+// Pool members are parked paused and claimed by creates, which give them their
+// owner's identity.
+func TestPoolClaimGivesIdentity(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	if _, err := s.C.SetPool(ctx(t), api.SetPoolRequest{Template: "base", Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(time.Minute, "the pool to fill", func() bool {
+		pools, err := s.C.ListPools(ctx(t))
+		return err == nil && len(pools) == 1 && pools[0].Ready == 1
+	})
+	sb := s.Create(api.CreateSandboxRequest{Env: map[string]string{"OWNER": "me"}})
+	if sb.StartPath != "pool" {
+		t.Fatalf("start path %s", sb.StartPath)
+	}
+	if out := run(t, s, sb.ID, "echo $OWNER"); strings.TrimSpace(out) != "me" {
+		t.Fatalf("identity: %q", out)
+	}
+}
+
+// A source whose instance vanished while it was checkpointed for clones comes back
+// from that checkpoint, not from its disk.
+func TestCloneSourceRestoredFromItsCheckpoint(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	sb := s.Create(api.CreateSandboxRequest{})
+	s.StopNode()
+	// The crash left: the source recorded as clone-source, its instance gone, and a
+	// complete checkpoint in a clone batch.
+	_ = s.Runtime.Destroy(ctx(t), sb.ID)
+	dir, _ := s.Disk.SandboxDir(sb.ID)
+	cp := filepath.Join(dir, "clones", "batch1", "checkpoint")
+	if err := os.MkdirAll(cp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(cp, "fake-checkpoint.json"), []byte(`{}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Disk.MarkComplete(cp); err != nil {
+		t.Fatal(err)
+	}
+	setRow(t, s, sb.ID, `transition='clone-source'`)
+	s.StartNode()
+	s.Eventually(30*time.Second, "the source to run again from its clone checkpoint", func() bool {
+		got := get(t, s, sb.ID)
+		_, err := os.Stat(filepath.Dir(cp)) // removed once used
+		return got.State == api.StateRunning && s.Runtime.PID(sb.ID) != 0 && err != nil
+	})
+	if got := get(t, s, sb.ID); strings.Contains(got.Error, "lost") {
+		t.Fatalf("restored from its checkpoint, yet it says: %s", got.Error)
+	}
+}
+
+// A node fenced by a newer incarnation of itself stops with store.ErrFenced.
+func TestFencedNodeStops(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true})
+	n, err := node.New(node.Config{ID: s.NodeID, Name: "fenced", DataDir: t.TempDir(), AdvertiseURL: s.URL,
+		Store: s.Store, Runtime: s.Runtime, Storage: s.Disk, AgentPath: s.AgentPath(), Heartbeat: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	c, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { done <- n.Run(c) }()
+	s.Eventually(10*time.Second, "the node to register", func() bool {
+		nd, err := s.Store.GetNode(ctx(t), s.NodeID)
+		return err == nil && nd.Name == "fenced"
+	})
+	// Another process registers the same node: the first must stop.
+	if err := s.Store.RegisterNode(ctx(t), &store.Node{ID: s.NodeID, Name: "fenced", Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "took over") {
+			t.Fatalf("Run returned %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the fenced node keeps running")
+	}
+}
+
+// Clones get the source's disk, and deleting removes everything a sandbox had.
+func TestClonesAndDelete(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	src := s.Create(api.CreateSandboxRequest{})
+	intact := marker(t, s, src.ID)
+	clones, err := s.C.Clone(ctx(t), src.ID, api.CloneRequest{Count: 2, Metadata: map[string]string{"c": "1"}})
+	if err != nil || len(clones) != 2 {
+		t.Fatalf("clone: %v %v", clones, err)
+	}
+	for _, c := range clones {
+		s.WaitOp(c.Operation.ID, api.OpSucceeded)
+		root, _ := s.Disk.SandboxRoot(c.ID)
+		if b, err := os.ReadFile(filepath.Join(root, "marker")); err != nil || string(b) != src.ID {
+			t.Fatalf("clone %s has not the source's disk: %q %v", c.ID, b, err)
+		}
+		run(t, s, c.ID, "true")
+	}
+	intact()
+	if got := get(t, s, src.ID); got.State != api.StateRunning || got.Error != "" {
+		t.Fatalf("source after cloning: %+v", got)
+	}
+	// A clone of a suspended source uses its snapshot.
+	op, err := s.C.Lifecycle(ctx(t), src.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	more, err := s.C.Clone(ctx(t), src.ID, api.CloneRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(more[0].Operation.ID, api.OpSucceeded)
+	for _, id := range []string{src.ID, clones[0].ID, more[0].ID} {
+		del, err := s.C.DeleteSandbox(ctx(t), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.WaitOp(del.ID, api.OpSucceeded)
+		if dir, _ := s.Disk.SandboxDir(id); dirExists(dir) {
+			t.Fatalf("%s: storage left after delete", id)
+		}
+		if s.Runtime.PID(id) != 0 {
+			t.Fatalf("%s: instance left after delete", id)
+		}
+	}
+}
+
+func dirExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
+
+// A clone whose source is deleted before it prepared the snapshot fails, saying why.
+func TestCloneOfDeletedSourceFails(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	src := s.Create(api.CreateSandboxRequest{})
+	s.StopNode()
+	clones, err := s.C.Clone(ctx(t), src.ID, api.CloneRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.C.DeleteSandbox(ctx(t), src.ID); err != nil {
+		t.Fatal(err)
+	}
+	s.StartNode()
+	op := s.WaitOp(clones[0].Operation.ID, api.OpFailed)
+	if !strings.Contains(op.Error, "deleted") {
+		t.Fatalf("op %+v", op)
+	}
+}
+
+func TestLoadOrCreateID(t *testing.T) {
+	dir := t.TempDir()
+	a, err := node.LoadOrCreateID(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := node.LoadOrCreateID(dir); err != nil || b != a {
+		t.Fatalf("second load: %s %v, want %s", b, err, a)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "node-id"), []byte("Not/An-Id"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := node.LoadOrCreateID(dir); err == nil {
+		t.Fatal("a corrupt node id was accepted")
+	}
+}
