@@ -59,6 +59,10 @@ type serveConfig struct {
 	defaultMemory  int
 	maxCPU         int
 	maxMemory      int
+	defaultDisk    int
+	maxDisk        int
+	diskReserve    string
+	pidsLimit      int
 	mirror         string
 	sources        template.Sources
 	storeSize      int64
@@ -136,6 +140,10 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.IntVar(&c.defaultMemory, "default-memory", service.DefaultMemoryMB, "memory (MiB) of a sandbox that asks for none")
 	f.IntVar(&c.maxCPU, "max-cpu", service.DefaultMaxCPU, "largest cpu a sandbox may ask for")
 	f.IntVar(&c.maxMemory, "max-memory", service.DefaultMaxMemoryMB, "largest memory (MiB) a sandbox may ask for")
+	f.IntVar(&c.defaultDisk, "default-disk", service.DefaultDiskMB, "disk limit (MiB, snapshots included) of a sandbox that asks for none")
+	f.IntVar(&c.maxDisk, "max-disk", service.DefaultMaxDiskMB, "largest disk limit (MiB) a sandbox may ask for")
+	f.StringVar(&c.diskReserve, "disk-reserve", "10%", "free disk the node keeps: creates, wakes and snapshots that would go below it are refused (507); a percentage or a fraction")
+	f.IntVar(&c.pidsLimit, "pids-limit", 0, "host tasks each sandbox may have (0: the runtime's default: gVisor 8448, of which 2048 for the sandbox's own processes; QEMU 64 VMM threads)")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", storage.DefaultImageSize, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
@@ -246,6 +254,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 			Store: st, Signer: signer, Logger: log.With("component", "api"),
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+			DefaultDiskMB: c.defaultDisk, MaxDiskMB: c.maxDisk,
 			IdleTimeout: c.idleTimeout,
 		})
 		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg,
@@ -395,7 +404,12 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		}
 		why = "requested with --runtime fake (a test build)"
 	} else {
-		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, Logger: log.With("component", "storage")})
+		reserve, err := storage.ParseDiskReserve(c.diskReserve)
+		if err != nil {
+			return nil, nil, fmt.Errorf("--disk-reserve: %w", err)
+		}
+		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, DiskReserve: reserve,
+			Logger: log.With("component", "storage")})
 		if err != nil {
 			return nil, nil, fmt.Errorf("open btrfs store: %w", err)
 		}
@@ -436,6 +450,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		},
 		Logger:            log.With("component", "node"),
 		Metrics:           metrics,
+		PidsLimit:         c.pidsLimit,
 		AgentReadyTimeout: c.agentReadyWait,
 		NoBaseSnapshots:   !c.baseSnapshots,
 		RuntimeReason:     why,

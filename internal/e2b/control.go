@@ -317,15 +317,10 @@ type sandboxDetail struct {
 	Lifecycle           lifecycleJSON `json:"lifecycle"`
 }
 
-// diskSizeMB is what sandboxes report as their disk size: space gives them no
-// per-sandbox disk quota (they share the node's store), so there is no number to
-// report.
-const diskSizeMB = 0
-
 func listed(sb *store.Sandbox) listedSandbox {
 	id, alias := templateNames(sb.TemplateRef)
 	return listedSandbox{TemplateID: id, Alias: alias, SandboxID: sb.ID, ClientID: clientID, StartedAt: sb.CreatedAt,
-		EndAt: endAt(sb), CPUCount: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, DiskSizeMB: diskSizeMB,
+		EndAt: endAt(sb), CPUCount: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, DiskSizeMB: sb.Spec.DiskMB,
 		Metadata: userMetadata(sb), State: e2bState(sb), EnvdVersion: envdpb.Version, VolumeMounts: []volumeMount{}}
 }
 

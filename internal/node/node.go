@@ -80,6 +80,8 @@ type Config struct {
 	ShutdownGrace time.Duration
 	// NoBaseSnapshots disables base snapshots (every create boots).
 	NoBaseSnapshots bool
+	// PidsLimit bounds each sandbox's host tasks (0: the runtime's default).
+	PidsLimit int
 	// DefaultCPU and DefaultMemoryMB are the size class base snapshots are made for
 	// right after a template build.
 	DefaultCPU      int
@@ -113,6 +115,7 @@ type Node struct {
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
+	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
@@ -277,7 +280,11 @@ func (n *Node) heartbeat(ctx context.Context) error {
 			return nil
 		case <-t.C:
 		}
-		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch)
+		diskLow := ""
+		if err := n.disk.CheckSpace(0); err != nil {
+			diskLow = err.Error()
+		}
+		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
@@ -353,6 +360,7 @@ func (n *Node) spec(sb *store.Sandbox, root string) runtime.Spec {
 	return runtime.Spec{
 		ID: sb.ID, RootFS: root, StateDir: n.stateDir(sb.ID), AgentPath: n.cfg.AgentPath,
 		CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, Network: sb.Spec.Network, AgentEnv: n.cfg.AgentEnv,
+		PidsLimit: n.cfg.PidsLimit,
 	}
 }
 

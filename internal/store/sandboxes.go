@@ -18,6 +18,7 @@ import (
 type SandboxSpec struct {
 	CPU      int               `json:"cpu"`
 	MemoryMB int               `json:"memory_mb"`
+	DiskMB   int               `json:"disk_mb,omitempty"`
 	Env      map[string]string `json:"env,omitempty"`
 	Runtime  string            `json:"runtime,omitempty"`
 	Network  bool              `json:"network,omitempty"`
@@ -79,6 +80,7 @@ func (s *Sandbox) API() api.Sandbox {
 		DesiredState:   s.DesiredState,
 		CPU:            s.Spec.CPU,
 		MemoryMB:       s.Spec.MemoryMB,
+		DiskMB:         s.Spec.DiskMB,
 		Env:            s.Spec.Env,
 		Metadata:       s.Metadata,
 		Runtime:        s.Runtime,

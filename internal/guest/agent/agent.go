@@ -94,6 +94,7 @@ type Agent struct {
 
 	freezeMu sync.Mutex
 	frozen   bool
+	stopped  []int // the processes freeze stopped as PID 1 (thaw continues exactly these)
 }
 
 // New checks cfg and returns an agent that serves nothing until Run.
