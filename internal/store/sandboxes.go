@@ -169,6 +169,9 @@ func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error
 	if err := t.InsertOperation(ctx, op); err != nil {
 		return err
 	}
+	if err := t.Notify(ctx, ChannelSandboxes, s.ID); err != nil {
+		return err
+	}
 	return t.NotifySandbox(ctx, s)
 }
 
@@ -311,6 +314,10 @@ func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired, reason st
 		if err := t.Notify(ctx, ChannelTokens, s.ID); err != nil {
 			return err
 		}
+	}
+	// Watchers of sandboxes (event streams) see the new intent at once.
+	if err := t.Notify(ctx, ChannelSandboxes, s.ID); err != nil {
+		return err
 	}
 	return t.NotifySandbox(ctx, s)
 }
