@@ -97,6 +97,7 @@ type Agent struct {
 	seq    uint64
 
 	quiesce chan struct{}
+	tunnels tunnels
 
 	freezeMu sync.Mutex
 	frozen   bool
@@ -252,14 +253,17 @@ func (a *Agent) serve(ctx context.Context, ln net.Listener) (quiesced bool, err 
 	select {
 	case <-ctx.Done():
 		_ = srv.Close()
+		a.tunnels.closeAll()
 		<-serveErr
 		return false, nil
 	case err := <-serveErr:
 		return false, fmt.Errorf("serve %s: %w", a.cfg.Listen, err)
 	case <-a.quiesce:
 		// Close, not Shutdown: streaming responses never finish on their own, and a
-		// checkpoint needs every host connection gone now.
+		// checkpoint needs every host connection gone now (port tunnels too: the server
+		// does not close connections it handed over).
 		_ = srv.Close()
+		a.tunnels.closeAll()
 		<-serveErr
 		return true, nil
 	}
