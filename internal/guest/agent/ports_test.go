@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
@@ -143,6 +144,17 @@ func TestPortTunnel(t *testing.T) {
 	_ = json.NewDecoder(resp.Body).Decode(&werr)
 	if resp.StatusCode != 502 || werr.Code != wire.ErrCodePortClosed || !strings.Contains(werr.Message, fmt.Sprint(closedPort)) {
 		t.Errorf("closed port: %d %+v", resp.StatusCode, werr)
+	}
+	// Through the status tunnel the refusal comes as 200 with the status in a header.
+	tc, err := net.Dial("unix", e.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(tc, "GET /v1/ports/%d/connect HTTP/1.1\r\nHost: agent\r\nConnection: Upgrade\r\nUpgrade: %s\r\n%s: 1\r\n\r\n", closedPort, wire.PortUpgrade, envdpb.TunnelHeader)
+	resp, err = http.ReadResponse(bufio.NewReader(tc), nil)
+	tc.Close()
+	if err != nil || resp.StatusCode != 200 || resp.Header.Get(envdpb.StatusHeader) != "502" {
+		t.Errorf("tunneled refusal: %v %v", resp, err)
 	}
 	if _, resp = openTunnel(t, e.sock, echoPort, false); resp.StatusCode != http.StatusUpgradeRequired {
 		t.Errorf("without upgrade: %d", resp.StatusCode)
