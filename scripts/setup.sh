@@ -18,6 +18,8 @@ pkgs=(
   qemu-system-x86  # the qemu runtime (microvm; KVM where the CPU has it, else TCG)
   linux-image-cloud-amd64  # the guest kernel of VM runtimes
   cpio busybox-static  # initramfs building and VM tests
+  # the code interpreter server's unit test runs it on the host (internal/guest/codeinterp)
+  python3-jupyter-client python3-ipykernel python3-matplotlib python3-numpy
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -230,14 +230,14 @@ func serve(ctx context.Context, c *serveConfig) error {
 		a := server.NewAPI(server.Config{
 			Store: st, Signer: signer, Logger: log.With("component", "api"), Registry: reg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
-			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
 			IdleTimeout: c.idleTimeout,
 		})
 		run("api", a.Run)
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: a, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: []string{node.BaseTemplate}})
+				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins()})
 			if err != nil {
 				return err
 			}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,7 +31,13 @@ import (
 // api → node → agent. Here an HTTP reverse proxy speaks to the sandbox's server over
 // such tunnels, one per connection, kept alive between requests like any HTTP
 // connection; WebSocket and other upgrades pass through them as they are. Like E2B's
-// public traffic (its default), these requests need no access token.
+// public traffic (its default), these requests need no access token, except the code
+// interpreter's /execute (codeInterpreterPort).
+
+// codeInterpreterPort is where E2B's code interpreter server listens. Its /execute
+// runs code, so, as with E2B's own server, it takes the envd access token (the code
+// interpreter SDKs send it there; they send none on /contexts).
+const codeInterpreterPort = 49999
 
 // sandboxCtxKey carries the sandbox of a port request to the tunnel dialer.
 type sandboxCtxKey struct{}
@@ -61,6 +68,11 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 	ctx := r.Context()
 	if !ids.ValidSandbox(id) {
 		notFound502(w, id)
+		return
+	}
+	if port == codeInterpreterPort && r.URL.Path == "/execute" &&
+		subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(g.accessToken(id))) != 1 {
+		writeError(w, http.StatusUnauthorized, msgUnauthorized)
 		return
 	}
 	sb, err := g.runningSandbox(ctx, id)

@@ -27,11 +27,12 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
 )
 
-// TemplateBuilder builds builtin templates.
+// TemplateBuilder builds builtin templates (template.Builtins).
 type TemplateBuilder interface {
-	BuildBase(ctx context.Context, progress func(string)) (storage.Release, error)
+	BuildBuiltin(ctx context.Context, name string, progress func(string)) (storage.Release, template.Config, error)
 }
 
 // OpObserver records operation latencies.

@@ -131,13 +131,25 @@ del __space_setup
 """
 
 
+def identity():
+    """The sandbox's identity as far as this process can see it: the agent sets the
+    host name to the sandbox id. Sandboxes restored from one snapshot start with the
+    same memory, so a context whose identity changed reseeds its random generators
+    before it runs anything."""
+    return socket.gethostname()
+
+
 class PythonContext:
     """A Jupyter kernel (ipykernel)."""
 
     language = "python"
+    RESEED = ("import os as __o, random as __r, sys as __s\n__r.seed(__o.urandom(32))\n"
+              "if 'numpy' in __s.modules: __s.modules['numpy'].random.seed(int.from_bytes(__o.urandom(4), 'little'))\n"
+              "del __o, __r, __s\n")
 
     def __init__(self, cwd):
         self.id = str(uuid.uuid4())
+        self.identity = identity()
         self.cwd = cwd
         self.lock = threading.Lock()  # one execution at a time
         self.generation = 0  # bumped by restarts that did not wait for an execution
@@ -197,6 +209,9 @@ class PythonContext:
 
     def execute(self, code, env_vars, ex):
         gen = self.generation
+        if self.identity != identity():
+            self._silent(self.RESEED)
+            self.identity = identity()
         if env_vars:
             keys = json.dumps(sorted(env_vars))
             self._silent("import os as __space_os\n__space_env = {k: __space_os.environ.get(k) for k in %s}\n"
@@ -262,6 +277,7 @@ class BashContext:
 
     def __init__(self, cwd):
         self.id = str(uuid.uuid4())
+        self.identity = identity()
         self.cwd = cwd
         self.lock = threading.Lock()
         self.generation = 0
@@ -321,6 +337,9 @@ class BashContext:
                 f.write("\n")
         marker = "__space_end_%s__" % uuid.uuid4().hex
         script = []
+        if self.identity != identity():  # see identity()
+            script.append("RANDOM=%d" % int.from_bytes(os.urandom(2), "little"))
+            self.identity = identity()
         for k, v in (env_vars or {}).items():
             script.append("__space_set_%s=${%s+x}; __space_old_%s=${%s-}; export %s=%s" % (k, k, k, k, k, shlex.quote(v)))
         script.append("source %s" % shlex.quote(path))
