@@ -37,7 +37,9 @@ type options struct {
 	embedded bool
 	// noBase leaves the store without the base template (the server builds it).
 	noBase bool
-	args   []string
+	// builtins are other builtin templates to put in the store (code-interpreter-v1).
+	builtins []string
+	args     []string
 	// dbURL shares a database with another server (a fleet).
 	dbURL string
 }
@@ -99,6 +101,9 @@ func startWith(t testing.TB, o options, prepare func(dataDir string)) *srv {
 			t.Fatal(err)
 		}
 		templatetest.Base(t, st)
+		for _, name := range o.builtins {
+			templatetest.Builtin(t, st, name)
+		}
 		st.Close()
 	}
 	s.URL = "http://" + s.addr
