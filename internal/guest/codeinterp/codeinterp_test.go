@@ -55,7 +55,7 @@ func startServer(t *testing.T) *server {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(python, script)
-	cmd.Env = append(os.Environ(), "HOME="+home, fmt.Sprintf("SPACE_CODEINTERP_PORT=%d", port), "JUPYTER_RUNTIME_DIR="+filepath.Join(dir, "rt"))
+	cmd.Env = append(os.Environ(), "HOME="+home, "TMPDIR="+dir, fmt.Sprintf("SPACE_CODEINTERP_PORT=%d", port), "JUPYTER_RUNTIME_DIR="+filepath.Join(dir, "rt"))
 	var logs bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	if err := cmd.Start(); err != nil {

@@ -32,6 +32,7 @@ import os
 import queue
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,7 +163,11 @@ class PythonContext:
         env = dict(os.environ)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's warning about frozen modules
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        self.km = KernelManager(kernel_name="python3")
+        # The kernel's channels are unix sockets, not TCP: gVisor cannot checkpoint a
+        # sandbox in which a TCP socket sits in an epoll set (ZeroMQ's I/O threads keep
+        # theirs there), and the sandbox must survive pause and resume.
+        self.sockdir = tempfile.mkdtemp(prefix="space-kernel-")
+        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(self.sockdir, "k"))
         self.km.start_kernel(cwd=self.cwd, env=env)
         self._connect()
 
@@ -206,6 +211,7 @@ class PythonContext:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=True)
+            shutil.rmtree(self.sockdir, ignore_errors=True)
 
     def execute(self, code, env_vars, ex):
         gen = self.generation
