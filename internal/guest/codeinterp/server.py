@@ -140,6 +140,51 @@ def identity():
     return socket.gethostname()
 
 
+# Starts ipykernel with its IOPub pipe (how output of forked child processes reaches
+# the kernel) on a unix socket instead of TCP on 127.0.0.1: see PythonContext.start.
+# The two methods replaced are ipykernel 6's (Debian bookworm's); another version
+# starts unpatched.
+KERNEL_LAUNCHER = r"""
+import os, tempfile
+import zmq
+from ipykernel import iostream
+
+if hasattr(iostream.IOPubThread, "_setup_pipe_in") and hasattr(iostream.IOPubThread, "_setup_pipe_out"):
+    _pipe = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="space-iopub-"), "pipe")
+
+    def _setup_pipe_in(self):
+        self._pipe_uuid = os.urandom(16)
+        pipe_in = self.socket.context.socket(zmq.PULL)
+        pipe_in.linger = 0
+        pipe_in.bind(_pipe)
+        self._pipe_in = iostream.ZMQStream(pipe_in, self.io_loop)
+        self._pipe_in.on_recv(self._handle_pipe_msg)
+
+    def _setup_pipe_out(self):
+        ctx = zmq.Context()
+        pipe_out = ctx.socket(zmq.PUSH)
+        pipe_out.linger = 3000
+        pipe_out.connect(_pipe)
+        return ctx, pipe_out
+
+    iostream.IOPubThread._setup_pipe_in = _setup_pipe_in
+    iostream.IOPubThread._setup_pipe_out = _setup_pipe_out
+
+from ipykernel import kernelapp
+kernelapp.launch_new_instance()
+"""
+
+
+def kernel_manager_class():
+    from jupyter_client.manager import KernelManager
+
+    class SpaceKernelManager(KernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            return [sys.executable, "-c", KERNEL_LAUNCHER, "-f", self.connection_file]
+
+    return SpaceKernelManager
+
+
 class PythonContext:
     """A Jupyter kernel (ipykernel)."""
 
@@ -158,16 +203,15 @@ class PythonContext:
         self.kc = None
 
     def start(self):
-        from jupyter_client.manager import KernelManager
-
         env = dict(os.environ)
         env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's warning about frozen modules
         env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        # The kernel's channels are unix sockets, not TCP: gVisor cannot checkpoint a
-        # sandbox in which a TCP socket sits in an epoll set (ZeroMQ's I/O threads keep
-        # theirs there), and the sandbox must survive pause and resume.
+        # The kernel's channels (and its IOPub pipe, KERNEL_LAUNCHER) are unix sockets,
+        # not TCP: gVisor cannot checkpoint a sandbox in which a TCP socket sits in an
+        # epoll set (ZeroMQ's I/O threads keep theirs there), and the sandbox must
+        # survive pause and resume.
         self.sockdir = tempfile.mkdtemp(prefix="space-kernel-")
-        self.km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(self.sockdir, "k"))
+        self.km = kernel_manager_class()(kernel_name="python3", transport="ipc", ip=os.path.join(self.sockdir, "k"))
         self.km.start_kernel(cwd=self.cwd, env=env)
         self._connect()
 
