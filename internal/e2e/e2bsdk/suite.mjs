@@ -123,6 +123,21 @@ test('commands.run: output, exit codes, cwd, envs, user, timeout', async () => {
   assert.ok(Date.now() - t0 < 15000)
 })
 
+test("base template: E2B's tools", async () => {
+  const r = await sbx.commands.run('python --version && pip --version && node --version && npm --version && git --version && curl --version && gcc --version && make --version')
+  assert.match(r.stdout, /^Python 3\.\d+/)
+  assert.match(r.stdout, /\nv\d+\.\d+/) // node
+  assert.match(r.stdout, /git version/)
+  assert.match(r.stdout, /gcc/)
+  // sudo is configured as on E2B (passwordless for user), but gVisor ignores setuid
+  // bits (every process runs with no_new_privs), so it cannot work there: commands
+  // that need root pass user: 'root' (docs/e2b.md).
+  const sudoers = await sbx.commands.run('cat /etc/sudoers.d/user', { user: 'root' })
+  assert.equal(sudoers.stdout, 'user ALL=(ALL:ALL) NOPASSWD: ALL\n')
+  const build = await sbx.commands.run('printf "#include <stdio.h>\\nint main(){puts(\\"compiled\\");}\\n" > /tmp/c.c && gcc -o /tmp/c /tmp/c.c && /tmp/c')
+  assert.equal(build.stdout, 'compiled\n')
+})
+
 test('background commands: list, connect, stdin, kill', async () => {
   const h = await sbx.commands.run('echo started; while read line; do echo "got $line"; done; echo bye', { background: true, stdin: true })
   assert.ok(h.pid > 0)
