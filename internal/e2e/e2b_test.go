@@ -215,6 +215,18 @@ func TestE2BWire(t *testing.T) {
 	}
 	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id})
 	wantError("sandbox id without port", 400, code, m)
+	// /files naming no sandbox: a signed link behind a single E2B_SANDBOX_URL, else
+	// envd's refusals.
+	for q, msg := range map[string]string{
+		"path=x":                     "missing signature query parameter",
+		"path=x&signature=v1_forged": "invalid signature",
+		"path=x&signature=v1_forged&signature_expiration=1": "invalid signature",
+	} {
+		code, m, _ = do("GET", "/files?"+q, nil, map[string]string{"X-API-KEY": ""})
+		if code != 401 || m["message"] != msg {
+			t.Errorf("unrouted /files?%s: %d %v, want 401 %q", q, code, m, msg)
+		}
+	}
 	// Host routing: <port>-<id>.<domain>.
 	req, _ := http.NewRequest("GET", url+"/health", nil)
 	req.Host = "49983-" + id + ".sandbox.example"
