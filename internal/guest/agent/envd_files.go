@@ -275,13 +275,17 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 // when md has some. On failure it removes what it created (the file if it was new,
 // the parents it made); undo does the same after a later failure of the request.
 func (e *envd) writeUpload(path string, body io.Reader, acct account, md map[string]string) (undo func(), err error) {
+	mode := os.FileMode(0o644)
+	existed := false
 	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() == fs.ModeSymlink {
 		if target, err := filepath.EvalSymlinks(path); err == nil {
 			path = target
+		} else {
+			// A link that leads nowhere yet: the write creates its target, as a plain
+			// open would. The link is not ours to remove on failure.
+			existed = true
 		}
 	}
-	mode := os.FileMode(0o644)
-	existed := false
 	if fi, err := os.Stat(path); err == nil {
 		if fi.IsDir() {
 			return nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeIsDir, msg: path + " is a directory"}

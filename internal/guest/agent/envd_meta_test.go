@@ -277,6 +277,17 @@ func TestEnvdSymlinkEntries(t *testing.T) {
 			}
 		}
 	}
+	// An upload to a link that leads nowhere yet creates its target, as a plain write
+	// would.
+	if err := os.Symlink("later.txt", filepath.Join(e.home, "pending")); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := e.upload(t, "pending", "through the link", nil); code != 200 {
+		t.Fatalf("upload through a dangling link: %d %s", code, body)
+	}
+	if b, err := os.ReadFile(filepath.Join(e.home, "later.txt")); err != nil || string(b) != "through the link" {
+		t.Errorf("link target: %q %v", b, err)
+	}
 	// A plain file has no target.
 	st, err := e.fs.Stat(ctx, connect.NewRequest(&filesystempb.StatRequest{Path: "test_file.txt"}))
 	if err != nil || st.Msg.GetEntry().SymlinkTarget != nil || st.Msg.GetEntry().GetPermissions() != "-rw-r-----" {

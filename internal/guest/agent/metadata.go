@@ -110,8 +110,10 @@ func (s *metaStore) set(path string, md map[string]string) error {
 	err := writeXattrMetadata(path, md)
 	if err == nil {
 		// A file on a file system with xattrs needs no entry (one may be left from a
-		// file that was at this path before).
-		return s.forget(path, false)
+		// file that was at this path before; get reads the attributes first anyway, so
+		// a store that cannot be read does not fail the write).
+		_ = s.forget(path, false)
+		return nil
 	}
 	if !errors.Is(err, unix.ENOTSUP) {
 		return err

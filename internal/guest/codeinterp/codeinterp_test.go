@@ -190,7 +190,7 @@ func TestPython(t *testing.T) {
 	// Rich results: HTML and JSON displays, a matplotlib figure as PNG.
 	ex = s.run(t, map[string]any{"code": "from IPython.display import display, HTML, JSON\ndisplay(HTML('<b>hi</b>'))\ndisplay(JSON({'a': 1}))"})
 	if len(ex.results) != 2 || ex.results[0]["html"] != "<b>hi</b>" || ex.results[0]["is_main_result"] != false {
-		t.Errorf("displays: %+v", ex.results)
+		t.Fatalf("displays: %+v %+v", ex.results, ex.errors)
 	}
 	if j, _ := ex.results[1]["json"].(map[string]any); j["a"] != float64(1) {
 		t.Errorf("json display: %+v", ex.results[1])

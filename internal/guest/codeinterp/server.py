@@ -204,8 +204,6 @@ class PythonContext:
 
     def start(self):
         env = dict(os.environ)
-        env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's warning about frozen modules
-        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         # The kernel's channels (and its IOPub pipe, KERNEL_LAUNCHER) are unix sockets,
         # not TCP: gVisor cannot checkpoint a sandbox in which a TCP socket sits in an
         # epoll set (ZeroMQ's I/O threads keep theirs there), and the sandbox must
@@ -276,7 +274,10 @@ class PythonContext:
                              "del __space_env, __space_os\n")
 
     def _run(self, code, ex, gen):
-        msg_id = self.kc.execute(code, silent=False, store_history=True, allow_stdin=False, stop_on_error=True)
+        # stop_on_error=False: executions of a context are serialized here, so there is
+        # never a queued request an error should abort, and with it ipykernel aborts
+        # the next request if it arrives while it is still recovering from an error.
+        msg_id = self.kc.execute(code, silent=False, store_history=True, allow_stdin=False, stop_on_error=False)
         interrupted_at = None
         while True:
             if interrupted_at is None and ex.gone():
@@ -678,6 +679,10 @@ class Server(ThreadingHTTPServer):
 
 
 def main():
+    # Inherited by the kernels: debugpy (imported by ipykernel) warns about frozen
+    # modules on every start otherwise; figures render inline.
+    os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     srv = Server(("0.0.0.0", PORT), Handler)
     threading.Thread(target=CONTEXTS.start_default, daemon=True).start()
     log("code interpreter listening on port", PORT)
