@@ -253,7 +253,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		svc := service.New(service.Config{
 			Store: st, Signer: signer, Logger: log.With("component", "api"),
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
-			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
 			DefaultDiskMB: c.defaultDisk, MaxDiskMB: c.maxDisk,
 			IdleTimeout: c.idleTimeout,
 		})
@@ -263,7 +263,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: []string{node.BaseTemplate}})
+				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins()})
 			if err != nil {
 				return err
 			}

@@ -29,10 +29,10 @@ import (
 	"github.com/spacedev/space/internal/template"
 )
 
-// TemplateBuilder builds templates: the builtin base template and build specs
-// (implemented by *template.Builder).
+// TemplateBuilder builds templates: the builtin templates (template.Builtins) and build
+// specs (implemented by *template.Builder).
 type TemplateBuilder interface {
-	BuildBase(ctx context.Context, progress func(string)) (storage.Release, error)
+	BuildBuiltin(ctx context.Context, name string, progress func(string)) (storage.Release, template.Config, error)
 	Build(ctx context.Context, spec *template.Spec, opts template.BuildOptions) (storage.Release, template.Config, error)
 	AllowedSources() template.Sources
 }
