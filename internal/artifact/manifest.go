@@ -80,7 +80,9 @@ type Artifact struct {
 }
 
 // releaseTag is the tag of a release in the releases repository.
-func releaseTag(digest string) string { return "sha256-" + strings.TrimPrefix(digest, storage.DigestPrefix) }
+func releaseTag(digest string) string {
+	return "sha256-" + strings.TrimPrefix(digest, storage.DigestPrefix)
+}
 
 // tagRE is the OCI distribution tag grammar.
 var tagRE = regexp.MustCompile(`^[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}$`)
