@@ -5,15 +5,20 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
-	"errors"
+	"encoding/json"
 	"io"
-	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/static"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/fault"
@@ -282,5 +287,180 @@ func sha(t *testing.T, path string) [32]byte {
 	return s
 }
 
-var _ = errors.Is
-var _ = fs.ErrNotExist
+
+func TestPushResumesAfterInterruption(t *testing.T) {
+	reg := startRegistry(t)
+	px := newProxy(t, reg.addr)
+	a, b := templatetest.Store(t), templatetest.Store(t)
+	rel := makeRelease(t, a, "base", releaseFiles(24))
+	ca := client(t, a, px.addr(), func(c *artifact.Config) { c.Jobs = 2 })
+	cb := client(t, b, px.addr())
+
+	// Interrupt the push once 8 blobs are in.
+	ctx, cancel := context.WithCancel(testCtx(t))
+	defer cancel()
+	px.setOnDone(func(method, kind string, status int) {
+		if method == "PUT" && kind == "upload" && px.blobUploads.Load() >= 8 {
+			cancel()
+		}
+	})
+	if _, err := ca.PushRelease(ctx, rel.Digest); err == nil {
+		t.Fatal("the interrupted push succeeded")
+	} else {
+		t.Logf("interrupted push: %v", err)
+	}
+	px.setOnDone(nil)
+	first := px.blobUploads.Load()
+	// No tag names a half-pushed artifact: it cannot be pulled.
+	_, err := cb.PullRelease(testCtx(t), rel.Digest)
+	wantKind(t, err, fault.NotFound)
+	tmpEmpty(t, b)
+
+	px.reset()
+	art, err := ca.PushRelease(testCtx(t), rel.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := px.blobUploads.Load()
+	blobs := int64(len(layerDigests(t, reg, art.Digest))) + 1 // and the config
+	t.Logf("blobs: %d; uploaded before the interruption %d, on resumption %d (%d bytes of %d)", blobs, first, second, art.Uploaded, art.Size)
+	if first < 8 || first+second != blobs {
+		t.Errorf("uploads: %d before, %d after, %d blobs: every blob must be uploaded exactly once", first, second, blobs)
+	}
+	if art.Uploaded >= art.Size*3/4 {
+		t.Errorf("resumed push uploaded %d of %d bytes", art.Uploaded, art.Size)
+	}
+
+	// An interrupted pull leaves nothing behind either.
+	pctx, pcancel := context.WithCancel(testCtx(t))
+	defer pcancel()
+	px.setOnDone(func(method, kind string, status int) {
+		if method == "GET" && kind == "blob" && px.count("GET", "blob") >= 4 {
+			pcancel()
+		}
+	})
+	if _, err := cb.PullRelease(pctx, rel.Digest); err == nil {
+		t.Fatal("the interrupted pull succeeded")
+	}
+	px.setOnDone(nil)
+	if b.HasRelease(rel.Digest) {
+		t.Fatal("an interrupted pull published the release")
+	}
+	tmpEmpty(t, b)
+	if _, err := cb.PullRelease(testCtx(t), rel.Digest); err != nil {
+		t.Fatal(err)
+	}
+	root, _ := b.ReleaseRoot(rel.Digest)
+	if d := treeDigest(t, root); d != rel.Digest {
+		t.Errorf("digest %s after resumed push and pull, want %s", d, rel.Digest)
+	}
+}
+
+func TestPullIntoFullStore(t *testing.T) {
+	reg := startRegistry(t)
+	px := newProxy(t, reg.addr)
+	a := templatetest.Store(t)
+	small := smallStore(t, 256<<20)
+	ctx := testCtx(t)
+	rel := makeRelease(t, a, "big", map[string][]byte{"data/big": random(240 << 20), "etc/hostname": []byte("x\n")})
+	ca, cs := client(t, a, px.addr(), func(c *artifact.Config) { c.ChunkSize = 8 << 20 }), client(t, small, px.addr())
+	art, err := ca.PushRelease(ctx, rel.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The declared size does not fit: refused before anything is downloaded.
+	px.reset()
+	_, err = cs.PullRelease(ctx, rel.Digest)
+	wantKind(t, err, fault.InsufficientStorage)
+	t.Logf("refused up front: %v", err)
+	if n := px.count("GET", "blob"); n != 1 { // the config
+		t.Errorf("%d blobs downloaded before refusing", n)
+	}
+
+	// An artifact that understates its size runs the store out of space while it is
+	// received: that fails as cleanly.
+	understate(t, art)
+	_, err = cs.PullRelease(ctx, rel.Digest)
+	wantKind(t, err, fault.InsufficientStorage)
+	t.Logf("ran out while receiving: %v", err)
+	if small.HasRelease(rel.Digest) {
+		t.Fatal("release published")
+	}
+	tmpEmpty(t, small)
+}
+
+func TestUnreachableRegistry(t *testing.T) {
+	a := templatetest.Store(t)
+	ctx := testCtx(t)
+	rel := makeRelease(t, a, "base", releaseFiles(1))
+	addr := freeAddr(t) // nothing listens there
+	c := client(t, a, addr)
+	_, err := c.PushRelease(ctx, rel.Digest)
+	wantKind(t, err, fault.Unavailable)
+	if !strings.Contains(err.Error(), addr+"/space") || !strings.Contains(err.Error(), "unreachable") {
+		t.Errorf("error does not name the registry: %v", err)
+	}
+	t.Logf("push: %v", err)
+	_, err = c.PullRelease(ctx, "sha256:"+strings.Repeat("ab", 32))
+	wantKind(t, err, fault.Unavailable)
+	_, err = c.PullSnapshot(ctx, "snap1", "")
+	wantKind(t, err, fault.Unavailable)
+	_, err = c.List(ctx, artifact.KindSnapshot)
+	wantKind(t, err, fault.Unavailable)
+	tmpEmpty(t, a)
+}
+
+// understate rewrites a pushed release artifact so that its config declares a tiny
+// stream, as a broken or hostile pusher could.
+func understate(t *testing.T, art artifact.Artifact) {
+	t.Helper()
+	ref, err := name.ParseReference(art.Reference)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := remote.Get(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := v1.ParseManifest(bytes.NewReader(desc.Manifest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := remote.Layer(ref.Context().Digest(m.Config.Digest.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := l.Compressed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := io.ReadAll(rc)
+	rc.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg map[string]any
+	if err := json.Unmarshal(data, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg["rootfs_bytes"] = 1024
+	data, _ = json.Marshal(cfg)
+	nl := static.NewLayer(data, m.Config.MediaType)
+	if err := remote.WriteLayer(ref.Context(), nl); err != nil {
+		t.Fatal(err)
+	}
+	m.Config.Digest, _ = nl.Digest()
+	m.Config.Size = int64(len(data))
+	mb, _ := json.Marshal(m)
+	if err := remote.Put(ref, rawManifest(mb)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+type rawManifest []byte
+
+func (m rawManifest) RawManifest() ([]byte, error) { return m, nil }
+func (m rawManifest) MediaType() (types.MediaType, error) {
+	return types.OCIManifestSchema1, nil
+}

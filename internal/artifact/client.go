@@ -97,9 +97,6 @@ type Client struct {
 // New checks cfg and returns a client for the store st. It does not contact the
 // registry.
 func New(cfg Config, st *storage.Store) (*Client, error) {
-	if st == nil {
-		return nil, errors.New("artifact: a store is required")
-	}
 	reg := strings.TrimSpace(cfg.Registry)
 	if reg == "" {
 		return nil, fault.New(fault.Invalid, "artifact: no registry given (host[:port]/prefix)")
@@ -166,6 +163,9 @@ func New(cfg Config, st *storage.Store) (*Client, error) {
 	base := cfg.Transport
 	if base == nil {
 		base = remote.DefaultTransport.(*http.Transport).Clone()
+	}
+	if st == nil {
+		return nil, errors.New("artifact: a store is required")
 	}
 	log := cfg.Logger
 	if log == nil {

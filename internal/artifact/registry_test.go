@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -240,3 +241,10 @@ func (p *proxy) setOnDone(f func(method, kind string, status int)) {
 }
 
 var _ = context.Background
+
+func statBlocks(fi os.FileInfo) int64 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Blocks
+	}
+	return 0
+}

@@ -127,6 +127,11 @@ type baseInfo struct {
 	Identity string     `json:"identity"`
 	// Origin is "local" (made here from the release image) or "pulled".
 	Origin string `json:"origin"`
+	// Layers are the blobs of a pulled base in the snapshots repository: a snapshot
+	// pushed from a disk made from this base names them instead of uploading the base
+	// again.
+	Layers []v1.Descriptor `json:"layers,omitempty"`
+	Bytes  int64           `json:"bytes,omitempty"`
 }
 
 // identName names a base in the store after its identity.
@@ -146,9 +151,6 @@ func (c *Client) PushSnapshot(ctx context.Context, src SnapshotSource) (Artifact
 	if err := storage.ValidateDigest(src.Release); err != nil {
 		return Artifact{}, fault.Wrap(fault.Invalid, err)
 	}
-	if !c.st.HasRelease(src.Release) {
-		return Artifact{}, fault.New(fault.NotFound, "push snapshot %s: release %s is not in this store", src.ID, src.Release)
-	}
 	if !c.st.IsComplete(src.Checkpoint) {
 		return Artifact{}, fault.New(fault.Conflict, "push snapshot %s: checkpoint %s is not complete", src.ID, src.Checkpoint)
 	}
@@ -167,6 +169,11 @@ func (c *Client) PushSnapshot(ctx context.Context, src SnapshotSource) (Artifact
 		format = DiskExt4
 	default:
 		return Artifact{}, fault.New(fault.Invalid, "push snapshot %s: disk %s is neither a directory nor a file", src.ID, src.Disk)
+	}
+	// A root filesystem is sent against its release; an image against a base that
+	// may have come with a pulled snapshot, without the release.
+	if format == DiskRootfs && !c.st.HasRelease(src.Release) {
+		return Artifact{}, fault.New(fault.NotFound, "push snapshot %s: release %s is not in this store", src.ID, src.Release)
 	}
 	a, err := c.pushSnapshot(ctx, src, format)
 	if err != nil {
@@ -333,6 +340,11 @@ func (o *op) pushBase(ctx context.Context, p *remote.Pusher, pl *remote.Puller, 
 	c.basesMu.Lock()
 	rec, ok := c.bases[ident]
 	c.basesMu.Unlock()
+	if !ok {
+		if info, err := readBaseInfo(filepath.Dir(path)); err == nil && info.Identity == ident && len(info.Layers) > 0 {
+			rec, ok = streamRecord{Layers: info.Layers, Bytes: info.Bytes}, true
+		}
+	}
 	if ok {
 		all := true
 		for _, d := range rec.Layers {
@@ -404,6 +416,9 @@ func (c *Client) diskBase(ctx context.Context, release, disk string) (string, st
 	if best != "" {
 		ident, err := c.st.SendIdentity(best)
 		return best, ident, err
+	}
+	if !c.st.HasRelease(release) {
+		return "", "", fault.New(fault.NotFound, "release %s is not in this store, and no disk base of it shares data with %s", release, disk)
 	}
 	img, err := c.st.ReleaseImage(ctx, release, 0)
 	if err != nil {
@@ -706,7 +721,11 @@ func (c *Client) pullBase(ctx context.Context, o *op, p *remote.Puller, cfg *sna
 			return "", fault.New(fault.BadGateway, "registry %s: the base of snapshot %s: %v", c.registry, cfg.ID, err)
 		}
 	}
-	if err := writeJSON(filepath.Join(b.Dir(), baseFile), baseInfo{Release: cfg.Release, Format: cfg.Disk.Format, Identity: ident, Origin: "pulled"}); err != nil {
+	info := baseInfo{Release: cfg.Release, Format: cfg.Disk.Format, Identity: ident, Origin: "pulled"}
+	if repo == c.snapshots {
+		info.Layers, info.Bytes = layers, bytes
+	}
+	if err := writeJSON(filepath.Join(b.Dir(), baseFile), info); err != nil {
 		return "", err
 	}
 	dir, _, err := b.Publish(ctx, identName(ident))
@@ -797,7 +816,7 @@ func readBaseInfo(dir string) (baseInfo, error) {
 }
 
 func writeJSON(path string, v any) error {
-	data, err := json.MarshalIndent(v, "", "  ")
+	data, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}

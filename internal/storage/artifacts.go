@@ -176,20 +176,31 @@ func (b *ArtifactBuild) Receive(ctx context.Context, r io.Reader, parent, name s
 		}
 		parents = []uuid{id, recv}
 	}
-	tmp, err := os.MkdirTemp(b.dir, ".receive-")
+	before, err := os.ReadDir(b.dir)
 	if err != nil {
-		return noSpace(fmt.Errorf("storage: %w", err))
-	}
-	if err := b.s.receiveInto(ctx, tmp, r, parents); err != nil {
-		return err
-	}
-	if err := onlySubvolume(tmp, name); err != nil {
-		return err
-	}
-	if err := os.Rename(filepath.Join(tmp, name), filepath.Join(b.dir, name)); err != nil {
 		return fmt.Errorf("storage: %w", err)
 	}
-	return os.Remove(tmp)
+	for _, e := range before {
+		if e.Name() == name {
+			return fmt.Errorf("storage: %s exists in the artifact being built", name)
+		}
+	}
+	// Into the build directory itself: a received subvolume is read-only, and btrfs
+	// does not move a read-only subvolume to another directory.
+	if err := b.s.receiveInto(ctx, b.dir, r, parents); err != nil {
+		return err
+	}
+	after, err := os.ReadDir(b.dir)
+	if err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	if len(after) != len(before)+1 {
+		return fmt.Errorf("storage: %w: it does not hold exactly one subvolume named %s", ErrBadStream, name)
+	}
+	if sub, err := isSubvolume(filepath.Join(b.dir, name)); err != nil || !sub {
+		return fmt.Errorf("storage: %w: it does not hold exactly one subvolume named %s", ErrBadStream, name)
+	}
+	return nil
 }
 
 // Publish moves the entry to <kind>/<name> and returns its path. If that entry exists
