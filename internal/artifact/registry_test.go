@@ -2,6 +2,8 @@ package artifact_test
 
 import (
 	"context"
+	"io"
+	"log"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -148,6 +150,7 @@ func newProxy(t *testing.T, target string) *proxy {
 	t.Helper()
 	u, _ := url.Parse("http://" + target)
 	rp := httputil.NewSingleHostReverseProxy(u)
+	rp.ErrorLog = log.New(io.Discard, "", 0) // interrupted requests are what some tests do
 	p := &proxy{counts: map[string]int{}}
 	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		kind := requestKind(req.URL.Path)
