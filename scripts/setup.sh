@@ -19,6 +19,7 @@ pkgs=(
   cpio busybox-static  # initramfs building and VM tests
   chromium         # headless browser for the web console's tests (internal/e2e/console_test.go)
   nftables         # nft(8): inspecting the egress rules (the code itself uses netlink)
+  docker-registry  # the CNCF distribution registry: the artifact tests run their own (internal/artifact)
 )
 missing=()
 for p in "${pkgs[@]}"; do
@@ -30,6 +31,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -q
   # Debian's postgresql-15 creates and starts a default cluster; space runs its own.
   apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# Debian's docker-registry starts a registry on :5000 as a service; space's tests start
+# their own on loopback and need only the binary, so the service is not left running.
+if [ "${#missing[@]}" -gt 0 ] && [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null \
+   && [ -d /run/systemd/system ]; then
+  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
 fi
 
 # Go 1.26+ (not packaged for bookworm): /usr/local/go or PATH.

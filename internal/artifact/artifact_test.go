@@ -167,6 +167,9 @@ func TestReleaseRoundTrip(t *testing.T) {
 	ctx := testCtx(t)
 	rel := makeRelease(t, a, "base", releaseFiles(6))
 	ca, cb := client(t, a, px.addr()), client(t, b, px.addr())
+	if err := ca.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
 
 	art, err := ca.PushRelease(ctx, rel.Digest)
 	if err != nil {
@@ -287,7 +290,6 @@ func sha(t *testing.T, path string) [32]byte {
 	return s
 }
 
-
 func TestPushResumesAfterInterruption(t *testing.T) {
 	reg := startRegistry(t)
 	px := newProxy(t, reg.addr)
@@ -396,7 +398,9 @@ func TestUnreachableRegistry(t *testing.T) {
 	rel := makeRelease(t, a, "base", releaseFiles(1))
 	addr := freeAddr(t) // nothing listens there
 	c := client(t, a, addr)
-	_, err := c.PushRelease(ctx, rel.Digest)
+	err := c.Check(ctx)
+	wantKind(t, err, fault.Unavailable)
+	_, err = c.PushRelease(ctx, rel.Digest)
 	wantKind(t, err, fault.Unavailable)
 	if !strings.Contains(err.Error(), addr+"/space") || !strings.Contains(err.Error(), "unreachable") {
 		t.Errorf("error does not name the registry: %v", err)

@@ -10,6 +10,7 @@ import (
 	"io"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -179,9 +180,10 @@ func (o *op) fetchBlob(ctx context.Context, p *remote.Puller, repo name.Reposito
 	defer rc.Close()
 	var buf bytes.Buffer
 	buf.Grow(int(d.Size))
-	// go-containerregistry verifies the digest at the end of the body too; checking
-	// here, on bytes held in memory, keeps the order "verify, then use" explicit.
-	n, err := io.Copy(&buf, io.LimitReader(unverified{rc}, d.Size+1))
+	// go-containerregistry verifies the digest at the end of the body too (its error is
+	// left to the check below, which names the blob); checking here, on bytes held in
+	// memory, keeps the order "verify, then use" explicit.
+	n, err := io.Copy(&buf, io.LimitReader(rc, d.Size+1))
 	c.stats.bytesDown.Add(n)
 	if err != nil && !isDigestError(err) {
 		return nil, c.fail(ctx, "fetch blob "+d.Digest.String(), err)
@@ -195,15 +197,10 @@ func (o *op) fetchBlob(ctx context.Context, p *remote.Puller, repo name.Reposito
 	return buf.Bytes(), nil
 }
 
-// unverified hides go-containerregistry's own end-of-body verification error behind
-// the one fetchBlob reports; everything else passes.
-type unverified struct{ r io.Reader }
-
-func (u unverified) Read(p []byte) (int, error) { return u.r.Read(p) }
-
+// isDigestError reports whether err is go-containerregistry's verification failure
+// (pkg/v1/internal/verify reports size and digest mismatches so).
 func isDigestError(err error) bool {
-	s := err.Error()
-	return bytes.Contains([]byte(s), []byte("error verifying")) || bytes.Contains([]byte(s), []byte("checksum"))
+	return strings.Contains(err.Error(), "error verifying")
 }
 
 // chunkSize returns the declared uncompressed size of a chunk blob.

@@ -182,6 +182,24 @@ func New(cfg Config, st *storage.Store) (*Client, error) {
 // Registry returns the registry as configured.
 func (c *Client) Registry() string { return c.registry }
 
+// Check asks the registry for a tag that does not exist: it succeeds if the registry is
+// reachable and accepts the credentials for reading, and otherwise fails as a push or
+// pull would (fault.Unavailable, fault.Unauthorized…). For start-up and health checks.
+func (c *Client) Check(ctx context.Context) error {
+	o := c.newOp(ctx)
+	p, err := o.puller()
+	if err != nil {
+		return err
+	}
+	ref := c.releases.Tag("space-check")
+	if _, err := p.Head(ctx, ref); err != nil {
+		if err := c.fail(ctx, "check", err); !fault.Is(err, fault.NotFound) {
+			return err
+		}
+	}
+	return nil
+}
+
 // credentials returns the authenticator cfg asks for.
 func credentials(cfg Config, reg name.Registry) (authn.Authenticator, error) {
 	switch {

@@ -97,7 +97,9 @@ func TestCredentials(t *testing.T) {
 	ctx := testCtx(t)
 	rel := makeRelease(t, a, "base", releaseFiles(1))
 
-	_, err := client(t, a, px.addr()).PushRelease(ctx, rel.Digest)
+	err := client(t, a, px.addr()).Check(ctx)
+	wantKind(t, err, fault.Unauthorized)
+	_, err = client(t, a, px.addr()).PushRelease(ctx, rel.Digest)
 	wantKind(t, err, fault.Unauthorized)
 	t.Logf("anonymous: %v", err)
 	_, err = client(t, a, px.addr(), func(c *artifact.Config) { c.Username, c.Password = "space", "wrong" }).PushRelease(ctx, rel.Digest)

@@ -2,11 +2,11 @@ package artifact_test
 
 import (
 	"context"
-	"io"
-	"log"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -17,8 +17,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
