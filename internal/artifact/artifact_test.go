@@ -362,9 +362,9 @@ func TestPullIntoFullStore(t *testing.T) {
 	reg := startRegistry(t)
 	px := newProxy(t, reg.addr)
 	a := templatetest.Store(t)
-	small := smallStore(t, 256<<20)
+	small := smallStore(t, 128<<20)
 	ctx := testCtx(t)
-	rel := makeRelease(t, a, "big", map[string][]byte{"data/big": random(240 << 20), "etc/hostname": []byte("x\n")})
+	rel := makeRelease(t, a, "big", map[string][]byte{"data/big": random(112 << 20), "etc/hostname": []byte("x\n")})
 	ca, cs := client(t, a, px.addr(), func(c *artifact.Config) { c.ChunkSize = 8 << 20 }), client(t, small, px.addr())
 	art, err := ca.PushRelease(ctx, rel.Digest)
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/spacedev/space/internal/artifact"
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/template/templatetest"
 	"github.com/spacedev/space/internal/testenv"
@@ -383,4 +384,60 @@ func writeAt(t *testing.T, path string, offsets ...int64) {
 	}
 }
 
-var _ = context.Background
+
+func TestSnapshotPullFailsCleanly(t *testing.T) {
+	reg := startRegistry(t)
+	px := newProxy(t, reg.addr)
+	a, b := templatetest.Store(t), templatetest.Store(t)
+	ctx := testCtx(t)
+	rel := makeRelease(t, a, "base", releaseFiles(2))
+	ca, cb := client(t, a, px.addr()), client(t, b, px.addr())
+	root, err := a.CreateSandboxRoot(ctx, "sb1", rel.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeSandbox(t, root)
+	cp, _ := a.CheckpointDir("sb1")
+	fakeCheckpoint(t, a, cp)
+	art, err := ca.PushSnapshot(ctx, artifact.SnapshotSource{ID: "s", Release: rel.Digest, Disk: root, Checkpoint: cp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nothingPulled := func() {
+		t.Helper()
+		if cached, _ := cb.CachedSnapshots(); len(cached) != 0 {
+			t.Errorf("a failed pull left %+v", cached)
+		}
+		tmpEmpty(t, b)
+	}
+
+	// Interrupted once the release is in and the snapshot's first blob is downloaded.
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	px.setOnDone(func(method, kind string, status int) {
+		if method == "GET" && kind == "blob" && b.HasRelease(rel.Digest) {
+			cancel()
+		}
+	})
+	if _, err := cb.PullSnapshot(pctx, "s", ""); err == nil {
+		t.Fatal("interrupted pull succeeded")
+	}
+	px.setOnDone(nil)
+	nothingPulled()
+
+	// A checkpoint blob changed in the registry is refused.
+	blobs := layerDigests(t, reg, art.Digest)
+	path := reg.blobPath(blobs[len(blobs)-1])
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[len(data)-1] ^= 1
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err = cb.PullSnapshot(ctx, "", art.Digest)
+	wantKind(t, err, fault.BadGateway)
+	t.Logf("tampered: %v", err)
+	nothingPulled()
+}
