@@ -185,6 +185,7 @@ func (o *op) fetchBlob(ctx context.Context, p *remote.Puller, repo name.Reposito
 	// memory, keeps the order "verify, then use" explicit.
 	n, err := io.Copy(&buf, io.LimitReader(rc, d.Size+1))
 	c.stats.bytesDown.Add(n)
+	o.downloaded.Add(n)
 	if err != nil && !isDigestError(err) {
 		return nil, c.fail(ctx, "fetch blob "+d.Digest.String(), err)
 	}

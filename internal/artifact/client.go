@@ -70,7 +70,8 @@ type Config struct {
 
 // Client pushes and pulls the artifacts of one store to and from one registry. Its
 // methods are safe for concurrent use; concurrent pulls of the same artifact in one
-// process share one download.
+// process share one download (run under the first caller's context: if that caller
+// gives up, the others get its error and may try again).
 type Client struct {
 	st        *storage.Store
 	log       *slog.Logger
@@ -254,9 +255,10 @@ func isLoopback(host string) bool {
 // pusher remembers blobs as uploaded, which a registry's garbage collection may since
 // have removed.
 type op struct {
-	c        *Client
-	uploaded atomic.Int64
-	opts     []remote.Option
+	c          *Client
+	uploaded   atomic.Int64
+	downloaded atomic.Int64 // blob bytes, including what nested pulls (a snapshot's release) fetched
+	opts       []remote.Option
 }
 
 func (c *Client) newOp(ctx context.Context) *op {

@@ -124,21 +124,37 @@ func (c *Client) PullRelease(ctx context.Context, digest string) (storage.Releas
 	if c.st.HasRelease(digest) {
 		return c.st.Release(digest)
 	}
-	v, err, _ := c.flight.Do("release "+digest, func() (any, error) {
-		if c.st.HasRelease(digest) {
-			return c.st.Release(digest)
-		}
-		return c.pullRelease(ctx, digest)
-	})
-	if err != nil {
-		return storage.Release{}, fmt.Errorf("pull release %s: %w", digest, err)
-	}
-	return v.(storage.Release), nil
+	rel, _, err := c.pullReleaseOnce(ctx, digest)
+	return rel, err
 }
 
-func (c *Client) pullRelease(ctx context.Context, digest string) (storage.Release, error) {
+// pulledRelease is what one pull of a release did.
+type pulledRelease struct {
+	rel        storage.Release
+	downloaded int64
+}
+
+// pullReleaseOnce pulls a release that is not in the store, sharing the pull with
+// concurrent callers, and says how many bytes it downloaded.
+func (c *Client) pullReleaseOnce(ctx context.Context, digest string) (storage.Release, int64, error) {
+	v, err, _ := c.flight.Do("release "+digest, func() (any, error) {
+		if c.st.HasRelease(digest) {
+			rel, err := c.st.Release(digest)
+			return pulledRelease{rel: rel}, err
+		}
+		o := c.newOp(ctx)
+		rel, err := c.pullRelease(ctx, o, digest)
+		return pulledRelease{rel, o.downloaded.Load()}, err
+	})
+	if err != nil {
+		return storage.Release{}, 0, fmt.Errorf("pull release %s: %w", digest, err)
+	}
+	pr := v.(pulledRelease)
+	return pr.rel, pr.downloaded, nil
+}
+
+func (c *Client) pullRelease(ctx context.Context, o *op, digest string) (storage.Release, error) {
 	start := time.Now()
-	o := c.newOp(ctx)
 	p, err := o.puller()
 	if err != nil {
 		return storage.Release{}, err
@@ -158,7 +174,6 @@ func (c *Client) pullRelease(ctx context.Context, digest string) (storage.Releas
 	if err := c.st.CheckSpace(cfg.RootfsBytes); err != nil {
 		return storage.Release{}, err
 	}
-	downloaded := c.stats.bytesDown.Load()
 	var rel storage.Release
 	err = pipeInto(func(w io.Writer) error {
 		return o.pullStream(ctx, p, c.releases, layers, w)
@@ -172,7 +187,7 @@ func (c *Client) pullRelease(ctx context.Context, digest string) (storage.Releas
 	}
 	c.stats.pulls.Add(1)
 	c.log.InfoContext(ctx, "artifact: release pulled", "digest", digest, "ref", ref.String(),
-		"downloaded", c.stats.bytesDown.Load()-downloaded, "took", time.Since(start).Round(time.Millisecond))
+		"downloaded", o.downloaded.Load(), "took", time.Since(start).Round(time.Millisecond))
 	return rel, nil
 }
 

@@ -458,7 +458,9 @@ func (c *Client) diskBase(ctx context.Context, release, disk string) (string, st
 // names if digest is set (then id, if set, must match it), else the one the tag id
 // names now. A snapshot the store has already is returned without downloading anything
 // (by digest: without asking the registry at all). What the snapshot's disk is an
-// increment on — its release, or a base — is pulled first if the store lacks it.
+// increment on — its release (root filesystems), or a base (ext4 images; the release
+// itself is not needed then, PullRelease gets it if wanted) — is pulled first if the
+// store lacks it.
 // Every blob is verified before it is used; a failed or interrupted pull leaves
 // nothing behind; a store without room fails with fault.InsufficientStorage.
 func (c *Client) PullSnapshot(ctx context.Context, id, digest string) (Snapshot, error) {
@@ -514,7 +516,6 @@ func (c *Client) PullSnapshot(ctx context.Context, id, digest string) (Snapshot,
 
 func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, digest, hex string) (Snapshot, error) {
 	start := time.Now()
-	down := c.stats.bytesDown.Load()
 	ref := c.snapshots.Digest(digest)
 	// By digest: go-containerregistry checks the manifest against it.
 	f, err := o.fetchManifest(ctx, p, ref, typeSnapshot, mediaSnapshotConfig)
@@ -585,7 +586,7 @@ func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, dige
 	if err != nil {
 		return Snapshot{}, err
 	}
-	s.Downloaded = c.stats.bytesDown.Load() - down
+	s.Downloaded = o.downloaded.Load()
 	c.stats.pulls.Add(1)
 	c.log.InfoContext(ctx, "artifact: snapshot pulled", "id", s.ID, "digest", digest, "downloaded", s.Downloaded,
 		"took", time.Since(start).Round(time.Millisecond))
@@ -634,8 +635,12 @@ func validateName(n string) error {
 func (c *Client) parentFor(ctx context.Context, o *op, p *remote.Puller, cfg *snapshotConfig, baseLayers []v1.Descriptor) (string, error) {
 	ident := cfg.Parent.Identity
 	if cfg.Parent.Source == parentRelease {
-		if _, err := c.PullRelease(ctx, cfg.Release); err != nil {
-			return "", err
+		if !c.st.HasRelease(cfg.Release) {
+			_, n, err := c.pullReleaseOnce(ctx, cfg.Release)
+			if err != nil {
+				return "", err
+			}
+			o.downloaded.Add(n)
 		}
 		root, err := c.st.ReleaseRoot(cfg.Release)
 		if err != nil {
