@@ -384,7 +384,6 @@ func writeAt(t *testing.T, path string, offsets ...int64) {
 	}
 }
 
-
 func TestSnapshotPullFailsCleanly(t *testing.T) {
 	reg := startRegistry(t)
 	px := newProxy(t, reg.addr)
