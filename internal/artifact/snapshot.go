@@ -3,11 +3,11 @@ package artifact
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"time"
 
@@ -611,7 +611,7 @@ func (c *Client) checkSnapshotConfig(what string, cfg *snapshotConfig) error {
 		return bad("unknown parent source %q", cfg.Parent.Source)
 	case cfg.Disk.Format == DiskExt4 && cfg.Parent.Source != parentBase:
 		return bad("an ext4 disk without a base")
-	case validateName(identName(cfg.Parent.Identity)) != nil || len(identName(cfg.Parent.Identity)) != 32:
+	case !uuidRE.MatchString(cfg.Parent.Identity):
 		return bad("invalid parent identity %q", cfg.Parent.Identity)
 	case cfg.Disk.Bytes < 0 || cfg.CheckpointBytes < 0 || cfg.Parent.Bytes < 0:
 		return bad("negative sizes")
@@ -619,15 +619,8 @@ func (c *Client) checkSnapshotConfig(what string, cfg *snapshotConfig) error {
 	return nil
 }
 
-// validateName accepts what storage accepts as a cache entry name.
-func validateName(n string) error {
-	for _, r := range n {
-		if !(r >= 'a' && r <= 'f' || r >= '0' && r <= '9') {
-			return errors.New("not lowercase hex")
-		}
-	}
-	return nil
-}
+// uuidRE is a subvolume UUID as storage.SendIdentity writes it.
+var uuidRE = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
 
 // parentFor returns the subvolume the snapshot's disk increment applies to, getting it
 // if the store lacks it: the release (pulled if missing), or a base from the store's
