@@ -36,7 +36,7 @@ func e2bSDKDir(t *testing.T) string {
 // e2bServer starts space serve with the E2B listener and makes an E2B key.
 func e2bServer(t *testing.T) (s *srv, e2bURL, key string) {
 	addr := freeAddr(t)
-	s = start(t, options{args: []string{"--e2b-listen", addr}})
+	s = start(t, options{Args: []string{"--e2b-listen", addr}})
 	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
 	if code != 0 {
 		t.Fatalf("apikey create --e2b: %s", errOut)
