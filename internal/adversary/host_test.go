@@ -169,6 +169,12 @@ func attackSetuidAndDeviceNodes(t *testing.T, su *suite) {
 		for d in "null c 1 3" "vda b 253 0" "kvm c 10 232"; do set -- $d; mknod /root/dev-$1 $2 $3 $4 && chmod 666 /root/dev-$1 && echo "planted $1"; done;
 		ls -ln /usr/local/bin/suid-id /root; id -u`)
 	t.Logf("inside the sandbox:\n%s", out)
+	// gVisor's gofer keeps the files it wrote open for writing while the sandbox runs
+	// (exec of them fails with ETXTBSY on the host): stop the sandbox, so that the
+	// probes below meet the files as they rest on the disk.
+	if op, err := su.s.C.LifecycleAndWait(e2etest.Ctx(t, 2*time.Minute), sb.ID, "stop"); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("stop: %+v %v", op, err)
+	}
 
 	rootfs := filepath.Join(su.s.DataDir, "store", "sandboxes", sb.ID, "rootfs")
 	planted := filepath.Join(rootfs, "usr/local/bin/suid-id")
@@ -362,7 +368,7 @@ func attackProbing(t *testing.T, su *suite) {
 		}
 	}
 	for _, n := range r.Net {
-		if n != "lo" {
+		if n != "lo" && n != "ERR:ENOENT" {
 			t.Errorf("the sandbox sees network interface %s", n)
 		}
 	}
