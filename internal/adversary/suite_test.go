@@ -32,7 +32,9 @@ const (
 	// machine a quiet p95 of a few milliseconds doubles from noise alone.
 	latencyFloor = 50 * time.Millisecond
 	// baselineSamples is the number of quiet samples the baseline is made of.
-	baselineSamples = 60
+	baselineSamples = 80
+	// minAttackSamples is the least number of samples of a window under attack.
+	minAttackSamples = 60
 	// diskReserve is the server's --disk-reserve (its default).
 	diskReserve = 0.10
 )
@@ -121,8 +123,9 @@ func (su *suite) underAttack(t *testing.T, attack func(t *testing.T, su *suite))
 		}
 	}()
 	attack(t, su)
-	// Short attacks: keep measuring until the window has enough samples.
-	for p.count() < 20 {
+	// Short attacks: keep measuring until the window has enough samples for a p95 that
+	// is not just the slowest one.
+	for p.count() < minAttackSamples {
 		if err := p.wait(30 * time.Second); err != nil {
 			t.Fatalf("neighbour: %v", err)
 		}
