@@ -132,13 +132,30 @@ func (su *suite) underAttack(t *testing.T, attack func(t *testing.T, su *suite))
 	}
 	got := p.stop(t)
 	stopped = true
-	su.figure(t.Name()[len("TestAdversarial/"):], fmt.Sprintf("%v; min free disk %.1f%%", got, 100*p.minFree))
+	name := t.Name()[len("TestAdversarial/"):]
+	su.figure(name, fmt.Sprintf("%v; min free disk %.1f%%", got, 100*p.minFree))
 	t.Logf("neighbour under attack: %v (baseline %v); min free disk %.1f%%", got, su.baseline, 100*p.minFree)
-	if limit := slowdownLimit * max(su.baseline.exec, latencyFloor); got.exec > limit {
-		t.Errorf("neighbour exec p95 %v under attack, above %v (baseline %v)", got.exec, limit, su.baseline.exec)
+	ref := su.baseline
+	if got.exec > slowdownLimit*max(ref.exec, latencyFloor) || got.get > slowdownLimit*max(ref.get, latencyFloor) {
+		// The machine is shared: before blaming the attack, measure a quiet window now
+		// that it is over. If the neighbour is as slow without it, the load came from
+		// elsewhere and the quiet window is the reference.
+		q := su.startProber(t)
+		for q.count() < baselineSamples/2 {
+			if err := q.wait(30 * time.Second); err != nil {
+				t.Fatalf("quiet window: %v", err)
+			}
+		}
+		quiet := q.stop(t)
+		t.Logf("quiet window after the attack: %v", quiet)
+		su.figure("  quiet window after "+name, quiet.String())
+		ref.exec, ref.get = max(ref.exec, quiet.exec), max(ref.get, quiet.get)
 	}
-	if limit := slowdownLimit * max(su.baseline.get, latencyFloor); got.get > limit {
-		t.Errorf("API p95 %v under attack, above %v (baseline %v)", got.get, limit, su.baseline.get)
+	if limit := slowdownLimit * max(ref.exec, latencyFloor); got.exec > limit {
+		t.Errorf("neighbour exec p95 %v under attack, above %v (reference %v)", got.exec, limit, ref.exec)
+	}
+	if limit := slowdownLimit * max(ref.get, latencyFloor); got.get > limit {
+		t.Errorf("API p95 %v under attack, above %v (reference %v)", got.get, limit, ref.get)
 	}
 	if p.minFree < diskReserve {
 		t.Errorf("the host's free disk dropped to %.1f%%, below the %.0f%% reserve", 100*p.minFree, 100*diskReserve)
