@@ -126,7 +126,7 @@ print("allocated", len(held) * 16, "MiB")
 	if limit <= 0 || limit > 512<<20 {
 		t.Errorf("host memory limit of a 256 MiB sandbox: %d", limit)
 	}
-	if peak > limit {
+	if peak > limit+1<<20 { // the kernel's charge may pass the limit by a few pages
 		t.Errorf("host memory peak %d above the limit %d", peak, limit)
 	}
 }
