@@ -96,17 +96,17 @@ var attacks = []struct {
 	// neighbour beyond the limit: a violation is logged, not failed.
 	knownSlow string
 }{
-	{"SetuidAndDeviceNodes", attackSetuidAndDeviceNodes},
-	{"ProcSysDevProbing", attackProbing},
-	{"LinkTricksThroughFilesAPI", attackLinks},
-	{"AgentImpersonationAfterRestore", attackImpersonation},
-	{"AgentReplacedAtRuntime", attackReplacedAgent},
-	{"ForkBomb", attackForkBomb},
+	{"SetuidAndDeviceNodes", attackSetuidAndDeviceNodes, ""},
+	{"ProcSysDevProbing", attackProbing, ""},
+	{"LinkTricksThroughFilesAPI", attackLinks, ""},
+	{"AgentImpersonationAfterRestore", attackImpersonation, ""},
+	{"AgentReplacedAtRuntime", attackReplacedAgent, ""},
+	{"ForkBomb", attackForkBomb, ""},
 	{"MemoryHog", attackMemoryHog, "a sandbox reclaiming and OOM-killed at its memory limit slowed the neighbour's exec p95 to 2.8× (255 ms against 91 ms) on 2 cores: no CPU or memory-pressure isolation beyond the cgroup limits"},
-	{"DiskFill", attackDiskFill},
+	{"DiskFill", attackDiskFill, ""},
 	{"OutputFlood", attackOutputFlood, "a sandbox writing output as fast as it can (1 CPU of 2) slowed the neighbour's exec p95 to 4.2× (415 ms against 98 ms)"},
-	{"LogFlood", attackLogFlood},
-	{"ThousandsOfSessions", attackSessions},
+	{"LogFlood", attackLogFlood, ""},
+	{"ThousandsOfSessions", attackSessions, ""},
 }
 
 func (su *suite) figure(name, text string) {
