@@ -176,9 +176,6 @@ func attackDiskFill(t *testing.T, su *suite) {
 		t.Errorf("the sandbox after filling its disk: %q", out)
 	}
 	t.Run("WithinDiskMB", func(t *testing.T) {
-		t.Skip("known issue: the node sets a sandbox's quota to disk_mb + memory_mb + 64 MiB (room for a " +
-			"suspend snapshot, internal/node/disk.go limitDisk), so a sandbox that has no snapshot writes " +
-			"that much to its disk, while the API documents disk_mb as what the sandbox may write")
 		if written > int64(diskMB+diskMarginMB)<<20 {
 			t.Errorf("disk_mb %d: the sandbox wrote %d MiB", diskMB, written>>20)
 		}
