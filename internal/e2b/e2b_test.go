@@ -91,20 +91,24 @@ func TestSignature(t *testing.T) {
 		if exp != 0 {
 			q.Set("signature_expiration", strconv.FormatInt(exp, 10))
 		}
-		return validSignature(httptest.NewRequest(method, "/files?"+q.Encode(), nil), "tok", now)
+		return validSignature(httptest.NewRequest(method, "/files?"+q.Encode(), nil), "tok", now, time.Hour)
 	}
-	if !check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", 0), 0) {
+	soon := now.Unix() + 60
+	if !check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", soon), soon) {
 		t.Error("valid read signature refused")
 	}
-	if !check("POST", "x", "root", sign("x", "write", "root", "tok", now.Unix()+60), now.Unix()+60) {
-		t.Error("valid write signature with expiration refused")
+	if !check("POST", "x", "root", sign("x", "write", "root", "tok", soon), soon) {
+		t.Error("valid write signature refused")
 	}
+	late := now.Unix() + 3601
 	for name, ok := range map[string]bool{
-		"read signature used to write": check("POST", "x", "", sign("x", "read", "", "tok", 0), 0),
-		"other user":                   check("GET", "x", "root", sign("x", "read", "", "tok", 0), 0),
-		"other token":                  check("GET", "x", "", sign("x", "read", "", "other", 0), 0),
-		"expired":                      check("GET", "x", "", sign("x", "read", "", "tok", now.Unix()-1), now.Unix()-1),
-		"no signature":                 check("GET", "x", "", "", 0),
+		"read signature used to write":   check("POST", "x", "", sign("x", "read", "", "tok", soon), soon),
+		"other user":                     check("GET", "x", "root", sign("x", "read", "", "tok", soon), soon),
+		"other token":                    check("GET", "x", "", sign("x", "read", "", "other", soon), soon),
+		"expired":                        check("GET", "x", "", sign("x", "read", "", "tok", now.Unix()-1), now.Unix()-1),
+		"no expiration: would never end": check("GET", "x", "", sign("x", "read", "", "tok", 0), 0),
+		"beyond the maximum lifetime":    check("GET", "x", "", sign("x", "read", "", "tok", late), late),
+		"no signature":                   check("GET", "x", "", "", soon),
 	} {
 		if ok {
 			t.Errorf("%s: accepted", name)

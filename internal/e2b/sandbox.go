@@ -18,6 +18,7 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -59,77 +60,100 @@ func route(r *http.Request) (id string, port int, ok bool, err error) {
 
 // notFound502 is E2B's answer for a sandbox that is unknown, paused or not reachable:
 // the SDKs read a 502 as "the sandbox is not running" (isRunning() false, timeout
-// errors).
+// errors). It is given only to requests whose access token was verified.
 func notFound502(w http.ResponseWriter, id string) {
 	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox was not found", "code": http.StatusBadGateway})
 }
 
-// validSignature checks a signed /files URL: v1_ + base64(sha256(path:op:user:token
-// [:expiration])) without padding, not expired.
-func validSignature(r *http.Request, token string, now time.Time) bool {
+// unauthorized is the one answer to an envd request whose access token (or signed URL)
+// does not verify — whether the sandbox exists, is another tenant's or never existed.
+func unauthorized(w http.ResponseWriter) {
+	writeError(w, http.StatusUnauthorized, "unauthorized access, please provide a valid access token or method signing if supported")
+}
+
+// validSignature checks a signed /files URL: v1_ + base64(sha256(path:op:user:token:
+// expiration)) without padding, expiring in the future but at most maxTTL from now. A
+// URL without an expiration never would, and is refused.
+func validSignature(r *http.Request, token string, now time.Time, maxTTL time.Duration) bool {
 	q := r.URL.Query()
-	sig := q.Get("signature")
-	if sig == "" {
+	sig, exp := q.Get("signature"), q.Get("signature_expiration")
+	if sig == "" || exp == "" {
+		return false
+	}
+	n, err := strconv.ParseInt(exp, 10, 64)
+	if err != nil || strconv.FormatInt(n, 10) != exp || now.Unix() > n || time.Unix(n, 0).Sub(now) > maxTTL {
 		return false
 	}
 	op := "write"
 	if r.Method == http.MethodGet {
 		op = "read"
 	}
-	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token
-	if exp := q.Get("signature_expiration"); exp != "" {
-		n, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil || now.Unix() > n {
-			return false
-		}
-		raw += ":" + exp
-	}
-	sum := sha256.Sum256([]byte(raw))
+	sum := sha256.Sum256([]byte(q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token + ":" + exp))
 	want := "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
 	return subtle.ConstantTimeCompare([]byte(sig), []byte(want)) == 1
 }
 
-// authorize checks envd's access rules: the access token on everything but GET
-// /health and /files; /files takes the token or a valid signature.
-func (g *Gateway) authorize(r *http.Request, id string) bool {
-	token := g.accessToken(id)
-	got := r.Header.Get("X-Access-Token")
-	match := subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1
-	switch {
-	case r.URL.Path == "/health" && r.Method == http.MethodGet:
-		return true
-	case r.URL.Path == "/files" && got == "":
-		return validSignature(r, token, time.Now())
+// authenticate checks an envd request's access token — the X-Access-Token header, or
+// for /files a signed URL — against sandbox id, and returns the sandbox and the
+// principal the request acts as (a member of the sandbox's tenant). It reads the
+// sandbox's row only; it wakes nothing and changes nothing. A sandbox that does not
+// exist is checked against a token nobody has, so it costs the same.
+func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) (*store.Sandbox, *service.Principal, bool) {
+	sb, err := g.st.GetSandbox(ctx, id)
+	if err != nil && !fault.Is(err, fault.NotFound) {
+		g.log.Warn("envd authentication: load sandbox", "sandbox", id, "err", err)
 	}
-	return match
+	tenant, epoch := "", int64(-1)
+	if sb != nil && sb.PoolKey == "" {
+		tenant, epoch = sb.Tenant, sb.AccessEpoch
+	}
+	token := g.accessTokenOf(tenant, id, epoch)
+	got := r.Header.Get("X-Access-Token")
+	var ok bool
+	if got == "" && r.URL.Path == "/files" {
+		ok = validSignature(r, token, time.Now(), g.cfg.MaxSignedURLTTL)
+	} else {
+		ok = subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1
+	}
+	if !ok || epoch < 0 {
+		return nil, nil, false
+	}
+	return sb, &service.Principal{Tenant: sb.Tenant, Role: store.RoleMember}, true
 }
 
-// serveSandbox relays one envd request to the sandbox's agent.
+// serveSandbox relays one envd request to the sandbox's agent, after authentication.
 func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string, port int) {
 	ctx := r.Context()
-	if !ids.ValidSandbox(id) {
-		notFound502(w, id)
-		return
-	}
 	if port != envdpb.Port {
-		if sb, err := g.runningSandbox(ctx, id); err == nil && sb != nil {
-			writeJSON(w, http.StatusBadGateway, map[string]any{"message": "The sandbox is running but port is not open",
-				"sandboxId": id, "port": port, "code": http.StatusBadGateway})
-			return
-		}
-		notFound502(w, id)
+		// space forwards no sandbox ports but envd's: the same answer for every
+		// sandbox, running, paused, another tenant's or none.
+		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "port": port, "code": http.StatusBadGateway,
+			"message": fmt.Sprintf("port %d is not reachable: space forwards only envd's port (%d) of a sandbox", port, envdpb.Port)})
 		return
 	}
 	if r.URL.RawPath != "" || !envdPathRe.MatchString(r.URL.Path) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no envd route for %s %s", r.Method, r.URL.Path))
 		return
 	}
-	if !g.authorize(r, id) {
-		writeError(w, http.StatusUnauthorized, "unauthorized access, please provide a valid access token or method signing if supported")
+	if !ids.ValidSandbox(id) {
+		unauthorized(w)
 		return
 	}
-	sb, err := g.runningSandbox(ctx, id)
+	sb, p, ok := g.authenticate(ctx, r, id)
+	if !ok {
+		unauthorized(w)
+		return
+	}
+	if err := g.api.Allow(ctx, p); err != nil {
+		g.fail(w, r, err)
+		return
+	}
+	sb, err := g.runningSandbox(ctx, p, sb.ID)
 	if err != nil {
+		if fault.Is(err, fault.QuotaExceeded) {
+			g.fail(w, r, err) // an autoResume over the tenant's quota: say why
+			return
+		}
 		if ctx.Err() == nil {
 			g.log.Debug("envd request for a sandbox that is not running", "sandbox", id, "err", err)
 		}
@@ -159,7 +183,7 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	// would close the body when the answer starts and the relay would cut the stream.
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	uw := &untunnel{ResponseWriter: w}
-	t, err := g.api.Running(ctx, g.envdCaller, sb.ID, true)
+	t, err := g.api.Running(ctx, p, sb.ID, true)
 	if err == nil {
 		err = g.api.Agent(t).Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
 	}
@@ -178,9 +202,10 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 }
 
 // runningSandbox returns the sandbox once it runs: one being started or resumed is
-// waited for; a paused one is resumed only when it was created with autoResume.
-func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox, error) {
-	sb, err := g.live(ctx, g.envdCaller, id)
+// waited for; a paused one is resumed only when it was created with autoResume. The
+// caller has authenticated the request.
+func (g *Gateway) runningSandbox(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error) {
+	sb, err := g.live(ctx, p, id)
 	if err != nil {
 		return nil, err
 	}
@@ -196,9 +221,9 @@ func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox
 			return nil, fault.New(fault.Conflict, "sandbox %s is paused", id)
 		}
 		g.log.Info("auto-resuming sandbox for an envd request", "sandbox", id)
-		return g.wake(ctx, g.envdCaller, sb, secs, "")
+		return g.wake(ctx, p, sb, secs, "")
 	}
-	woken, err := g.api.Awake(ctx, g.envdCaller, sb, false) // starting or resuming: wait
+	woken, err := g.api.Awake(ctx, p, sb, false) // starting or resuming: wait
 	if err != nil {
 		return nil, err
 	}
