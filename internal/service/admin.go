@@ -21,6 +21,9 @@ var roles = []string{store.RoleOperator, store.RoleAdmin, store.RoleMember}
 // which live in "default"); a tenant's admin creates keys in its own tenant only (any
 // other tenant answers like one that does not exist) and never operator keys.
 func (s *Service) CreateAPIKey(ctx context.Context, p *Principal, req api.CreateAPIKeyRequest) (api.APIKey, error) {
+	if !p.Operator() && req.Tenant != "" && req.Tenant != p.Tenant {
+		return api.APIKey{}, tenantNotFound(req.Tenant) // before the role: another tenant is a missing one to everybody
+	}
 	if err := RequireAdmin(p); err != nil {
 		return api.APIKey{}, err
 	}
@@ -91,11 +94,11 @@ func keyVisible(p *Principal, k *store.APIKey) bool {
 // APIKeys lists the keys p may see (admins: their tenant's; operators: every tenant's,
 // or tenant's).
 func (s *Service) APIKeys(ctx context.Context, p *Principal, tenant string) ([]api.APIKey, error) {
-	if err := RequireAdmin(p); err != nil {
-		return nil, err
-	}
 	scope, err := s.scope(ctx, p, tenant)
 	if err != nil {
+		return nil, err
+	}
+	if err := RequireAdmin(p); err != nil {
 		return nil, err
 	}
 	keys, err := s.st.ListAPIKeys(ctx, scope)
@@ -111,12 +114,10 @@ func (s *Service) APIKeys(ctx context.Context, p *Principal, tenant string) ([]a
 	return out, nil
 }
 
-// RevokeAPIKey revokes a key by its id (a prefix names no key). A key p may not see
-// answers like one that does not exist.
+// RevokeAPIKey revokes a key by its id (a prefix names no key). A key of another
+// tenant (or, for a tenant's keys, an operator key) answers like one that does not
+// exist; a member may revoke none.
 func (s *Service) RevokeAPIKey(ctx context.Context, p *Principal, id string) (api.APIKey, error) {
-	if err := RequireAdmin(p); err != nil {
-		return api.APIKey{}, err
-	}
 	if !strings.HasPrefix(id, "key_") {
 		return api.APIKey{}, invalid("revoke takes a key id (key_…, see space apikey list), not %q", id)
 	}
@@ -124,8 +125,11 @@ func (s *Service) RevokeAPIKey(ctx context.Context, p *Principal, id string) (ap
 	if err != nil {
 		return api.APIKey{}, err
 	}
-	if !keyVisible(p, k) {
+	if !p.Operator() && (k.Tenant != p.Tenant || k.Role == store.RoleOperator) {
 		return api.APIKey{}, fault.New(fault.NotFound, "api key %q not found", id)
+	}
+	if err := RequireAdmin(p); err != nil {
+		return api.APIKey{}, err
 	}
 	if k, err = s.st.RevokeAPIKey(ctx, id); err != nil {
 		return api.APIKey{}, err
@@ -158,11 +162,11 @@ const maxPoolSize = 500
 // tenant, operators for the tenant they name (default: their own). A pool's parked
 // sandboxes count against its tenant's quotas.
 func (s *Service) SetPool(ctx context.Context, p *Principal, req api.SetPoolRequest) (api.Pool, error) {
-	if err := RequireAdmin(p); err != nil {
-		return api.Pool{}, err
-	}
 	tenant, err := s.scope(ctx, p, req.Tenant)
 	if err != nil {
+		return api.Pool{}, err
+	}
+	if err := RequireAdmin(p); err != nil {
 		return api.Pool{}, err
 	}
 	if tenant == "" {

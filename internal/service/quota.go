@@ -267,6 +267,9 @@ func (s *Service) Tenant(ctx context.Context, p *Principal, name string) (api.Te
 
 // SetQuota sets or resets a tenant's quotas (operators only).
 func (s *Service) SetQuota(ctx context.Context, p *Principal, name string, req api.SetQuotaRequest) (api.Tenant, error) {
+	if !p.Visible(name) {
+		return api.Tenant{}, tenantNotFound(name) // another tenant is a missing one, whatever the role
+	}
 	if err := RequireOperator(p); err != nil {
 		return api.Tenant{}, err
 	}
@@ -313,6 +316,9 @@ func (s *Service) SetQuota(ctx context.Context, p *Principal, name string, req a
 // DeleteTenant removes a tenant with its keys and pools (operators only; not while it
 // has sandboxes or templates; never "default").
 func (s *Service) DeleteTenant(ctx context.Context, p *Principal, name string) (api.Tenant, error) {
+	if !p.Visible(name) {
+		return api.Tenant{}, tenantNotFound(name) // another tenant is a missing one, whatever the role
+	}
 	if err := RequireOperator(p); err != nil {
 		return api.Tenant{}, err
 	}

@@ -102,9 +102,6 @@ func (s *Service) Template(ctx context.Context, p *Principal, name, tenant strin
 // delete their tenant's templates (shared ones are read-only for them); operators the
 // shared ones, or a tenant's when they name it.
 func (s *Service) DeleteTemplate(ctx context.Context, p *Principal, raw, tenant string) (api.TemplateDeleted, error) {
-	if err := RequireAdmin(p); err != nil {
-		return api.TemplateDeleted{}, err
-	}
 	if !strings.ContainsAny(raw, ":@") {
 		return api.TemplateDeleted{}, invalid("say %s:TAG to remove a tag or %s@sha256:… to delete a release", raw, raw)
 	}
@@ -125,6 +122,9 @@ func (s *Service) DeleteTemplate(ctx context.Context, p *Principal, raw, tenant 
 		}
 		if owner == "" {
 			return api.TemplateDeleted{}, fault.New(fault.Forbidden, "template %s is shared: only operators change it", ref.Name)
+		}
+		if err := RequireAdmin(p); err != nil {
+			return api.TemplateDeleted{}, err
 		}
 	} else if _, err := s.scope(ctx, p, tenant); err != nil {
 		return api.TemplateDeleted{}, err
@@ -159,9 +159,6 @@ func (s *Service) BuildTemplate(ctx context.Context, p *Principal, body []byte) 
 
 // BuildTemplateFor is BuildTemplate in the tenant an operator names ("" = shared).
 func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byte, tenant string) (*store.Operation, error) {
-	if err := RequireAdmin(p); err != nil {
-		return nil, err
-	}
 	owner, err := s.scope(ctx, p, tenant)
 	if err != nil {
 		return nil, err
@@ -192,6 +189,11 @@ func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byt
 			return nil, err
 		}
 		params["from_digest"] = parent
+	}
+	// The role is checked after the names are resolved, so that another tenant's
+	// template answers like a missing one to every key.
+	if err := RequireAdmin(p); err != nil {
+		return nil, err
 	}
 	node, err := s.pickBuildNode(ctx, spec, parent)
 	if err != nil {
