@@ -193,7 +193,8 @@ test('signed upload and download URLs', async () => {
   // With a fixed E2B_SANDBOX_URL the URL cannot name the sandbox: the request must
   // carry E2b-Sandbox-Id (with <port>-<id>.<domain> host routing it would not).
   const headers = { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49983' }
-  const up = await sbx.uploadUrl('/tmp/signed.txt')
+  // Signed URLs must expire (at most the server's --e2b-signed-url-max-ttl ahead).
+  const up = await sbx.uploadUrl('/tmp/signed.txt', { useSignatureExpiration: 60 })
   assert.ok(up.startsWith(sandboxUrl) && up.includes('signature=v1_'))
   const form = new FormData()
   form.append('file', new Blob(['signed upload']), '/tmp/signed.txt')
@@ -207,6 +208,9 @@ test('signed upload and download URLs', async () => {
   assert.equal((await fetch(bad, { headers })).status, 401)
   bad.searchParams.delete('signature')
   assert.equal((await fetch(bad, { headers })).status, 401)
+  // A URL without an expiration would never expire: refused.
+  const forever = await sbx.downloadUrl('/tmp/signed.txt')
+  assert.equal((await fetch(forever, { headers })).status, 401)
 })
 
 test('Sandbox.list with metadata and state filters, pagination', async () => {
@@ -256,9 +260,11 @@ test('pause and connect keep files and processes', async () => {
   assert.equal((await sbx.getInfo()).state, 'paused')
   const paused = await Sandbox.list({ query: { metadata: { suite: tag }, state: ['paused'] } }).nextItems()
   assert.deepEqual(paused.map((s) => s.sandboxId), [sbx.sandboxId])
-  assert.equal(await sbx.isRunning(), false)
+  // The pause replaced the envd access token: the old object's is refused.
+  await assert.rejects(sbx.isRunning())
   await assert.rejects(sbx.commands.run('true'))
 
+  // Sandbox.connect resumes and returns an object with the current token.
   const resumed = await Sandbox.connect(sbx.sandboxId)
   assert.equal((await resumed.getInfo()).state, 'running')
   assert.equal(await resumed.files.read('/tmp/before-pause.txt'), 'still here')
@@ -267,9 +273,9 @@ test('pause and connect keep files and processes', async () => {
   await waitFor('counter counting again', async () => Number(await resumed.files.read('/tmp/count')) > before + 2)
   const att = await resumed.commands.connect(counter.pid)
   assert.equal(await att.kill(), true)
-  // Connecting to a running sandbox is a no-op that keeps it running.
+  // Connecting to a running sandbox is a no-op that keeps it running (and its token).
   await sbx.connect()
-  assert.equal(await sbx.isRunning(), true)
+  assert.equal(await resumed.isRunning(), true)
 })
 
 test('lifecycle: the timeout kills, or pauses with onTimeout pause', async () => {
