@@ -731,6 +731,19 @@ func TestSandboxLifecycle(t *testing.T) {
 		t.Fatalf("auto-resumed: %s %v", row.State, row.ExpiresAt)
 	}
 
+	// revoke-tokens (space's API) replaces the envd access token too.
+	if err := g.s.C.RevokeTokens(g.s.Context(), a.SandboxID); err != nil {
+		t.Fatal(err)
+	}
+	want(t, "envd with a token revoked by revoke-tokens", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", connected.EnvdAccessToken),
+		http.StatusUnauthorized)
+	current := g.get(a.SandboxID).EnvdAccessToken
+	if current == connected.EnvdAccessToken {
+		t.Fatal("revoke-tokens kept the envd access token")
+	}
+	want(t, "envd with the token after revoke-tokens", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", current), http.StatusNoContent)
+	connected.EnvdAccessToken = current
+
 	// Kill: 204, then 404; the sandbox's envd is gone.
 	want(t, "kill", g.do("DELETE", "/sandboxes/"+a.SandboxID, nil), http.StatusNoContent)
 	want(t, "kill again", g.do("DELETE", "/sandboxes/"+a.SandboxID, nil), http.StatusNotFound)
