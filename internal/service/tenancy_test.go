@@ -107,7 +107,10 @@ func TestTenantTemplateBuilds(t *testing.T) {
 	}
 	// t2 cannot use, see or delete it: like a template that does not exist.
 	for name, err := range map[string]error{
-		"create": func() error { _, err := s.Service.Create(ctx(t), t2, api.CreateSandboxRequest{Template: "mine"}, nil); return err }(),
+		"create": func() error {
+			_, err := s.Service.Create(ctx(t), t2, api.CreateSandboxRequest{Template: "mine"}, nil)
+			return err
+		}(),
 		"get":    func() error { _, err := s.Service.Template(ctx(t), t2, "mine", ""); return err }(),
 		"delete": func() error { _, err := s.Service.DeleteTemplate(ctx(t), t2, "mine:latest", ""); return err }(),
 		"build from it": func() error {
