@@ -146,6 +146,8 @@ func (c *Client) GetSandbox(ctx context.Context, id string) (*api.Sandbox, error
 type ListOptions struct {
 	States   []string
 	Metadata map[string]string
+	// Tenant narrows an operator's list to one tenant.
+	Tenant string
 }
 
 // ListSandboxes lists sandboxes.
@@ -156,6 +158,9 @@ func (c *Client) ListSandboxes(ctx context.Context, o ListOptions) ([]api.Sandbo
 	}
 	for k, v := range o.Metadata {
 		q.Add("metadata", k+"="+v)
+	}
+	if o.Tenant != "" {
+		q.Set("tenant", o.Tenant)
 	}
 	var out api.SandboxList
 	path := "/v1/sandboxes"
