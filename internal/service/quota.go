@@ -194,12 +194,15 @@ func (s *Service) allowTenant(ctx context.Context, tenant string) error {
 		tr.read = time.Now()
 		s.rates.mu.Unlock()
 	}
-	if tr.lim.Allow() {
+	s.rates.mu.Lock()
+	lim, r, b := tr.lim, tr.rate, tr.burst
+	s.rates.mu.Unlock()
+	if lim.Allow() {
 		return nil
 	}
 	err := fault.New(fault.TooManyRequests, "request rate exceeded: tenant %q may make %d requests per second (bursts of %d); retry shortly",
-		tenant, tr.rate, tr.burst)
-	return fault.WithDetail(err, &api.LimitExceeded{Name: store.QuotaRate, Limit: tr.rate, Requested: 1})
+		tenant, r, b)
+	return fault.WithDetail(err, &api.LimitExceeded{Name: store.QuotaRate, Limit: r, Requested: 1})
 }
 
 // tenantAPI converts a tenant with its usage to its wire form.
