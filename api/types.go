@@ -54,7 +54,9 @@ const (
 
 // Sandbox is one isolated machine.
 type Sandbox struct {
-	ID       string `json:"id"`
+	ID string `json:"id"`
+	// Tenant is the tenant the sandbox belongs to.
+	Tenant   string `json:"tenant,omitempty"`
 	Template string `json:"template"`
 	// TemplateDigest is the content digest of the release the sandbox was created
 	// from ("sha256:…"). Empty until the template reference is resolved.
@@ -133,6 +135,8 @@ type CloneResponse struct {
 
 // Pool is a warm pool: Size parked sandboxes of a template and size class.
 type Pool struct {
+	// Tenant is the tenant whose creates claim the pool's members.
+	Tenant   string `json:"tenant,omitempty"`
 	Template string `json:"template"`
 	CPU      int    `json:"cpu"`
 	MemoryMB int    `json:"memory_mb"`
@@ -143,6 +147,8 @@ type Pool struct {
 
 // SetPoolRequest is the body of PUT /v1/pools.
 type SetPoolRequest struct {
+	// Tenant names the pool's tenant (operators only; default: the caller's).
+	Tenant   string `json:"tenant,omitempty"`
 	Template string `json:"template"`
 	CPU      int    `json:"cpu,omitempty"`
 	MemoryMB int    `json:"memory_mb,omitempty"`
@@ -309,14 +315,33 @@ type Error struct {
 type ErrorBody struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`
+	// Limit names the quota or rate limit a refused request ran into
+	// (quota_exceeded, too_many_requests).
+	Limit *LimitExceeded `json:"limit,omitempty"`
+}
+
+// LimitExceeded describes the limit a request was refused for.
+type LimitExceeded struct {
+	// Name is the quota (running_sandboxes, vcpus, memory_mb, disk_mb, operations) or
+	// request_rate.
+	Name  string `json:"name"`
+	Limit int64  `json:"limit"`
+	// Usage is what the tenant uses now; Requested what the request would add.
+	Usage     int64 `json:"usage"`
+	Requested int64 `json:"requested"`
 }
 
 // APIKey describes an API key (never its secret, except once on creation).
 type APIKey struct {
-	ID        string     `json:"id"`
-	Name      string     `json:"name"`
-	Prefix    string     `json:"prefix"`
-	Kind      string     `json:"kind"` // "space" or "e2b"
+	ID     string `json:"id"`
+	Name   string `json:"name"`
+	Prefix string `json:"prefix"`
+	Kind   string `json:"kind"` // "space" or "e2b"
+	// Tenant is the key's tenant (an operator key's home tenant).
+	Tenant string `json:"tenant"`
+	// Role is operator, admin (of its tenant) or member.
+	Role string `json:"role"`
+	// Admin is true for operator and admin keys (they manage keys).
 	Admin     bool       `json:"admin"`
 	CreatedAt time.Time  `json:"created_at"`
 	RevokedAt *time.Time `json:"revoked_at,omitempty"`
@@ -326,9 +351,61 @@ type APIKey struct {
 
 // CreateAPIKeyRequest is the body of POST /v1/apikeys.
 type CreateAPIKeyRequest struct {
-	Name  string `json:"name"`
-	Kind  string `json:"kind,omitempty"`
-	Admin bool   `json:"admin,omitempty"`
+	Name string `json:"name"`
+	Kind string `json:"kind,omitempty"`
+	// Tenant is the new key's tenant: required from operators; a tenant's admin
+	// creates keys in its own tenant only.
+	Tenant string `json:"tenant,omitempty"`
+	// Role is member (the default), admin or operator (operators only).
+	Role string `json:"role,omitempty"`
+	// Admin is role admin (kept for older clients).
+	Admin bool `json:"admin,omitempty"`
+}
+
+// Key roles.
+const (
+	RoleOperator = "operator"
+	RoleAdmin    = "admin"
+	RoleMember   = "member"
+)
+
+// Tenant is a tenant with its quotas and what it uses of them.
+type Tenant struct {
+	Name      string       `json:"name"`
+	CreatedAt time.Time    `json:"created_at"`
+	Quota     []QuotaUsage `json:"quota"`
+}
+
+// QuotaUsage is one quota of a tenant and its use.
+type QuotaUsage struct {
+	// Name is running_sandboxes, vcpus, memory_mb, disk_mb, operations, request_rate
+	// (requests per second) or request_burst.
+	Name string `json:"name"`
+	// Limit is -1 when unlimited.
+	Limit int64 `json:"limit"`
+	// Default is true when the limit is the server's default (not set for the tenant).
+	Default bool `json:"default"`
+	// Usage is what the tenant uses now (0 for the request rate quotas).
+	Usage int64 `json:"usage"`
+}
+
+// CreateTenantRequest is the body of POST /v1/tenants.
+type CreateTenantRequest struct {
+	Name string `json:"name"`
+}
+
+// SetQuotaRequest is the body of PUT /v1/tenants/{name}/quota: the quotas given are
+// set (-1 is unlimited), those named in Reset return to the server's defaults, the
+// others stay.
+type SetQuotaRequest struct {
+	RunningSandboxes *int64   `json:"running_sandboxes,omitempty"`
+	VCPUs            *int64   `json:"vcpus,omitempty"`
+	MemoryMB         *int64   `json:"memory_mb,omitempty"`
+	DiskMB           *int64   `json:"disk_mb,omitempty"`
+	Operations       *int64   `json:"operations,omitempty"`
+	RequestRate      *int64   `json:"request_rate,omitempty"`
+	RequestBurst     *int64   `json:"request_burst,omitempty"`
+	Reset            []string `json:"reset,omitempty"`
 }
 
 // Node describes one host running the node role.
@@ -345,6 +422,9 @@ type Node struct {
 
 // Template describes a template release.
 type Template struct {
+	// Tenant owns the template; empty for shared templates (builtin ones and those
+	// operators build), which every tenant may use.
+	Tenant    string    `json:"tenant,omitempty"`
 	Name      string    `json:"name"`
 	Tags      []string  `json:"tags,omitempty"`
 	Digest    string    `json:"digest"`
@@ -356,7 +436,9 @@ type Template struct {
 type WhoAmI struct {
 	KeyID  string `json:"key_id"`
 	Tenant string `json:"tenant"`
-	Admin  bool   `json:"admin"`
+	Role   string `json:"role"`
+	// Admin is true for operator and admin keys.
+	Admin bool `json:"admin"`
 }
 
 // TemplateDetail is the body of GET /v1/templates/{name}.

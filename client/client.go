@@ -146,6 +146,8 @@ func (c *Client) GetSandbox(ctx context.Context, id string) (*api.Sandbox, error
 type ListOptions struct {
 	States   []string
 	Metadata map[string]string
+	// Tenant narrows an operator's list to one tenant.
+	Tenant string
 }
 
 // ListSandboxes lists sandboxes.
@@ -156,6 +158,9 @@ func (c *Client) ListSandboxes(ctx context.Context, o ListOptions) ([]api.Sandbo
 	}
 	for k, v := range o.Metadata {
 		q.Add("metadata", k+"="+v)
+	}
+	if o.Tenant != "" {
+		q.Set("tenant", o.Tenant)
 	}
 	var out api.SandboxList
 	path := "/v1/sandboxes"
@@ -251,15 +256,60 @@ func (c *Client) CreateAPIKey(ctx context.Context, req api.CreateAPIKeyRequest) 
 	return &k, c.do(ctx, http.MethodPost, "/v1/apikeys", req, &k, nil)
 }
 
-// ListAPIKeys lists API keys (admin only).
+// ListAPIKeys lists the API keys the caller may see (admins: their tenant's;
+// operators: every tenant's).
 func (c *Client) ListAPIKeys(ctx context.Context) ([]api.APIKey, error) {
+	return c.ListAPIKeysOf(ctx, "")
+}
+
+// ListAPIKeysOf lists the API keys of one tenant ("" = all the caller may see).
+func (c *Client) ListAPIKeysOf(ctx context.Context, tenant string) ([]api.APIKey, error) {
 	var out struct {
 		Keys []api.APIKey `json:"api_keys"`
 	}
-	return out.Keys, c.do(ctx, http.MethodGet, "/v1/apikeys", nil, &out, nil)
+	return out.Keys, c.do(ctx, http.MethodGet, "/v1/apikeys"+tenantQuery(tenant), nil, &out, nil)
 }
 
-// RevokeAPIKey revokes a key by id or prefix (admin only).
+func tenantQuery(tenant string) string {
+	if tenant == "" {
+		return ""
+	}
+	return "?tenant=" + url.QueryEscape(tenant)
+}
+
+// CreateTenant creates a tenant (operators only).
+func (c *Client) CreateTenant(ctx context.Context, name string) (*api.Tenant, error) {
+	var t api.Tenant
+	return &t, c.do(ctx, http.MethodPost, "/v1/tenants", api.CreateTenantRequest{Name: name}, &t, nil)
+}
+
+// ListTenants lists tenants with their quotas and usage (operators only).
+func (c *Client) ListTenants(ctx context.Context) ([]api.Tenant, error) {
+	var out struct {
+		Tenants []api.Tenant `json:"tenants"`
+	}
+	return out.Tenants, c.do(ctx, http.MethodGet, "/v1/tenants", nil, &out, nil)
+}
+
+// GetTenant describes a tenant: its quotas and usage.
+func (c *Client) GetTenant(ctx context.Context, name string) (*api.Tenant, error) {
+	var t api.Tenant
+	return &t, c.do(ctx, http.MethodGet, "/v1/tenants/"+url.PathEscape(name), nil, &t, nil)
+}
+
+// DeleteTenant removes a tenant with its keys and pools (operators only).
+func (c *Client) DeleteTenant(ctx context.Context, name string) (*api.Tenant, error) {
+	var t api.Tenant
+	return &t, c.do(ctx, http.MethodDelete, "/v1/tenants/"+url.PathEscape(name), nil, &t, nil)
+}
+
+// SetQuota sets or resets a tenant's quotas (operators only).
+func (c *Client) SetQuota(ctx context.Context, name string, req api.SetQuotaRequest) (*api.Tenant, error) {
+	var t api.Tenant
+	return &t, c.do(ctx, http.MethodPut, "/v1/tenants/"+url.PathEscape(name)+"/quota", req, &t, nil)
+}
+
+// RevokeAPIKey revokes a key by its id (key_…).
 func (c *Client) RevokeAPIKey(ctx context.Context, id string) (*api.APIKey, error) {
 	var k api.APIKey
 	return &k, c.do(ctx, http.MethodDelete, "/v1/apikeys/"+url.PathEscape(id), nil, &k, nil)

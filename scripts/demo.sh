@@ -2,7 +2,7 @@
 # The README's first command: install what is missing, build space, start
 # `space serve` on the embedded default (private PostgreSQL, btrfs store, gVisor), create
 # a sandbox from the base template and run python3 in it. The server keeps running in
-# the background; its log is in $SPACE_DATA_DIR/serve.log.
+# the background; its log is in $SPACE_DATA_DIR/serve.log (mode 0600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -16,7 +16,11 @@ CGO_ENABLED=0 go build -o bin/space-agent ./cmd/space-agent
 url="${SPACE_URL:-http://127.0.0.1:7700}"
 if ! curl -sf "$url/healthz" >/dev/null 2>&1; then
   mkdir -p "$SPACE_DATA_DIR"
-  echo "demo: starting space serve (data dir $SPACE_DATA_DIR, log $SPACE_DATA_DIR/serve.log)"
+  echo "demo: starting space serve (data dir $SPACE_DATA_DIR, log $SPACE_DATA_DIR/serve.log, readable by root only)"
+  # The log is private (mode 0600) even where it existed before with other modes; the
+  # operator key is never in it (space serve writes it to $SPACE_DATA_DIR/admin.key).
+  (umask 077 && : >>"$SPACE_DATA_DIR/serve.log")
+  chmod 600 "$SPACE_DATA_DIR/serve.log"
   nohup bin/space serve >>"$SPACE_DATA_DIR/serve.log" 2>&1 &
   for _ in $(seq 1 120); do
     curl -sf "$url/healthz" >/dev/null 2>&1 && break

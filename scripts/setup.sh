@@ -14,6 +14,7 @@ pkgs=(
   debootstrap      # builds the base template (Debian bookworm)
   postgresql-15    # initdb/postgres for the embedded private cluster
   e2fsprogs util-linux iproute2 ca-certificates curl git
+  jq               # the README's curl example (run by internal/server TestReadmeCurl)
   qemu-system-x86  # the qemu runtime (microvm; KVM where the CPU has it, else TCG)
   linux-image-cloud-amd64  # the guest kernel of VM runtimes
   cpio busybox-static  # initramfs building and VM tests

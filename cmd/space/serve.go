@@ -20,8 +20,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/term"
 
 	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/cli"
@@ -85,10 +87,13 @@ type serveConfig struct {
 	e2bListen      string
 	e2bListenSet   bool
 	e2bDomain      string
+	e2bSignedTTL   time.Duration
+	metricsListen  string
+	quota          store.Quota
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
-	c := &serveConfig{}
+	c := &serveConfig{quota: service.DefaultQuota()}
 	var roles string
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -104,8 +109,12 @@ Without --database-url, space creates and runs a private PostgreSQL cluster in
 With --database-url, every api, controller and node process of a fleet shares that
 database.
 
-On first start space creates an admin API key, prints it once and writes it to
-<data-dir>/admin.key (mode 0600), where the CLI finds it.`,
+On first start space creates the operator's API key and writes it to
+<data-dir>/admin.key (mode 0600), where the CLI finds it; when standard output is a
+terminal it is also shown there once. It never goes to the log.
+
+Tenants are created with "space tenant create"; --quota-* set the quotas of tenants
+that have none of their own (-1: unlimited).`,
 		Example: `  sudo space serve
   space serve --data-dir /srv/space --listen 0.0.0.0:7700 --advertise-url http://node1:7700
   space serve --roles node --database-url postgres://space@db/space --listen 0.0.0.0:7701`,
@@ -114,6 +123,11 @@ On first start space creates an admin API key, prints it once and writes it to
 			c.dataDir = env.DataDir
 			c.roles = strings.Split(roles, ",")
 			c.e2bListenSet = cmd.Flags().Changed("e2b-listen")
+			for q, v := range c.quota {
+				if v < store.Unlimited || v == 0 && (q == store.QuotaRate || q == store.QuotaBurst) {
+					return fmt.Errorf("--quota-%s %d: want -1 (unlimited) or a positive number", strings.ReplaceAll(q, "_", "-"), v)
+				}
+			}
 			for _, r := range c.roles {
 				if !slices.Contains([]string{"api", "controller", "node"}, r) {
 					return fmt.Errorf("--roles: unknown role %q (roles are api, controller, node)", r)
@@ -159,6 +173,21 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
 	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables)")
 	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
+	f.DurationVar(&c.e2bSignedTTL, "e2b-signed-url-max-ttl", e2b.DefaultMaxSignedURLTTL, "longest lifetime of a signed E2B file URL (its signature_expiration at most this far ahead; URLs without one are refused)")
+	f.StringVar(&c.metricsListen, "metrics-listen", os.Getenv("SPACE_METRICS_LISTEN"), "serve GET /metrics without authentication on this address, for Prometheus (env SPACE_METRICS_LISTEN; on --listen, /metrics needs an operator key)")
+	for _, q := range []struct {
+		name, help string
+	}{
+		{store.QuotaRunning, "sandboxes a tenant may hold in memory (running or paused)"},
+		{store.QuotaVCPUs, "vCPUs of a tenant's running and paused sandboxes"},
+		{store.QuotaMemoryMB, "memory (MiB) of a tenant's running and paused sandboxes"},
+		{store.QuotaDiskMB, "disk (MiB) of a tenant's sandboxes and snapshots (estimated: docs/operations.md)"},
+		{store.QuotaOperations, "unfinished operations of a tenant"},
+		{store.QuotaRate, "API requests per second of a tenant, per api process"},
+		{store.QuotaBurst, "request bursts of a tenant (token bucket size)"},
+	} {
+		f.Var(quotaFlag{c.quota, q.name}, "quota-"+strings.ReplaceAll(q.name, "_", "-"), "default quota: "+q.help+"; -1 unlimited")
+	}
 	return cmd
 }
 
@@ -246,8 +275,9 @@ func serve(ctx context.Context, c *serveConfig) error {
 	}
 
 	mux := http.NewServeMux()
+	var metrics http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	if c.has("api") {
-		if err := bootstrapAdminKey(ctx, st, dataDir, log); err != nil {
+		if err := bootstrapAdminKey(ctx, st, dataDir, os.Stdout, log); err != nil {
 			return err
 		}
 		svc := service.New(service.Config{
@@ -255,15 +285,16 @@ func serve(ctx context.Context, c *serveConfig) error {
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
 			DefaultDiskMB: c.defaultDisk, MaxDiskMB: c.maxDisk,
-			IdleTimeout: c.idleTimeout,
+			IdleTimeout: c.idleTimeout, DefaultQuota: c.quota,
 		})
 		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg,
 			BenchFile: bench.LastPath(dataDir)})
+		metrics = a.MetricsHandler()
 		run("api", svc.Run)
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins()})
+				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins(), MaxSignedURLTTL: c.e2bSignedTTL})
 			if err != nil {
 				return err
 			}
@@ -305,6 +336,31 @@ func serve(ctx context.Context, c *serveConfig) error {
 		run("data plane", dp.Run)
 	}
 
+	if c.metricsListen != "" {
+		mln, err := net.Listen("tcp", c.metricsListen)
+		if err != nil {
+			return fmt.Errorf("--metrics-listen: %w", err)
+		}
+		defer mln.Close()
+		mmux := http.NewServeMux()
+		mmux.Handle("GET /metrics", metrics)
+		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
+			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+		g.Go(func() error {
+			if err := msrv.Serve(mln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				return fmt.Errorf("metrics http: %w", err)
+			}
+			return nil
+		})
+		g.Go(func() error {
+			<-gctx.Done()
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownTimeout)
+			defer cancel()
+			_ = msrv.Shutdown(sctx)
+			return nil
+		})
+		log.Info("metrics serving (no authentication)", "listen", mln.Addr().String())
+	}
 	srv := &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -341,10 +397,11 @@ func serve(ctx context.Context, c *serveConfig) error {
 // shutdownTimeout bounds how long open HTTP requests get once serve stops.
 const shutdownTimeout = 10 * time.Second
 
-// bootstrapAdminKey creates the first admin key, prints it once and writes it to
-// <data-dir>/admin.key.
-func bootstrapAdminKey(ctx context.Context, st *store.Store, dataDir string, log *slog.Logger) error {
-	n, err := st.CountAdminKeys(ctx)
+// bootstrapAdminKey creates the first operator key (home tenant "default") and writes
+// it to <data-dir>/admin.key (mode 0600). The secret is shown on out only when out is
+// a terminal, and never logged: a redirected serve log stays free of it.
+func bootstrapAdminKey(ctx context.Context, st *store.Store, dataDir string, out *os.File, log *slog.Logger) error {
+	n, err := st.CountOperatorKeys(ctx)
 	if err != nil {
 		return err
 	}
@@ -359,7 +416,7 @@ func bootstrapAdminKey(ctx context.Context, st *store.Store, dataDir string, log
 	if err := os.WriteFile(path+".tmp", []byte(secret+"\n"), 0o600); err != nil {
 		return fmt.Errorf("write admin key: %w", err)
 	}
-	k := &store.APIKey{ID: ids.APIKey(), Name: "admin", Prefix: prefix, Kind: "space", Tenant: "default", Admin: true}
+	k := &store.APIKey{ID: ids.APIKey(), Name: "admin", Prefix: prefix, Kind: "space", Tenant: "default", Role: store.RoleOperator}
 	if err := st.CreateAPIKey(ctx, k, secret); err != nil {
 		os.Remove(path + ".tmp")
 		return err
@@ -367,10 +424,39 @@ func bootstrapAdminKey(ctx context.Context, st *store.Store, dataDir string, log
 	if err := os.Rename(path+".tmp", path); err != nil {
 		return err
 	}
-	fmt.Fprintf(os.Stderr, "\nCreated the admin API key (shown once; also saved to %s):\n\n    %s\n\n", path, secret)
-	log.Info("created admin API key", "id", k.ID, "file", path)
+	if out != nil && term.IsTerminal(int(out.Fd())) {
+		fmt.Fprintf(out, "\nCreated the operator API key (shown once here; saved to %s):\n\n    %s\n\n", path, secret)
+	}
+	log.Info("created the operator API key (its secret is in the file only)", "id", k.ID, "file", path)
 	return nil
 }
+
+// quotaFlag sets one default quota.
+type quotaFlag struct {
+	q    store.Quota
+	name string
+}
+
+func (f quotaFlag) String() string {
+	if f.q == nil {
+		return ""
+	}
+	return strconv.FormatInt(f.q[f.name], 10)
+}
+
+func (f quotaFlag) Set(v string) error {
+	n, err := strconv.ParseInt(v, 10, 64)
+	if v == "unlimited" {
+		n, err = store.Unlimited, nil
+	}
+	if err != nil {
+		return fmt.Errorf("want a number or -1 (unlimited)")
+	}
+	f.q[f.name] = n
+	return nil
+}
+
+func (f quotaFlag) Type() string { return "int" }
 
 // agentBinary finds space-agent beside the space executable.
 func agentBinary() (string, error) {

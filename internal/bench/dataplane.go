@@ -154,6 +154,7 @@ func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 // serverRSS reads the server's resident memory from its /metrics.
 func serverRSS(ctx context.Context, c *client.Client) (float64, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.BaseURL+"/metrics", nil)
+	req.Header.Set("Authorization", "Bearer "+c.APIKey) // metrics need an operator key
 	resp, err := c.HTTP.Do(req)
 	if err != nil {
 		return 0, err

@@ -1,4 +1,4 @@
-// Package cli owns space's client commands (sandbox, exec, op, apikey, node, template,
+// Package cli owns space's client commands (sandbox, exec, op, apikey, tenant, node, template,
 // …): argument parsing, output formatting (text tables or -o json) and exit codes. The
 // server command and environment lookups live in cmd/space, which hands an Env in.
 package cli
@@ -58,6 +58,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.execCmd(),
 		a.opCmd(),
 		a.apikeyCmd(),
+		a.tenantCmd(),
 		a.nodeCmd(),
 		a.templateCmd(),
 		a.benchCmd(),

@@ -121,18 +121,29 @@ func (a *app) opCmd() *cobra.Command {
 }
 
 func (a *app) apikeyCmd() *cobra.Command {
-	cmd := &cobra.Command{Use: "apikey", Aliases: []string{"apikeys"}, Short: "Manage API keys (admin key required)"}
+	cmd := &cobra.Command{Use: "apikey", Aliases: []string{"apikeys"}, Short: "Manage API keys (an operator's key, or a tenant admin's for its tenant)"}
 	var admin, e2b bool
+	var tenant, role string
 	create := &cobra.Command{
 		Use:   "create NAME",
-		Short: "Create an API key and print its secret (shown only once)",
-		Args:  cobra.ExactArgs(1),
+		Short: "Create an API key in a tenant and print its secret (shown only once)",
+		Long: `Create an API key and print its secret (shown only once).
+
+Operators name the tenant the key belongs to with --tenant (required; see
+"space tenant list"); a tenant's admin key creates keys in its own tenant only.
+Roles: member (the default: the tenant's sandboxes, sessions and operations), admin
+(--admin: also the tenant's keys, templates and pools) and operator (--role operator,
+operators only: every tenant, tenants and quotas, nodes, metrics).`,
+		Example: `  space apikey create ci-bot --tenant acme
+  space apikey create acme-admin --tenant acme --admin
+  space apikey create sdk --tenant acme --e2b`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := a.connect()
 			if err != nil {
 				return err
 			}
-			req := api.CreateAPIKeyRequest{Name: args[0], Admin: admin, Kind: "space"}
+			req := api.CreateAPIKeyRequest{Name: args[0], Admin: admin, Role: role, Kind: "space", Tenant: tenant}
 			if e2b {
 				req.Kind = "e2b"
 			}
@@ -147,8 +158,11 @@ func (a *app) apikeyCmd() *cobra.Command {
 			return nil
 		},
 	}
-	create.Flags().BoolVar(&admin, "admin", false, "the key may manage API keys and see every tenant's sandboxes")
+	create.Flags().StringVar(&tenant, "tenant", "", "the key's tenant (required from operators)")
+	create.Flags().BoolVar(&admin, "admin", false, "make the tenant's admin key: it manages the tenant's keys, templates and pools")
+	create.Flags().StringVar(&role, "role", "", "member, admin or operator (operators only)")
 	create.Flags().BoolVar(&e2b, "e2b", false, "make an E2B-format key (e2b_…) for the E2B-compatible API")
+	var listTenant string
 	list := &cobra.Command{
 		Use:     "list",
 		Aliases: []string{"ls"},
@@ -159,23 +173,27 @@ func (a *app) apikeyCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			keys, err := c.ListAPIKeys(cmdContext(cmd))
+			keys, err := c.ListAPIKeysOf(cmdContext(cmd), listTenant)
 			if err != nil {
 				return err
 			}
-			return printList(a, keys, []string{"ID", "NAME", "PREFIX", "KIND", "ADMIN", "CREATED", "REVOKED"}, func(k api.APIKey) []any {
+			return printList(a, keys, []string{"ID", "NAME", "TENANT", "ROLE", "PREFIX", "KIND", "CREATED", "REVOKED"}, func(k api.APIKey) []any {
 				revoked := "-"
 				if k.RevokedAt != nil {
 					revoked = ago(*k.RevokedAt)
 				}
-				return []any{k.ID, k.Name, k.Prefix + "…", k.Kind, k.Admin, ago(k.CreatedAt), revoked}
+				return []any{k.ID, k.Name, k.Tenant, k.Role, k.Prefix + "…", k.Kind, ago(k.CreatedAt), revoked}
 			})
 		},
 	}
+	list.Flags().StringVar(&listTenant, "tenant", "", "only this tenant's keys (operators)")
 	revoke := &cobra.Command{
 		Use:   "revoke KEY-ID",
-		Short: "Revoke an API key (by id or prefix)",
-		Args:  cobra.ExactArgs(1),
+		Short: "Revoke an API key by its id (key_…; see space apikey list)",
+		Long: `Revoke an API key by its id (key_…; see "space apikey list"). The key stops
+working at once, and so do the attachment tokens it minted (their open streams are
+cut within a second).`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := a.client()
 			if err != nil {

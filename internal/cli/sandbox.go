@@ -93,6 +93,7 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 
 func (a *app) sandboxList() *cobra.Command {
 	var states, meta []string
+	var tenant string
 	cmd := &cobra.Command{
 		Use:     "list",
 		Aliases: []string{"ls"},
@@ -111,7 +112,7 @@ func (a *app) sandboxList() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			list, err := c.ListSandboxes(cmdContext(cmd), client.ListOptions{States: states, Metadata: md})
+			list, err := c.ListSandboxes(cmdContext(cmd), client.ListOptions{States: states, Metadata: md, Tenant: tenant})
 			if err != nil {
 				return err
 			}
@@ -122,6 +123,7 @@ func (a *app) sandboxList() *cobra.Command {
 	}
 	cmd.Flags().StringArrayVar(&states, "state", nil, "only sandboxes in this state (repeatable)")
 	cmd.Flags().StringArrayVarP(&meta, "metadata", "m", nil, "only sandboxes whose metadata has KEY=VALUE (repeatable)")
+	cmd.Flags().StringVar(&tenant, "tenant", "", "only this tenant's sandboxes (operator keys see every tenant's)")
 	return cmd
 }
 

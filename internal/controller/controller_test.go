@@ -8,6 +8,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/controller"
+	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/testenv"
@@ -37,11 +38,16 @@ func TestTTLAndIdleSuspend(t *testing.T) {
 
 func TestUnplaceableFailsWithTheReason(t *testing.T) {
 	s := spacetest.Start(t, spacetest.Options{Controller: func(c *controller.Config) { c.PlaceTimeout = 2 * time.Second }})
-	sb, err := s.C.CreateSandbox(ctx(t), api.CreateSandboxRequest{Runtime: "qemu"}, "")
-	if err != nil {
+	// The API refuses a runtime no live node offers; a sandbox still becomes unplaceable
+	// when the node that offered its runtime goes away after the create. Recorded here
+	// directly, as the API did then.
+	sb := &store.Sandbox{ID: ids.Sandbox(), Tenant: "default", TemplateRef: "base:latest", DesiredState: api.StateRunning,
+		State: api.StatePending, Spec: store.SandboxSpec{CPU: 1, MemoryMB: 512, Runtime: "qemu"}}
+	created := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: "default"}
+	if err := s.Store.InTx(ctx(t), func(tx *store.Tx) error { return tx.CreateSandbox(ctx(t), sb, created) }); err != nil {
 		t.Fatal(err)
 	}
-	op := s.WaitOp(sb.Operation.ID, api.OpFailed)
+	op := s.WaitOp(created.ID, api.OpFailed)
 	if !strings.Contains(op.Error, `runtime "qemu"`) {
 		t.Fatalf("op %+v", op)
 	}

@@ -83,7 +83,7 @@ func (c *Controller) pool(ctx context.Context, p store.Pool) {
 	if err != nil {
 		return
 	}
-	digest, err := c.st.ResolveTag(ctx, ref.Name, ref.Tag)
+	digest, err := c.st.ResolvePoolTag(ctx, p) // the pool's tenant's tag, else a shared one
 	if err != nil {
 		return
 	}

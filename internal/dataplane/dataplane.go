@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -60,6 +61,7 @@ type DataPlane struct {
 
 type liveStream struct {
 	epoch  int64
+	key    string // the API key that minted the stream's token
 	cancel context.CancelFunc
 }
 
@@ -71,18 +73,75 @@ func New(cfg Config) *DataPlane {
 	return &DataPlane{cfg: cfg, log: cfg.Logger, streams: map[string]map[*liveStream]struct{}{}}
 }
 
-// Run cuts streams whose tokens were revoked until ctx ends.
+// Run cuts streams whose tokens were revoked until ctx ends: by a new token epoch of
+// their sandbox (ChannelTokens) or the revocation of the API key that minted them
+// (ChannelKeys). After every (re)connect of the listener, when notifications may have
+// been missed, every open stream is checked again.
 func (d *DataPlane) Run(ctx context.Context) error {
-	return d.cfg.Store.Listen(ctx, d.log, func(_, id string) {
-		if id == "" {
-			return
+	return d.cfg.Store.Listen(ctx, d.log, func(channel, id string) {
+		switch {
+		case channel == store.ChannelKeys && id != "":
+			d.cutKeys([]string{id})
+		case channel == store.ChannelKeys || id == "":
+			d.recheck(ctx)
+		default:
+			d.cutEpoch(ctx, id)
 		}
-		epoch, _, err := d.cfg.Store.TokenEpoch(ctx, id)
-		if err != nil {
-			epoch = 1 << 62 // deleted: cut everything
+	}, store.ChannelTokens, store.ChannelKeys)
+}
+
+// cutEpoch ends the open streams of sandbox id authorized by an epoch older than its
+// current one.
+func (d *DataPlane) cutEpoch(ctx context.Context, id string) {
+	epoch, _, err := d.cfg.Store.TokenEpoch(ctx, id)
+	if err != nil {
+		epoch = 1 << 62 // deleted: cut everything
+	}
+	d.cut(id, epoch)
+}
+
+// recheck checks every open stream's sandbox epoch and minting key.
+func (d *DataPlane) recheck(ctx context.Context) {
+	d.mu.Lock()
+	var sandboxes, keys []string
+	seen := map[string]bool{}
+	for id, set := range d.streams {
+		sandboxes = append(sandboxes, id)
+		for s := range set {
+			if !seen[s.key] {
+				seen[s.key] = true
+				keys = append(keys, s.key)
+			}
 		}
-		d.cut(id, epoch)
-	}, store.ChannelTokens)
+	}
+	d.mu.Unlock()
+	for _, id := range sandboxes {
+		d.cutEpoch(ctx, id)
+	}
+	if len(keys) == 0 {
+		return
+	}
+	revoked, err := d.cfg.Store.RevokedKeys(ctx, keys)
+	if err != nil {
+		if ctx.Err() == nil {
+			d.log.Warn("check the keys of open streams", "err", err)
+		}
+		return
+	}
+	d.cutKeys(revoked)
+}
+
+// cutKeys ends the open streams whose tokens one of keys minted.
+func (d *DataPlane) cutKeys(keys []string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, set := range d.streams {
+		for s := range set {
+			if slices.Contains(keys, s.key) {
+				s.cancel()
+			}
+		}
+	}
 }
 
 // cut ends the open streams of sandbox id authorized by an epoch older than epoch.
@@ -96,8 +155,8 @@ func (d *DataPlane) cut(id string, epoch int64) {
 	}
 }
 
-func (d *DataPlane) track(id string, epoch int64, cancel context.CancelFunc) func() {
-	s := &liveStream{epoch: epoch, cancel: cancel}
+func (d *DataPlane) track(id string, epoch int64, key string, cancel context.CancelFunc) func() {
+	s := &liveStream{epoch: epoch, key: key, cancel: cancel}
 	d.mu.Lock()
 	if d.streams[id] == nil {
 		d.streams[id] = map[*liveStream]struct{}{}
@@ -140,6 +199,7 @@ type grant struct {
 	id    string
 	pid   int
 	epoch int64
+	key   string
 	agent *agentclient.Client
 	proc  agentclient.Proc
 }
@@ -165,11 +225,18 @@ func (d *DataPlane) authorize(r *http.Request, right string) (*grant, error) {
 		return nil, err
 	}
 	if claims.Sandbox != id {
-		return nil, fault.New(fault.Forbidden, "token is not valid for this sandbox")
+		// Another sandbox (another tenant's, or none) answers like a missing one.
+		return nil, sandboxNotFound(id)
 	}
-	epoch, nodeID, err := d.cfg.Store.TokenEpoch(r.Context(), id)
+	if claims.Key == "" {
+		return nil, fault.New(fault.Unauthorized, "token was revoked: it names no API key (minted by an older version)")
+	}
+	epoch, nodeID, keyLive, err := d.cfg.Store.TokenState(r.Context(), id, claims.Key)
 	if err != nil {
 		return nil, fault.New(fault.Unauthorized, "token was revoked")
+	}
+	if !keyLive {
+		return nil, fault.New(fault.Unauthorized, "token was revoked: the API key that minted it was revoked")
 	}
 	if err := token.Authorize(claims, id, pid, right, epoch); err != nil {
 		return nil, err
@@ -182,8 +249,10 @@ func (d *DataPlane) authorize(r *http.Request, right string) (*grant, error) {
 		return nil, err
 	}
 	d.cfg.Node.Touch(id)
-	return &grant{id: id, pid: pid, epoch: epoch, agent: agent, proc: agent.Proc(pid, claims.Proc)}, nil
+	return &grant{id: id, pid: pid, epoch: epoch, key: claims.Key, agent: agent, proc: agent.Proc(pid, claims.Proc)}, nil
 }
+
+func sandboxNotFound(id string) error { return fault.New(fault.NotFound, "sandbox %q not found", id) }
 
 // parseFrom reads the resume offset from Last-Event-ID or ?from=.
 func parseFrom(r *http.Request) (int64, error) {
@@ -225,7 +294,7 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	defer d.track(g.id, g.epoch, cancel)()
+	defer d.track(g.id, g.epoch, g.key, cancel)()
 
 	info, err := g.proc.Info(ctx)
 	if fault.Is(err, fault.Gone) {
@@ -402,7 +471,10 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	if !claims.Has(token.RightNode) || claims.Sandbox != id {
+	if claims.Sandbox != id {
+		return sandboxNotFound(id)
+	}
+	if !claims.Has(token.RightNode) {
 		return fault.New(fault.Forbidden, "this endpoint is for space's api role only")
 	}
 	agent, err := d.cfg.Node.Agent(r.Context(), id)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -63,12 +64,15 @@ func (g *Gateway) routes() http.Handler {
 	h("GET /sandboxes/{id}/metrics", g.metrics)
 	h("GET /templates", g.templates)
 	h("GET /templates/aliases/{alias}", g.templateAlias)
-	for _, p := range []string{
-		"POST /sandboxes/{id}/fork", "POST /v2/sandboxes/{id}/fork", "PUT /sandboxes/{id}/network",
-		"POST /sandboxes/{id}/snapshots", "GET /snapshots", "GET /sandboxes/{id}/logs", "GET /v2/sandboxes/{id}/logs",
-	} {
-		h(p, notImplemented)
-	}
+	// Not implemented: 501, after the sandbox named (if any) is found like everywhere
+	// else, so that another tenant's sandbox answers 404 here too.
+	h("POST /sandboxes/{id}/fork", g.notImplemented)
+	h("POST /v2/sandboxes/{id}/fork", g.notImplemented)
+	h("PUT /sandboxes/{id}/network", g.notImplemented)
+	h("POST /sandboxes/{id}/snapshots", g.notImplemented)
+	h("GET /snapshots", g.notImplemented)
+	h("GET /sandboxes/{id}/logs", g.notImplemented)
+	h("GET /v2/sandboxes/{id}/logs", g.notImplemented)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = io.WriteString(w, "OK")
@@ -79,7 +83,12 @@ func (g *Gateway) routes() http.Handler {
 	return mux
 }
 
-func notImplemented(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
+func (g *Gateway) notImplemented(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
+	if id := r.PathValue("id"); id != "" {
+		if _, err := g.live(r.Context(), p, id); err != nil {
+			return err
+		}
+	}
 	writeError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s is not supported by space's E2B-compatible API (see docs/e2b.md)", r.Method, r.URL.Path))
 	return nil
 }
@@ -93,6 +102,9 @@ func (g *Gateway) authed(h apiHandler) http.Handler {
 			key, _ = strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 		}
 		p, err := g.api.Authenticate(r.Context(), key, service.KeyE2B)
+		if err == nil {
+			err = g.api.Allow(r.Context(), p) // the tenant's request rate
+		}
 		if err != nil {
 			g.fail(w, r, err)
 			return
@@ -298,7 +310,7 @@ type sandboxJSON struct {
 func (g *Gateway) sandboxJSON(r *http.Request, sb *store.Sandbox) sandboxJSON {
 	id, alias := templateNames(sb.TemplateRef)
 	return sandboxJSON{TemplateID: id, SandboxID: sb.ID, Alias: alias, ClientID: clientID, EnvdVersion: envdpb.Version,
-		EnvdAccessToken: g.accessToken(sb.ID), Domain: g.domain(r)}
+		EnvdAccessToken: g.accessToken(sb), Domain: g.domain(r)}
 }
 
 type lifecycleJSON struct {
@@ -348,7 +360,7 @@ func (g *Gateway) detail(r *http.Request, sb *store.Sandbox) sandboxDetail {
 	if sb.ExpireAction == "suspend" {
 		lc.OnTimeout = "pause"
 	}
-	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb.ID), Domain: g.domain(r),
+	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb), Domain: g.domain(r),
 		AllowInternetAccess: sb.Spec.Network, Lifecycle: lc}
 }
 
@@ -567,7 +579,9 @@ func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *service.Princ
 	if paused(sb) {
 		return fault.New(fault.Conflict, "sandbox %s is already paused", sb.ID)
 	}
-	op, err := g.api.Verb(ctx, p, sb.ID, api.OpSuspend, "paused through the E2B API")
+	// An explicit pause replaces the sandbox's envd access token (connect returns the
+	// new one).
+	op, err := g.api.RequestVerb(ctx, p, sb.ID, api.OpSuspend, "paused through the E2B API")
 	if err != nil {
 		return err
 	}
@@ -673,6 +687,12 @@ func (g *Gateway) connect() apiHandler {
 		if sb, err = g.wake(ctx, p, sb, secs, ""); err != nil {
 			return err
 		}
+		if status == http.StatusCreated {
+			// An explicit resume replaces the envd access token; the answer carries it.
+			if sb, err = g.api.RotateAccess(ctx, p, sb.ID); err != nil {
+				return err
+			}
+		}
 		writeJSON(w, status, g.sandboxJSON(r, sb))
 		return nil
 	}
@@ -709,6 +729,10 @@ func (g *Gateway) resume(w http.ResponseWriter, r *http.Request, p *service.Prin
 	if sb, err = g.wake(ctx, p, sb, secs, action); err != nil {
 		return err
 	}
+	// An explicit resume replaces the envd access token; the answer carries it.
+	if sb, err = g.api.RotateAccess(ctx, p, sb.ID); err != nil {
+		return err
+	}
 	writeJSON(w, http.StatusCreated, g.sandboxJSON(r, sb))
 	return nil
 }
@@ -727,7 +751,7 @@ type sandboxMetric struct {
 }
 
 // sample asks a running sandbox's agent for its current metrics (envd's /metrics).
-func (g *Gateway) sample(ctx context.Context, sb *store.Sandbox) (*sandboxMetric, error) {
+func (g *Gateway) sample(ctx context.Context, p *service.Principal, sb *store.Sandbox) (*sandboxMetric, error) {
 	var m struct {
 		TS         int64   `json:"ts"`
 		CPUCount   int     `json:"cpu_count"`
@@ -738,7 +762,7 @@ func (g *Gateway) sample(ctx context.Context, sb *store.Sandbox) (*sandboxMetric
 		DiskUsed   int64   `json:"disk_used"`
 		DiskTotal  int64   `json:"disk_total"`
 	}
-	t, err := g.api.Running(ctx, g.envdCaller, sb.ID, true)
+	t, err := g.api.Running(ctx, p, sb.ID, true)
 	if err != nil {
 		return nil, err
 	}
@@ -774,7 +798,7 @@ func (g *Gateway) metrics(w http.ResponseWriter, r *http.Request, p *service.Pri
 		}
 	}
 	if inRange && !paused(sb) && sb.State == api.StateRunning {
-		m, err := g.sample(r.Context(), sb)
+		m, err := g.sample(r.Context(), p, sb)
 		if err != nil {
 			g.log.Debug("sample sandbox metrics", "sandbox", sb.ID, "err", err)
 		} else {
@@ -802,7 +826,7 @@ func (g *Gateway) manyMetrics(w http.ResponseWriter, r *http.Request, p *service
 		if paused(sb) || sb.State != api.StateRunning {
 			continue
 		}
-		if m, err := g.sample(r.Context(), sb); err == nil {
+		if m, err := g.sample(r.Context(), p, sb); err == nil {
 			out[id] = *m
 		}
 	}
@@ -829,10 +853,11 @@ type templateJSON struct {
 	EnvdVersion string    `json:"envdVersion"`
 }
 
-// templates lists space's template tags as E2B templates (name:tag; ":latest"
-// dropped), plus builtin templates not built yet.
-func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
-	rels, err := g.st.ListReleases(r.Context())
+// templates lists the template tags the caller's tenant may use (its own and the
+// shared ones) as E2B templates (name:tag; ":latest" dropped), plus builtin templates
+// not built yet.
+func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
+	rels, err := g.api.Templates(r.Context(), p, "")
 	if err != nil {
 		return err
 	}
@@ -865,17 +890,15 @@ func (g *Gateway) templates(w http.ResponseWriter, r *http.Request, _ *service.P
 	return nil
 }
 
-// templateAlias handles GET /templates/aliases/{alias} (the SDK's existence check).
-func (g *Gateway) templateAlias(w http.ResponseWriter, r *http.Request, _ *service.Principal) error {
+// templateAlias handles GET /templates/aliases/{alias} (the SDK's existence check):
+// another tenant's template answers like a missing one.
+func (g *Gateway) templateAlias(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
 	alias := r.PathValue("alias")
-	rels, err := g.st.ListReleases(r.Context())
+	rels, err := g.api.Templates(r.Context(), p, "")
 	if err != nil {
 		return err
 	}
-	found := false
-	for _, name := range g.cfg.BuiltinTemplates {
-		found = found || name == alias
-	}
+	found := slices.Contains(g.cfg.BuiltinTemplates, alias)
 	for _, rel := range rels {
 		for _, tag := range rel.Tags {
 			id, _ := templateNames(rel.Name + ":" + tag)

@@ -8,8 +8,14 @@
 //
 // Mapping: an E2B pause is a space suspend, resume/connect is a wake; E2B's timeout
 // is the sandbox's expiry (deleted at endAt, or suspended when created with
-// autoPause). The envd access token of a sandbox is an HMAC of its id, so it is the
-// same for every replica, across pause/resume, and can be returned again.
+// autoPause). The envd access token of a sandbox is an HMAC of its tenant, id and
+// access epoch, so every replica computes the same one; revoke-tokens and explicit
+// pause and resume bump the epoch, which replaces the token (connect returns the
+// current one), while automatic suspends and autoResume keep it.
+//
+// Authentication comes first on the sandbox plane: nothing wakes a sandbox, extends
+// its timeout or tells whether it exists before the request's access token (or signed
+// URL) is verified, and every request that fails that check gets the same answer.
 package e2b
 
 import (
@@ -22,6 +28,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -34,9 +41,12 @@ import (
 // *service.Service).
 type Platform interface {
 	Authenticate(ctx context.Context, secret, kind string) (*service.Principal, error)
+	Allow(ctx context.Context, p *service.Principal) error
 	Create(ctx context.Context, p *service.Principal, req api.CreateSandboxRequest, idem *service.Idempotency) (*service.Created, error)
 	Sandbox(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error)
-	Verb(ctx context.Context, p *service.Principal, id, kind, reason string) (*store.Operation, error)
+	RequestVerb(ctx context.Context, p *service.Principal, id, kind, reason string) (*store.Operation, error)
+	RotateAccess(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error)
+	Templates(ctx context.Context, p *service.Principal, tenant string) ([]api.Template, error)
 	Delete(ctx context.Context, p *service.Principal, id string) (*store.Operation, error)
 	WaitDone(ctx context.Context, p *service.Principal, opID string) (*store.Operation, error)
 	Awake(ctx context.Context, p *service.Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error)
@@ -50,11 +60,11 @@ var (
 	_ Store    = (*store.Store)(nil)
 )
 
-// Store is what the gateway reads directly: sandbox and template listings, and its
-// token key.
+// Store is what the gateway reads directly: sandbox listings, a sandbox to check an
+// access token against, and its token key.
 type Store interface {
 	ListSandboxes(ctx context.Context, f store.SandboxFilter) ([]*store.Sandbox, error)
-	ListReleases(ctx context.Context) ([]*store.Release, error)
+	GetSandbox(ctx context.Context, id string) (*store.Sandbox, error)
 	SigningKey(ctx context.Context, id string) ([]byte, error)
 }
 
@@ -69,6 +79,9 @@ type Config struct {
 	Domain string
 	// MaxTimeout caps sandbox timeouts (default 24 h).
 	MaxTimeout time.Duration
+	// MaxSignedURLTTL caps how far in the future a signed /files URL may expire
+	// (default DefaultMaxSignedURLTTL); URLs without an expiration are refused.
+	MaxSignedURLTTL time.Duration
 	// BuiltinTemplates are listed although they may not be built yet (base).
 	BuiltinTemplates []string
 }
@@ -80,16 +93,16 @@ type Gateway struct {
 	st       Store
 	log      *slog.Logger
 	tokenKey []byte
-	// envdCaller is the principal envd requests act as once their access token is
-	// verified (the token names one sandbox; tenants do not apply).
-	envdCaller *service.Principal
-	handler    http.Handler
+	handler  http.Handler
 	// ports carries traffic to sandbox ports other than envd's (ports.go).
 	ports *http.Transport
 }
 
 // tokenKeyID is the signing key the envd access tokens derive from.
 const tokenKeyID = "e2b-envd-v1"
+
+// DefaultMaxSignedURLTTL is the default of Config.MaxSignedURLTTL.
+const DefaultMaxSignedURLTTL = time.Hour
 
 // New returns the gateway; it reads (or creates) its token key in the store.
 func New(ctx context.Context, cfg Config) (*Gateway, error) {
@@ -102,12 +115,14 @@ func New(ctx context.Context, cfg Config) (*Gateway, error) {
 	if cfg.MaxTimeout <= 0 {
 		cfg.MaxTimeout = 24 * time.Hour
 	}
+	if cfg.MaxSignedURLTTL <= 0 {
+		cfg.MaxSignedURLTTL = DefaultMaxSignedURLTTL
+	}
 	key, err := cfg.Store.SigningKey(ctx, tokenKeyID)
 	if err != nil {
 		return nil, fmt.Errorf("e2b: token key: %w", err)
 	}
-	g := &Gateway{cfg: cfg, api: cfg.API, st: cfg.Store, log: cfg.Logger, tokenKey: key,
-		envdCaller: &service.Principal{KeyID: "e2b-envd", Admin: true}}
+	g := &Gateway{cfg: cfg, api: cfg.API, st: cfg.Store, log: cfg.Logger, tokenKey: key}
 	g.handler = g.routes()
 	g.ports = g.newPortTransport()
 	return g, nil
@@ -157,9 +172,14 @@ func (g *Gateway) Serve(ctx context.Context, ln net.Listener) error {
 	return err
 }
 
-// accessToken is the envd access token of a sandbox.
-func (g *Gateway) accessToken(id string) string {
+// accessToken is the envd access token of a sandbox: bound to its tenant, its id and
+// its access epoch.
+func (g *Gateway) accessToken(sb *store.Sandbox) string {
+	return g.accessTokenOf(sb.Tenant, sb.ID, sb.AccessEpoch)
+}
+
+func (g *Gateway) accessTokenOf(tenant, id string, epoch int64) string {
 	m := hmac.New(sha256.New, g.tokenKey)
-	m.Write([]byte("envd-access-token\x00" + id))
+	m.Write([]byte("envd-access-token/v2\x00" + tenant + "\x00" + id + "\x00" + strconv.FormatInt(epoch, 10)))
 	return hex.EncodeToString(m.Sum(nil))
 }

@@ -99,13 +99,14 @@ func TestSignature(t *testing.T) {
 		if hdr != "" {
 			r.Header.Set("X-Access-Token", hdr)
 		}
-		return checkFiles(r, "tok", now)
+		return checkFiles(r, "tok", now, time.Hour)
 	}
-	if st, msg := check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", 0), 0, ""); st != 0 {
+	soon, late := now.Unix()+60, now.Unix()+3601
+	if st, msg := check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", soon), soon, ""); st != 0 {
 		t.Errorf("valid read signature refused: %d %s", st, msg)
 	}
-	if st, msg := check("POST", "x", "root", sign("x", "write", "root", "tok", now.Unix()+60), now.Unix()+60, ""); st != 0 {
-		t.Errorf("valid write signature with expiration refused: %d %s", st, msg)
+	if st, msg := check("POST", "x", "root", sign("x", "write", "root", "tok", soon), soon, ""); st != 0 {
+		t.Errorf("valid write signature refused: %d %s", st, msg)
 	}
 	if st, _ := check("GET", "x", "", "", 0, "tok"); st != 0 {
 		t.Error("access token header refused")
@@ -118,13 +119,15 @@ func TestSignature(t *testing.T) {
 		wantSt            int
 		wantMsg           string
 	}{
-		{"read signature used to write", "POST", "", sign("x", "read", "", "tok", 0), 0, "", 401, "invalid signature"},
-		{"other user", "GET", "root", sign("x", "read", "", "tok", 0), 0, "", 401, "invalid signature"},
-		{"other token", "GET", "", sign("x", "read", "", "other", 0), 0, "", 401, "invalid signature"},
+		{"read signature used to write", "POST", "", sign("x", "read", "", "tok", soon), soon, "", 401, "invalid signature"},
+		{"other user", "GET", "root", sign("x", "read", "", "tok", soon), soon, "", 401, "invalid signature"},
+		{"other token", "GET", "", sign("x", "read", "", "other", soon), soon, "", 401, "invalid signature"},
 		{"expired", "GET", "", sign("x", "read", "", "tok", now.Unix()-1), now.Unix() - 1, "", 401, "signature is already expired"},
 		{"forged and expired", "GET", "", "v1_forged", now.Unix() - 1, "", 401, "invalid signature"},
-		{"no signature", "GET", "", "", 0, "", 401, "missing signature query parameter"},
-		{"wrong header", "GET", "", sign("x", "read", "", "tok", 0), 0, "nope", 401, "access token present in header but does not match"},
+		{"no signature", "GET", "", "", soon, "", 401, "missing signature query parameter"},
+		{"no expiration: would never end", "GET", "", sign("x", "read", "", "tok", 0), 0, "", 401, msgNoExpiration},
+		{"beyond the maximum lifetime", "GET", "", sign("x", "read", "", "tok", late), late, "", 401, "signature_expiration is more than 1h0m0s away (this server's limit for signed URLs)"},
+		{"wrong header", "GET", "", sign("x", "read", "", "tok", soon), soon, "nope", 401, "access token present in header but does not match"},
 	} {
 		if st, msg := check(c.method, "x", c.user, c.sig, c.exp, c.hdr); st != c.wantSt || msg != c.wantMsg {
 			t.Errorf("%s: %d %q, want %d %q", c.name, st, msg, c.wantSt, c.wantMsg)

@@ -227,10 +227,23 @@ func near(t time.Time, d, slack time.Duration) bool {
 	return diff > -slack && diff < slack
 }
 
-// sign is an SDK's signature of a /files URL.
-func sign(path, op, user, token string) string {
-	sum := sha256.Sum256([]byte(path + ":" + op + ":" + user + ":" + token))
+// sign is an SDK's signature of a /files URL expiring at exp (0: none).
+func sign(path, op, user, token string, exp int64) string {
+	raw := path + ":" + op + ":" + user + ":" + token
+	if exp != 0 {
+		raw += ":" + strconv.FormatInt(exp, 10)
+	}
+	sum := sha256.Sum256([]byte(raw))
 	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
+}
+
+// signedURL is a signed /files URL for reading path, expiring at exp (0: none).
+func signedURL(path, token string, exp int64) string {
+	q := url.Values{"path": {path}, "signature": {sign(path, "read", "", token, exp)}}
+	if exp != 0 {
+		q.Set("signature_expiration", strconv.FormatInt(exp, 10))
+	}
+	return "/files?" + q.Encode()
 }
 
 // envdTransport adds the SDK's routing headers and the access token to every request.
@@ -292,8 +305,8 @@ func TestAuthAndBadRequests(t *testing.T) {
 	g := startGateway(t, spacetest.Options{NoNode: true})
 
 	// Authentication: missing, malformed, unknown, a space key, a revoked key.
-	revoked := g.s.NewKey("default", false, service.KeyE2B)
-	if _, err := g.s.Store.RevokeAPIKey(g.s.Context(), revoked[:10]); err != nil {
+	revokedID, revoked := g.s.NewKeyRole("default", store.RoleMember, service.KeyE2B)
+	if _, err := g.s.Store.RevokeAPIKey(g.s.Context(), revokedID); err != nil {
 		t.Fatal(err)
 	}
 	for name, hdr := range map[string][]string{
@@ -316,7 +329,8 @@ func TestAuthAndBadRequests(t *testing.T) {
 	// Unauthenticated and unknown routes.
 	want(t, "health", g.do("GET", "/health", nil, "X-API-KEY", ""), http.StatusOK, "OK")
 	want(t, "no route", g.do("GET", "/nowhere", nil), http.StatusNotFound, "no route")
-	want(t, "fork", g.do("POST", "/sandboxes/abc/fork", nil), http.StatusNotImplemented, "not supported")
+	want(t, "fork of an unknown sandbox", g.do("POST", "/sandboxes/abc/fork", nil), http.StatusNotFound, "not found")
+	want(t, "snapshots", g.do("GET", "/snapshots", nil), http.StatusNotImplemented, "not supported")
 	want(t, "fork needs a key too", g.do("POST", "/sandboxes/abc/fork", nil, "X-API-KEY", ""), http.StatusUnauthorized)
 	want(t, "sandbox id without port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc"), http.StatusBadRequest, "E2b-Sandbox-Port")
 	want(t, "bad port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc", "E2b-Sandbox-Port", "70000"), http.StatusBadRequest, "70000")
@@ -494,10 +508,12 @@ func TestSandboxLifecycle(t *testing.T) {
 	want(t, "other tenant's get", g.do("GET", "/sandboxes/"+a.SandboxID, nil, "X-API-KEY", other), http.StatusNotFound)
 	want(t, "other tenant's kill", g.do("DELETE", "/sandboxes/"+a.SandboxID, nil, "X-API-KEY", other), http.StatusNotFound)
 
-	// envd through the gateway: health needs no token, everything else the
-	// sandbox's own one.
-	want(t, "envd health", g.envd("GET", a.SandboxID, "/health", nil, "X-API-KEY", ""), http.StatusNoContent)
-	hostHealth := g.do("GET", "/health", nil, "Host", fmt.Sprintf("%d-%s.sandboxes.example", envdpb.Port, a.SandboxID), "X-API-KEY", "")
+	// envd through the gateway: every path, health included, needs the sandbox's own
+	// access token; without it the answer is the same whether the sandbox exists or not.
+	want(t, "envd health", g.envd("GET", a.SandboxID, "/health", nil, "X-API-KEY", "", "X-Access-Token", a.EnvdAccessToken), http.StatusNoContent)
+	want(t, "envd health without the token", g.envd("GET", a.SandboxID, "/health", nil, "X-API-KEY", ""), http.StatusUnauthorized, "access token")
+	hostHealth := g.do("GET", "/health", nil, "Host", fmt.Sprintf("%d-%s.sandboxes.example", envdpb.Port, a.SandboxID), "X-API-KEY", "",
+		"X-Access-Token", a.EnvdAccessToken)
 	want(t, "envd health by host", hostHealth, http.StatusNoContent)
 
 	var mp bytes.Buffer
@@ -526,10 +542,17 @@ func TestSandboxLifecycle(t *testing.T) {
 	r = g.do("GET", "/files?path=data/hello.txt", nil, "Host", fmt.Sprintf("%d-%s.sandboxes.example", envdpb.Port, a.SandboxID),
 		"X-Access-Token", a.EnvdAccessToken, "X-API-KEY", "")
 	want(t, "download by host", r, http.StatusOK, "hello from the test")
-	signed := "/files?path=data/hello.txt&signature=" + url.QueryEscape(sign("data/hello.txt", "read", "", a.EnvdAccessToken))
-	want(t, "signed download", g.envd("GET", a.SandboxID, signed, nil), http.StatusOK, "hello from the test")
-	badSig := "/files?path=data/hello.txt&signature=" + url.QueryEscape(sign("data/hello.txt", "read", "", b.EnvdAccessToken))
-	want(t, "download signed for another sandbox", g.envd("GET", a.SandboxID, badSig, nil), http.StatusUnauthorized)
+	soon := time.Now().Add(time.Minute).Unix()
+	want(t, "signed download", g.envd("GET", a.SandboxID, signedURL("data/hello.txt", a.EnvdAccessToken, soon), nil), http.StatusOK, "hello from the test")
+	want(t, "download signed for another sandbox", g.envd("GET", a.SandboxID, signedURL("data/hello.txt", b.EnvdAccessToken, soon), nil),
+		http.StatusUnauthorized)
+	// A signed URL without an expiration would never expire; one expiring beyond the
+	// operator's maximum (1 h by default) lives too long: both refused.
+	want(t, "signed URL without expiration", g.envd("GET", a.SandboxID, signedURL("data/hello.txt", a.EnvdAccessToken, 0), nil),
+		http.StatusUnauthorized)
+	late := time.Now().Add(2 * time.Hour).Unix()
+	want(t, "signed URL beyond the maximum lifetime", g.envd("GET", a.SandboxID, signedURL("data/hello.txt", a.EnvdAccessToken, late), nil),
+		http.StatusUnauthorized)
 	want(t, "download of a missing file", g.envd("GET", a.SandboxID, "/files?path=data/nope.txt", nil, "X-Access-Token", a.EnvdAccessToken),
 		http.StatusNotFound)
 	want(t, "envd path that is not envd's", g.envd("GET", a.SandboxID, "/v1/files", nil, "X-Access-Token", a.EnvdAccessToken),
@@ -575,13 +598,17 @@ func TestSandboxLifecycle(t *testing.T) {
 		t.Fatalf("process: end %v, stdout %q", end, stdout.String())
 	}
 
-	// Other ports: the sandbox runs but nothing listens; an unknown sandbox is gone.
-	want(t, "other port", g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway, "port is not open")
+	// Other ports are public, as E2B's are by default (the sandbox id is the capability):
+	// a closed port of a running sandbox says so; an unknown sandbox is not found.
+	otherPort := g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080")
+	want(t, "other port", otherPort, http.StatusBadGateway, "port is not open")
 	want(t, "other port by host", g.do("GET", "/", nil, "Host", "8080-"+a.SandboxID+".sandboxes.example"), http.StatusBadGateway, "port is not open")
-	want(t, "unknown sandbox", g.envd("GET", ids.Sandbox(), "/health", nil), http.StatusBadGateway, "not found")
-	want(t, "malformed sandbox id", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "../x", "E2b-Sandbox-Port", "49983"), http.StatusBadGateway)
-	want(t, "unknown sandbox's other port", g.do("GET", "/", nil, "E2b-Sandbox-Id", ids.Sandbox(), "E2b-Sandbox-Port", "8080"),
-		http.StatusBadGateway, "not found")
+	unknown := ids.Sandbox()
+	want(t, "other port of an unknown sandbox", g.do("GET", "/", nil, "E2b-Sandbox-Id", unknown, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway, "was not found")
+	want(t, "unknown sandbox", g.envd("GET", unknown, "/health", nil, "X-Access-Token", a.EnvdAccessToken), http.StatusUnauthorized)
+	want(t, "malformed sandbox id", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "../x", "E2b-Sandbox-Port", "49983"), http.StatusUnauthorized)
+
+	want(t, "fork", g.do("POST", "/sandboxes/"+a.SandboxID+"/fork", nil), http.StatusNotImplemented, "not supported")
 
 	// Metrics: one sample of a running sandbox, none outside the range asked for.
 	r = g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics", nil)
@@ -619,10 +646,20 @@ func TestSandboxLifecycle(t *testing.T) {
 	want(t, "pause again", g.do("POST", "/sandboxes/"+a.SandboxID+"/pause", nil), http.StatusConflict, "already paused")
 	want(t, "timeout of a paused sandbox", g.do("POST", "/sandboxes/"+a.SandboxID+"/timeout", `{"timeout":60}`), http.StatusNotFound)
 	want(t, "refresh of a paused sandbox", g.do("POST", "/sandboxes/"+a.SandboxID+"/refreshes", `{}`), http.StatusNotFound)
-	want(t, "envd of a paused sandbox", g.envd("GET", a.SandboxID, "/files?path=data/hello.txt", nil, "X-Access-Token", a.EnvdAccessToken),
+	want(t, "envd of a paused sandbox", g.envd("GET", a.SandboxID, "/files?path=data/hello.txt", nil, "X-Access-Token", g.get(a.SandboxID).EnvdAccessToken),
 		http.StatusBadGateway, "not found")
-	want(t, "health of a paused sandbox", g.envd("GET", a.SandboxID, "/health", nil), http.StatusBadGateway)
-	want(t, "other port of a paused sandbox", g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway, "not found")
+	// The pause replaced the access token: the one from before is refused; the
+	// sandbox's details carry the current one.
+	paused := g.get(a.SandboxID)
+	if paused.EnvdAccessToken == a.EnvdAccessToken {
+		t.Fatal("pause kept the envd access token")
+	}
+	want(t, "envd with the token from before the pause", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", a.EnvdAccessToken),
+		http.StatusUnauthorized)
+	want(t, "health of a paused sandbox", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", paused.EnvdAccessToken), http.StatusBadGateway,
+		"not found")
+	want(t, "other port of a paused sandbox (no autoResume: not woken)", g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway,
+		"was not found")
 	want(t, "metrics of a paused sandbox", g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics", nil), http.StatusOK, "[]")
 	if got, _ := g.list("/v2/sandboxes?state=paused"); !slices.Equal(got, []string{a.SandboxID}) {
 		t.Fatalf("paused list %v", got)
@@ -634,50 +671,83 @@ func TestSandboxLifecycle(t *testing.T) {
 		t.Fatalf("v1 list while paused %v", got)
 	}
 
-	// Legacy resume: 201 with the same token; 409 when it runs.
+	// Legacy resume: 201 with a new token; 409 when it runs.
 	r = g.do("POST", "/sandboxes/"+a.SandboxID+"/resume", `{"timeout":300,"autoPause":true}`)
 	want(t, "resume", r, http.StatusCreated)
 	var resumed created
 	r.json(t, &resumed)
-	if resumed.SandboxID != a.SandboxID || resumed.EnvdAccessToken != a.EnvdAccessToken {
+	if resumed.SandboxID != a.SandboxID || resumed.EnvdAccessToken == a.EnvdAccessToken || resumed.EnvdAccessToken == paused.EnvdAccessToken {
 		t.Fatalf("resume %+v", resumed)
 	}
+	want(t, "envd with the token of the paused sandbox", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", paused.EnvdAccessToken),
+		http.StatusUnauthorized)
 	row = g.row(a.SandboxID)
 	if row.State != api.StateRunning || row.ExpireAction != "suspend" || row.ExpiresAt == nil || !near(*row.ExpiresAt, 300*time.Second, 30*time.Second) {
 		t.Fatalf("resumed row: %s %s %v", row.State, row.ExpireAction, row.ExpiresAt)
 	}
 	want(t, "resume a running sandbox", g.do("POST", "/sandboxes/"+a.SandboxID+"/resume", `{}`), http.StatusConflict, "already running")
-	want(t, "files survive pause", g.envd("GET", a.SandboxID, "/files?path=data/hello.txt", nil, "X-Access-Token", a.EnvdAccessToken),
+	want(t, "files survive pause", g.envd("GET", a.SandboxID, "/files?path=data/hello.txt", nil, "X-Access-Token", resumed.EnvdAccessToken),
 		http.StatusOK, "hello from the test")
 
-	// Connect: 200 (timeout only grows) while running, 201 after a pause.
-	want(t, "connect running", g.do("POST", "/v2/sandboxes/"+a.SandboxID+"/connect", `{"timeout":60}`), http.StatusOK, a.SandboxID)
+	// Connect: 200 (timeout only grows, same token) while running, 201 with a new token
+	// after a pause.
+	want(t, "connect running", g.do("POST", "/v2/sandboxes/"+a.SandboxID+"/connect", `{"timeout":60}`), http.StatusOK, a.SandboxID,
+		resumed.EnvdAccessToken)
 	if row := g.row(a.SandboxID); !near(*row.ExpiresAt, 300*time.Second, 30*time.Second) {
 		t.Fatalf("connect shortened the timeout: %v", row.ExpiresAt)
 	}
 	want(t, "connect bad timeout", g.do("POST", "/sandboxes/"+a.SandboxID+"/connect", `{"timeout":0}`), http.StatusBadRequest)
 	want(t, "pause for connect", g.do("POST", "/sandboxes/"+a.SandboxID+"/pause", nil), http.StatusNoContent)
 	r = g.do("POST", "/sandboxes/"+a.SandboxID+"/connect", `{"timeout":400}`)
-	want(t, "connect paused", r, http.StatusCreated, a.EnvdAccessToken)
+	want(t, "connect paused", r, http.StatusCreated, a.SandboxID)
+	var connected created
+	r.json(t, &connected)
+	if connected.EnvdAccessToken == resumed.EnvdAccessToken || connected.EnvdAccessToken != g.get(a.SandboxID).EnvdAccessToken {
+		t.Fatalf("connect after a pause kept the token or answered another: %+v", connected)
+	}
+	want(t, "envd with the connected token", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", connected.EnvdAccessToken), http.StatusNoContent)
 	if row := g.row(a.SandboxID); row.State != api.StateRunning || !near(*row.ExpiresAt, 400*time.Second, 30*time.Second) {
 		t.Fatalf("after connect: %s %v", row.State, row.ExpiresAt)
 	}
 
-	// autoResume: an envd request wakes a paused sandbox.
+	// autoResume: an envd request with the current token wakes a paused sandbox; a
+	// request without it wakes nothing and extends nothing.
 	want(t, "pause the autoResume sandbox", g.do("POST", "/sandboxes/"+b.SandboxID+"/pause", nil), http.StatusNoContent)
 	if row := g.row(b.SandboxID); row.State != api.StateSuspended {
 		t.Fatalf("autoResume sandbox after pause: %s", row.State)
 	}
-	want(t, "envd wakes the autoResume sandbox", g.envd("GET", b.SandboxID, "/health", nil), http.StatusNoContent)
+	for name, tok := range map[string]string{"no token": "", "the token from before the pause": b.EnvdAccessToken, "a's token": connected.EnvdAccessToken} {
+		want(t, "envd with "+name+" on a paused autoResume sandbox", g.envd("GET", b.SandboxID, "/health", nil, "X-Access-Token", tok),
+			http.StatusUnauthorized)
+	}
+	if row := g.row(b.SandboxID); row.State != api.StateSuspended || row.DesiredState != api.StateSuspended || row.ExpiresAt != nil {
+		t.Fatalf("unauthenticated envd requests woke or extended the sandbox: %s/%s %v", row.State, row.DesiredState, row.ExpiresAt)
+	}
+	bToken := g.get(b.SandboxID).EnvdAccessToken
+	want(t, "envd wakes the autoResume sandbox", g.envd("GET", b.SandboxID, "/health", nil, "X-Access-Token", bToken), http.StatusNoContent)
 	if row := g.row(b.SandboxID); row.State != api.StateRunning || row.ExpiresAt == nil || !near(*row.ExpiresAt, 15*time.Second, 15*time.Second) {
 		t.Fatalf("auto-resumed: %s %v", row.State, row.ExpiresAt)
 	}
+
+	// revoke-tokens (space's API) replaces the envd access token too.
+	if err := g.s.C.RevokeTokens(g.s.Context(), a.SandboxID); err != nil {
+		t.Fatal(err)
+	}
+	want(t, "envd with a token revoked by revoke-tokens", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", connected.EnvdAccessToken),
+		http.StatusUnauthorized)
+	current := g.get(a.SandboxID).EnvdAccessToken
+	if current == connected.EnvdAccessToken {
+		t.Fatal("revoke-tokens kept the envd access token")
+	}
+	want(t, "envd with the token after revoke-tokens", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", current), http.StatusNoContent)
+	connected.EnvdAccessToken = current
 
 	// Kill: 204, then 404; the sandbox's envd is gone.
 	want(t, "kill", g.do("DELETE", "/sandboxes/"+a.SandboxID, nil), http.StatusNoContent)
 	want(t, "kill again", g.do("DELETE", "/sandboxes/"+a.SandboxID, nil), http.StatusNotFound)
 	want(t, "get killed", g.do("GET", "/sandboxes/"+a.SandboxID, nil), http.StatusNotFound)
-	want(t, "envd of a killed sandbox", g.envd("GET", a.SandboxID, "/health", nil), http.StatusBadGateway)
+	want(t, "envd of a killed sandbox", g.envd("GET", a.SandboxID, "/health", nil, "X-Access-Token", connected.EnvdAccessToken), http.StatusBadGateway)
+	want(t, "envd of a killed sandbox without its token", g.envd("GET", a.SandboxID, "/health", nil), http.StatusUnauthorized)
 	if got, _ := g.list("/v2/sandboxes"); !slices.Equal(got, []string{b.SandboxID}) {
 		t.Fatalf("list after kill %v", got)
 	}

@@ -141,10 +141,7 @@ func (g *Gateway) list(v2 bool) apiHandler {
 				after = &store.Sandbox{CreatedAt: t, ID: id}
 			}
 		}
-		f := store.SandboxFilter{Metadata: md, Limit: listScan}
-		if !p.Admin {
-			f.Tenant = p.Tenant
-		}
+		f := store.SandboxFilter{Metadata: md, Limit: listScan, Tenant: p.Tenant} // E2B keys are a tenant's members
 		all, err := g.st.ListSandboxes(r.Context(), f)
 		if err != nil {
 			return err

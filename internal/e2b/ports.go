@@ -17,9 +17,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -70,12 +72,23 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 		notFound502(w, id)
 		return
 	}
-	if port == codeInterpreterPort && r.URL.Path == "/execute" &&
-		subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(g.accessToken(id))) != 1 {
+	target, p, err := g.portTarget(ctx, id)
+	if err == nil && port == codeInterpreterPort && r.URL.Path == "/execute" &&
+		subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(g.accessToken(target))) != 1 {
 		writeError(w, http.StatusUnauthorized, msgUnauthorized)
 		return
 	}
-	sb, err := g.runningSandbox(ctx, id)
+	if err == nil && port == codeInterpreterPort && r.URL.Path == "/execute" {
+		err = g.api.Allow(ctx, p)
+	}
+	var sb *store.Sandbox
+	if err == nil {
+		sb, err = g.runningSandbox(ctx, p, id)
+	}
+	if fault.Is(err, fault.QuotaExceeded) || fault.Is(err, fault.TooManyRequests) {
+		g.fail(w, r, err)
+		return
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			g.log.Debug("port request for a sandbox that is not running", "sandbox", id, "port", port, "err", err)
@@ -100,7 +113,7 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 		},
 	}
 	_ = http.NewResponseController(w).EnableFullDuplex()
-	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, sandboxCtxKey{}, sb)))
+	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, sandboxCtxKey{}, portRequest{sb, p})))
 	if proxyErr == nil || ctx.Err() != nil {
 		return
 	}
@@ -125,13 +138,37 @@ func (g *Gateway) dialPort(ctx context.Context, _, addr string) (net.Conn, error
 	if err != nil {
 		return nil, fmt.Errorf("bad port in %q", addr)
 	}
-	sb, _ := ctx.Value(sandboxCtxKey{}).(*store.Sandbox)
-	if sb == nil || sb.ID != id {
-		if sb, err = g.runningSandbox(ctx, id); err != nil {
+	pr, _ := ctx.Value(sandboxCtxKey{}).(portRequest)
+	if pr.sb == nil || pr.sb.ID != id {
+		if _, pr.p, err = g.portTarget(ctx, id); err != nil {
+			return nil, err
+		}
+		if pr.sb, err = g.runningSandbox(ctx, pr.p, id); err != nil {
 			return nil, err
 		}
 	}
-	return g.openTunnel(ctx, sb, port)
+	return g.openTunnel(ctx, pr.sb, pr.p, port)
+}
+
+// portRequest is the sandbox of a port request and the principal it acts as.
+type portRequest struct {
+	sb *store.Sandbox
+	p  *service.Principal
+}
+
+// portTarget loads the sandbox a port request names, without waking it, and the
+// principal port traffic acts as: a member of the sandbox's tenant (the traffic is
+// public, as E2B's is by default; the sandbox id is its capability). An unknown id
+// and a warm-pool member are not found alike.
+func (g *Gateway) portTarget(ctx context.Context, id string) (*store.Sandbox, *service.Principal, error) {
+	sb, err := g.st.GetSandbox(ctx, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	if sb.PoolKey != "" || sb.DeletedAt != nil {
+		return nil, nil, fault.New(fault.NotFound, "sandbox %s not found", id)
+	}
+	return sb, &service.Principal{Tenant: sb.Tenant, Role: store.RoleMember}, nil
 }
 
 // openTunnel asks the sandbox's agent for a port tunnel and returns it as a
@@ -139,7 +176,7 @@ func (g *Gateway) dialPort(ctx context.Context, _, addr string) (net.Conn, error
 // reverse proxies that relay upgraded connections): it is given a response writer
 // that can be hijacked, whose connection is one end of a socket pair; the other end
 // is the tunnel. The tunnel lives until either end closes it.
-func (g *Gateway) openTunnel(ctx context.Context, sb *store.Sandbox, port int) (net.Conn, error) {
+func (g *Gateway) openTunnel(ctx context.Context, sb *store.Sandbox, p *service.Principal, port int) (net.Conn, error) {
 	local, remote, err := socketPair()
 	if err != nil {
 		return nil, fmt.Errorf("port %d tunnel: %w", port, err)
@@ -158,7 +195,7 @@ func (g *Gateway) openTunnel(ctx context.Context, sb *store.Sandbox, port int) (
 	hw := &hijackWriter{header: http.Header{}, conn: remote, hijacked: make(chan struct{})}
 	done := make(chan error, 1)
 	go func() {
-		t, err := g.api.Running(tctx, g.envdCaller, sb.ID, true)
+		t, err := g.api.Running(tctx, p, sb.ID, true)
 		if err == nil {
 			err = g.api.Agent(t).Relay(hw, req, "/v1/ports/"+strconv.Itoa(port)+"/connect", nil)
 		}

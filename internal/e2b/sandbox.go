@@ -18,6 +18,7 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -59,20 +60,26 @@ func route(r *http.Request) (id string, port int, ok bool, err error) {
 
 // notFound502 is E2B's answer for a sandbox that is unknown, paused or not reachable:
 // the SDKs read a 502 as "the sandbox is not running" (isRunning() false, timeout
-// errors).
+// errors). It is given only to requests whose access token was verified.
 func notFound502(w http.ResponseWriter, id string) {
 	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox was not found", "code": http.StatusBadGateway})
 }
 
-// envd's answers to /files requests whose credentials do not hold (all 401, as envd
-// gives them).
+// envd's answers to requests whose credentials do not hold (401, as envd words them).
+// Which one a request gets depends only on the request and on whether its credentials
+// verify — never on whether the sandbox exists, runs or is another tenant's.
 const (
 	msgMissingSignature = "missing signature query parameter"
 	msgInvalidSignature = "invalid signature"
 	msgExpiredSignature = "signature is already expired"
 	msgTokenMismatch    = "access token present in header but does not match"
 	msgUnauthorized     = "unauthorized access, please provide a valid access token or method signing if supported"
+	// space refuses what envd accepts here: a signed URL that never expires.
+	msgNoExpiration = "signature_expiration is required: signed URLs must expire (the SDKs' useSignatureExpiration option)"
 )
+
+// unauthorized is envd's answer to a request without a valid access token.
+func unauthorized(w http.ResponseWriter) { writeError(w, http.StatusUnauthorized, msgUnauthorized) }
 
 // fileSignature is the signature of a /files request under token: v1_ +
 // base64(sha256(path:op:user:token[:expiration])) without padding, op being read (GET)
@@ -103,52 +110,81 @@ func signatureMatches(r *http.Request, token string) bool {
 	return ok && got != "" && subtle.ConstantTimeCompare([]byte(got), []byte(want)) == 1
 }
 
+// checkSignedForm checks what a signed /files URL must carry whatever sandbox it is
+// for: a signature and an expiration that is a canonical integer. It returns the status
+// and message of a refusal, or 0, and the expiration.
+func checkSignedForm(r *http.Request) (int, string, int64) {
+	q := r.URL.Query()
+	if !q.Has("signature") {
+		return http.StatusUnauthorized, msgMissingSignature, 0
+	}
+	s := q.Get("signature_expiration")
+	if s == "" {
+		return http.StatusUnauthorized, msgNoExpiration, 0
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || strconv.FormatInt(n, 10) != s {
+		return http.StatusBadRequest, "invalid signature_expiration " + strconv.Quote(s), 0
+	}
+	return 0, "", n
+}
+
 // checkFiles applies envd's rules for /files: an X-Access-Token header must be the
-// token; without it the signature must match, then must not be expired. It returns
-// the status and envd's message of a refusal, or 0.
-func checkFiles(r *http.Request, token string, now time.Time) (int, string) {
+// token; without it the signature must match, must not be expired, and (space's rule)
+// must expire within maxTTL. It returns the status and envd's message of a refusal, or
+// 0.
+func checkFiles(r *http.Request, token string, now time.Time, maxTTL time.Duration) (int, string) {
 	if got := r.Header.Get("X-Access-Token"); got != "" {
 		if subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
 			return http.StatusUnauthorized, msgTokenMismatch
 		}
 		return 0, ""
 	}
-	q := r.URL.Query()
-	if !q.Has("signature") {
-		return http.StatusUnauthorized, msgMissingSignature
-	}
-	var exp int64
-	if s := q.Get("signature_expiration"); s != "" {
-		n, err := strconv.ParseInt(s, 10, 64)
-		if err != nil {
-			return http.StatusBadRequest, "invalid signature_expiration " + strconv.Quote(s)
-		}
-		exp = n
+	status, msg, exp := checkSignedForm(r)
+	if status != 0 {
+		return status, msg
 	}
 	if !signatureMatches(r, token) {
 		return http.StatusUnauthorized, msgInvalidSignature
 	}
-	if q.Get("signature_expiration") != "" && exp < now.Unix() {
+	if exp < now.Unix() {
 		return http.StatusUnauthorized, msgExpiredSignature
+	}
+	if time.Unix(exp, 0).Sub(now) > maxTTL {
+		return http.StatusUnauthorized, fmt.Sprintf("signature_expiration is more than %s away (this server's limit for signed URLs)", maxTTL)
 	}
 	return 0, ""
 }
 
-// authorize checks envd's access rules: the access token on everything but GET
-// /health and /files; /files takes the token or a valid signature (checkFiles). It
-// returns the status and message of a refusal, or 0.
-func (g *Gateway) authorize(r *http.Request, id string) (int, string) {
-	token := g.accessToken(id)
-	switch {
-	case r.URL.Path == "/health" && r.Method == http.MethodGet:
-		return 0, ""
-	case r.URL.Path == "/files" && (r.Method == http.MethodGet || r.Method == http.MethodPost):
-		return checkFiles(r, token, time.Now())
+// authenticate checks an envd request's access token — the X-Access-Token header, or
+// for GET and POST /files a signed URL — against sandbox id, and returns the sandbox and
+// the principal the request acts as (a member of the sandbox's tenant), or the status
+// and message of a refusal. It reads the sandbox's row only; it wakes nothing and
+// changes nothing. A sandbox that does not exist (or a warm-pool member) is checked
+// against a token nobody has, so it costs the same and answers the same.
+func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) (*store.Sandbox, *service.Principal, int, string) {
+	sb, err := g.st.GetSandbox(ctx, id)
+	if err != nil && !fault.Is(err, fault.NotFound) {
+		g.log.Warn("envd authentication: load sandbox", "sandbox", id, "err", err)
 	}
-	if subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(token)) != 1 {
-		return http.StatusUnauthorized, msgUnauthorized
+	tenant, epoch := "", int64(-1)
+	if sb != nil && sb.PoolKey == "" {
+		tenant, epoch = sb.Tenant, sb.AccessEpoch
 	}
-	return 0, ""
+	token := g.accessTokenOf(tenant, id, epoch)
+	status, msg := 0, ""
+	if r.URL.Path == "/files" && (r.Method == http.MethodGet || r.Method == http.MethodPost) {
+		status, msg = checkFiles(r, token, time.Now(), g.cfg.MaxSignedURLTTL)
+	} else if subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(token)) != 1 {
+		status, msg = http.StatusUnauthorized, msgUnauthorized
+	}
+	if status == 0 && epoch < 0 {
+		status, msg = http.StatusUnauthorized, msgUnauthorized // unreachable: nobody has that token
+	}
+	if status != 0 {
+		return nil, nil, status, msg
+	}
+	return sb, &service.Principal{Tenant: sb.Tenant, Role: store.RoleMember}, 0, ""
 }
 
 // serveUnroutedFiles serves a /files request that names no sandbox: a signed
@@ -157,15 +193,10 @@ func (g *Gateway) authorize(r *http.Request, id string) (int, string) {
 // signature (or equals the X-Access-Token header): every sandbox that is not deleted
 // is a candidate, each compared in constant time. Nothing found is envd's 401.
 func (g *Gateway) serveUnroutedFiles(w http.ResponseWriter, r *http.Request) {
-	q := r.URL.Query()
 	header := r.Header.Get("X-Access-Token")
-	if header == "" && !q.Has("signature") {
-		writeError(w, http.StatusUnauthorized, msgMissingSignature)
-		return
-	}
-	if s := q.Get("signature_expiration"); s != "" {
-		if _, err := strconv.ParseInt(s, 10, 64); err != nil {
-			writeError(w, http.StatusBadRequest, "invalid signature_expiration "+strconv.Quote(s))
+	if header == "" {
+		if status, msg, _ := checkSignedForm(r); status != 0 {
+			writeError(w, status, msg)
 			return
 		}
 	}
@@ -175,7 +206,7 @@ func (g *Gateway) serveUnroutedFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for _, sb := range list {
-		token := g.accessToken(sb.ID)
+		token := g.accessToken(sb)
 		match := false
 		if header != "" {
 			match = subtle.ConstantTimeCompare([]byte(header), []byte(token)) == 1
@@ -194,13 +225,9 @@ func (g *Gateway) serveUnroutedFiles(w http.ResponseWriter, r *http.Request) {
 	writeError(w, http.StatusUnauthorized, msgInvalidSignature)
 }
 
-// serveSandbox relays one envd request to the sandbox's agent.
+// serveSandbox relays one envd request to the sandbox's agent, after authentication.
 func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string, port int) {
 	ctx := r.Context()
-	if !ids.ValidSandbox(id) {
-		notFound502(w, id)
-		return
-	}
 	if port != envdpb.Port {
 		g.servePort(w, r, id, port)
 		return
@@ -209,12 +236,25 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no envd route for %s %s", r.Method, r.URL.Path))
 		return
 	}
-	if status, msg := g.authorize(r, id); status != 0 {
+	if !ids.ValidSandbox(id) {
+		unauthorized(w)
+		return
+	}
+	sb, p, status, msg := g.authenticate(ctx, r, id)
+	if status != 0 {
 		writeError(w, status, msg)
 		return
 	}
-	sb, err := g.runningSandbox(ctx, id)
+	if err := g.api.Allow(ctx, p); err != nil {
+		g.fail(w, r, err)
+		return
+	}
+	sb, err := g.runningSandbox(ctx, p, sb.ID)
 	if err != nil {
+		if fault.Is(err, fault.QuotaExceeded) {
+			g.fail(w, r, err) // an autoResume over the tenant's quota: say why
+			return
+		}
 		if ctx.Err() == nil {
 			g.log.Debug("envd request for a sandbox that is not running", "sandbox", id, "err", err)
 		}
@@ -244,7 +284,7 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	// would close the body when the answer starts and the relay would cut the stream.
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	uw := &untunnel{ResponseWriter: w}
-	t, err := g.api.Running(ctx, g.envdCaller, sb.ID, true)
+	t, err := g.api.Running(ctx, p, sb.ID, true)
 	if err == nil {
 		err = g.api.Agent(t).Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
 	}
@@ -263,9 +303,10 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 }
 
 // runningSandbox returns the sandbox once it runs: one being started or resumed is
-// waited for; a paused one is resumed only when it was created with autoResume.
-func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox, error) {
-	sb, err := g.live(ctx, g.envdCaller, id)
+// waited for; a paused one is resumed only when it was created with autoResume. The
+// caller has authenticated the request.
+func (g *Gateway) runningSandbox(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error) {
+	sb, err := g.live(ctx, p, id)
 	if err != nil {
 		return nil, err
 	}
@@ -281,9 +322,9 @@ func (g *Gateway) runningSandbox(ctx context.Context, id string) (*store.Sandbox
 			return nil, fault.New(fault.Conflict, "sandbox %s is paused", id)
 		}
 		g.log.Info("auto-resuming sandbox for an envd request", "sandbox", id)
-		return g.wake(ctx, g.envdCaller, sb, secs, "")
+		return g.wake(ctx, p, sb, secs, "")
 	}
-	woken, err := g.api.Awake(ctx, g.envdCaller, sb, false) // starting or resuming: wait
+	woken, err := g.api.Awake(ctx, p, sb, false) // starting or resuming: wait
 	if err != nil {
 		return nil, err
 	}

@@ -221,15 +221,23 @@ func TestAPIKeys(t *testing.T) {
 	if fi, err := os.Stat(filepath.Join(s.DataDir, "admin.key")); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("admin.key: %v %v", fi.Mode(), err)
 	}
-	if !strings.Contains(s.Log(), "Created the admin API key") || !strings.Contains(s.Log(), s.Key) {
-		t.Fatal("first start did not print the admin key")
+	// The key is in the file only: never in the log (serve's output is no terminal).
+	if !strings.Contains(s.Log(), "created the operator API key") || strings.Contains(s.Log(), s.Key) {
+		t.Fatal("first start logged the admin key, or did not say where it is")
 	}
-	out, stderr, code := s.cli(t, "apikey", "create", "ci-bot", "-o", "json")
+	// An operator names the key's tenant.
+	if _, stderr, code := s.cli(t, "apikey", "create", "ci-bot"); code == 0 || !strings.Contains(stderr, "tenant is required") {
+		t.Fatalf("apikey create without --tenant: %d %s", code, stderr)
+	}
+	if _, stderr, code := s.cli(t, "tenant", "create", "ci"); code != 0 {
+		t.Fatal(stderr)
+	}
+	out, stderr, code := s.cli(t, "apikey", "create", "ci-bot", "--tenant", "ci", "-o", "json")
 	if code != 0 {
 		t.Fatal(stderr)
 	}
 	var k api.APIKey
-	if err := json.Unmarshal([]byte(out), &k); err != nil || !strings.HasPrefix(k.Secret, "space_") || k.Admin {
+	if err := json.Unmarshal([]byte(out), &k); err != nil || !strings.HasPrefix(k.Secret, "space_") || k.Admin || k.Tenant != "ci" {
 		t.Fatalf("apikey create: %s", out)
 	}
 	bot := client.New(s.URL, k.Secret)
@@ -243,6 +251,9 @@ func TestAPIKeys(t *testing.T) {
 	if !strings.Contains(out, "ci-bot") || strings.Contains(out, k.Secret) {
 		t.Fatalf("apikey list:\n%s", out)
 	}
+	if _, stderr, code := s.cli(t, "apikey", "revoke", k.Prefix); code == 0 || !strings.Contains(stderr, "key id") {
+		t.Fatalf("revoke by prefix: %d %s", code, stderr)
+	}
 	if _, stderr, code := s.cli(t, "apikey", "revoke", k.ID); code != 0 {
 		t.Fatal(stderr)
 	}
@@ -250,7 +261,7 @@ func TestAPIKeys(t *testing.T) {
 		t.Fatalf("revoked key still works: %v", err)
 	}
 	// An E2B key is refused on the space API.
-	out, _, _ = s.cli(t, "apikey", "create", "sdk", "--e2b")
+	out, _, _ = s.cli(t, "apikey", "create", "sdk", "--e2b", "--tenant", "ci")
 	if !regexp.MustCompile(`^e2b_[0-9a-f]{40}\n$`).MatchString(out) {
 		t.Fatalf("e2b key %q", out)
 	}
@@ -260,23 +271,34 @@ func TestAPIKeys(t *testing.T) {
 	}
 }
 
-// TestObservability checks /healthz, /metrics and the OpenAPI document.
+// TestObservability checks /healthz, /metrics (an operator's on the API address, and
+// anyone's on --metrics-listen) and the OpenAPI document.
 func TestObservability(t *testing.T) {
-	s := start(t, options{})
+	metricsAddr := freeAddr(t)
+	s := start(t, options{Args: []string{"--metrics-listen", metricsAddr}})
 	s.create(t, api.CreateSandboxRequest{})
-	get := func(path string) string {
-		resp, err := http.Get(s.URL + path)
-		if err != nil || resp.StatusCode != 200 {
-			t.Fatalf("GET %s: %v %v", path, resp, err)
+	getFrom := func(base, path, key string, want int) string {
+		req, _ := http.NewRequest("GET", base+path, nil)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil || resp.StatusCode != want {
+			t.Fatalf("GET %s%s: %v %v", base, path, resp, err)
 		}
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
 		return string(b)
 	}
+	get := func(path string) string { return getFrom(s.URL, path, "", 200) }
 	if !strings.Contains(get("/healthz"), `"ok"`) {
 		t.Fatal("healthz")
 	}
-	m := get("/metrics")
+	getFrom(s.URL, "/metrics", "", http.StatusUnauthorized)
+	if m := getFrom("http://"+metricsAddr, "/metrics", "", 200); !strings.Contains(m, "space_sandboxes") {
+		t.Fatal("--metrics-listen serves no metrics")
+	}
+	m := getFrom(s.URL, "/metrics", s.Key, 200)
 	for _, want := range []string{`space_sandboxes{state="running"} 1`, `space_operation_duration_seconds_count{kind="create",result="succeeded"} 1`, "space_http_request_duration_seconds"} {
 		if !strings.Contains(m, want) {
 			t.Errorf("metrics lack %q", want)

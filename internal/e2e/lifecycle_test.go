@@ -373,7 +373,7 @@ func TestWarmPool(t *testing.T) {
 	}
 	st.Notify(c, store.ChannelController, "")
 	waitFor(t, time.Minute, "the old pool members to drain", func() bool {
-		members, _ := st.PoolMembers(c, store.PoolKey("base:latest", 1, 512))
+		members, _ := st.PoolMembers(c, store.PoolKey("default", "base:latest", 1, 512))
 		for _, m := range members {
 			if m.TemplateDigest != fake {
 				return false

@@ -137,7 +137,7 @@ func TestEmbeddedPostgres(t *testing.T) {
 	if err != nil || len(list) != 1 || list[0].ID != sb.ID || list[0].State != api.StateRunning {
 		t.Fatalf("after restart: %+v %v", list, err)
 	}
-	if strings.Contains(s.Log(), "Created the admin API key") {
+	if strings.Contains(s.Log(), "created the operator API key") {
 		t.Fatal("the restarted server created another admin key")
 	}
 	out, _, code := s.exec(t, sb.ID, "echo", "still here")

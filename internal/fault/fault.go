@@ -27,6 +27,7 @@ const (
 	InsufficientStorage
 	BadGateway      // a sandbox (its agent) answered badly: oversized, slow or malformed (502)
 	TooManyRequests // a rate limit was reached (429)
+	QuotaExceeded   // a tenant's quota would be exceeded (403)
 )
 
 var names = map[Kind]string{
@@ -44,6 +45,7 @@ var names = map[Kind]string{
 	InsufficientStorage: "insufficient_storage",
 	BadGateway:          "bad_gateway",
 	TooManyRequests:     "too_many_requests",
+	QuotaExceeded:       "quota_exceeded",
 }
 
 // String returns the stable code used in API error bodies.
@@ -54,6 +56,9 @@ type Error struct {
 	Kind Kind
 	Msg  string
 	Err  error
+	// Detail is structured data for the client (e.g. the limit a request ran into);
+	// the HTTP layer puts what it knows of it in the error body.
+	Detail any
 }
 
 func (e *Error) Error() string {
@@ -79,6 +84,26 @@ func Wrap(k Kind, err error) error {
 		return nil
 	}
 	return &Error{Kind: k, Err: err}
+}
+
+// WithDetail attaches structured detail to err (which keeps its kind and message).
+func WithDetail(err error, detail any) error {
+	return &Error{Kind: KindOf(err), Err: err, Detail: detail}
+}
+
+// DetailOf returns the detail of the outermost *Error in err's chain that has one.
+func DetailOf(err error) any {
+	for err != nil {
+		var e *Error
+		if !errors.As(err, &e) {
+			return nil
+		}
+		if e.Detail != nil {
+			return e.Detail
+		}
+		err = e.Err
+	}
+	return nil
 }
 
 // KindOf reports the kind of the outermost *Error in err's chain (Internal if none).

@@ -49,6 +49,8 @@ func statusOf(k fault.Kind) int {
 		return http.StatusBadGateway
 	case fault.TooManyRequests:
 		return http.StatusTooManyRequests
+	case fault.QuotaExceeded:
+		return http.StatusForbidden
 	default:
 		return http.StatusInternalServerError
 	}
@@ -75,7 +77,14 @@ func WriteError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err er
 		log.Error("request failed", "method", r.Method, "path", r.URL.Path, "err", err)
 		msg = "internal error"
 	}
-	WriteJSON(w, statusOf(k), api.Error{Error: api.ErrorBody{Code: k.String(), Message: msg}})
+	body := api.ErrorBody{Code: k.String(), Message: msg}
+	if l, ok := fault.DetailOf(err).(*api.LimitExceeded); ok {
+		body.Limit = l
+	}
+	if k == fault.TooManyRequests {
+		w.Header().Set("Retry-After", "1")
+	}
+	WriteJSON(w, statusOf(k), api.Error{Error: body})
 }
 
 // HandlerFunc is an HTTP handler that returns an error, written by Handle.

@@ -21,6 +21,9 @@ func principalFrom(ctx context.Context) *service.Principal {
 func (a *API) withKey(h rest.HandlerFunc) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p, err := a.svc.Authenticate(r.Context(), rest.Bearer(r), service.KeySpace)
+		if err == nil {
+			err = a.svc.Allow(r.Context(), p) // the tenant's request rate
+		}
 		if err != nil {
 			rest.WriteError(w, r, a.log, err)
 			return
@@ -32,10 +35,17 @@ func (a *API) withKey(h rest.HandlerFunc) http.Handler {
 	})
 }
 
-// noWake reports whether the request asks not to wake a resting sandbox (?wake=false).
-func noWake(r *http.Request) bool {
-	w := r.URL.Query().Get("wake")
-	return w == "false" || w == "0"
+// noWake reports whether the request asks not to wake a resting sandbox (?wake=false);
+// a value other than true/false/1/0 is refused.
+func noWake(r *http.Request) (bool, error) {
+	switch w := r.URL.Query().Get("wake"); w {
+	case "", "true", "1":
+		return false, nil
+	case "false", "0":
+		return true, nil
+	default:
+		return false, rest.Invalid("wake must be true or false, not %q", w)
+	}
 }
 
 func notFoundRoute(r *http.Request) error {

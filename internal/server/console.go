@@ -37,7 +37,7 @@ func (a *API) consoleHandler() http.Handler {
 // can check a key and learn whether it is an admin key.
 func (a *API) whoami(w http.ResponseWriter, r *http.Request) error {
 	p := principalFrom(r.Context())
-	rest.WriteJSON(w, http.StatusOK, api.WhoAmI{KeyID: p.KeyID, Tenant: p.Tenant, Admin: p.Admin})
+	rest.WriteJSON(w, http.StatusOK, api.WhoAmI{KeyID: p.KeyID, Tenant: p.Tenant, Role: p.Role, Admin: p.ManagesTenant()})
 	return nil
 }
 
@@ -54,7 +54,7 @@ func (a *API) listOperations(w http.ResponseWriter, r *http.Request) error {
 		}
 		limit = n
 	}
-	ops, err := a.svc.RecentOperations(r.Context(), principalFrom(r.Context()), q.Get("kind"), limit)
+	ops, err := a.svc.RecentOperations(r.Context(), principalFrom(r.Context()), q.Get("kind"), q.Get("tenant"), limit)
 	if err != nil {
 		return err
 	}

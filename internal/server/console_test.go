@@ -58,7 +58,14 @@ func newConsoleEnv(t *testing.T) *consoleEnv {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := st.CreateAPIKey(ctx, &store.APIKey{ID: ids.APIKey(), Name: tenant, Prefix: prefix, Kind: "space", Tenant: tenant, Admin: admin}, secret); err != nil {
+		role := store.RoleMember
+		if admin {
+			role = store.RoleOperator
+		}
+		if err := st.EnsureTenant(ctx, tenant); err != nil {
+			t.Fatal(err)
+		}
+		if err := st.CreateAPIKey(ctx, &store.APIKey{ID: ids.APIKey(), Name: tenant, Prefix: prefix, Kind: "space", Tenant: tenant, Role: role}, secret); err != nil {
 			t.Fatal(err)
 		}
 		return secret

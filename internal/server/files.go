@@ -87,7 +87,11 @@ func fileQuery(r *http.Request, names ...string) (url.Values, error) {
 
 // running loads the request's sandbox for the caller, waking it unless ?wake=false.
 func (a *API) running(r *http.Request) (*service.Target, error) {
-	return a.svc.Running(r.Context(), principalFrom(r.Context()), r.PathValue("id"), noWake(r))
+	nw, err := noWake(r)
+	if err != nil {
+		return nil, err
+	}
+	return a.svc.Running(r.Context(), principalFrom(r.Context()), r.PathValue("id"), nw)
 }
 
 func (a *API) fileHandler(agentPath string, params ...string) rest.HandlerFunc {

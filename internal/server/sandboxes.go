@@ -82,6 +82,7 @@ func (a *API) listSandboxes(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	f.Metadata = md
+	f.Tenant = q.Get("tenant")
 	if l := q.Get("limit"); l != "" {
 		n, err := strconv.Atoi(l)
 		if err != nil || n < 1 {
@@ -113,7 +114,7 @@ func (a *API) deleteSandbox(w http.ResponseWriter, r *http.Request) error {
 // lifecycle handles POST /v1/sandboxes/{id}/<verb>.
 func (a *API) lifecycle(kind string) rest.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) error {
-		op, err := a.svc.Verb(r.Context(), principalFrom(r.Context()), r.PathValue("id"), kind, "")
+		op, err := a.svc.RequestVerb(r.Context(), principalFrom(r.Context()), r.PathValue("id"), kind, "")
 		if err != nil {
 			return err
 		}
@@ -164,7 +165,11 @@ func (a *API) createSession(w http.ResponseWriter, r *http.Request) error {
 	if err := rest.DecodeJSON(w, r, &req); err != nil {
 		return err
 	}
-	sess, err := a.svc.CreateSession(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, noWake(r))
+	nw, err := noWake(r)
+	if err != nil {
+		return err
+	}
+	sess, err := a.svc.CreateSession(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw)
 	if err != nil {
 		return err
 	}
@@ -173,7 +178,11 @@ func (a *API) createSession(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (a *API) listProcesses(w http.ResponseWriter, r *http.Request) error {
-	out, err := a.svc.Processes(r.Context(), principalFrom(r.Context()), r.PathValue("id"), noWake(r))
+	nw, err := noWake(r)
+	if err != nil {
+		return err
+	}
+	out, err := a.svc.Processes(r.Context(), principalFrom(r.Context()), r.PathValue("id"), nw)
 	if err != nil {
 		return err
 	}
@@ -182,7 +191,11 @@ func (a *API) listProcesses(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (a *API) getProcess(w http.ResponseWriter, r *http.Request) error {
-	p, err := a.svc.Process(r.Context(), principalFrom(r.Context()), r.PathValue("id"), r.PathValue("pid"), noWake(r))
+	nw, err := noWake(r)
+	if err != nil {
+		return err
+	}
+	p, err := a.svc.Process(r.Context(), principalFrom(r.Context()), r.PathValue("id"), r.PathValue("pid"), nw)
 	if err != nil {
 		return err
 	}

@@ -54,12 +54,14 @@ func NewAPI(cfg Config) *API {
 func (a *API) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", a.healthz)
-	mux.Handle("GET /metrics", promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /v1/openapi.json", serveOpenAPI)
 
 	authed := func(pattern string, h rest.HandlerFunc) {
 		mux.Handle(pattern, a.withKey(h))
 	}
+	// On the API's address metrics need an operator key; space serve --metrics-listen
+	// serves them without one on an address of their own (MetricsHandler).
+	authed("GET /metrics", a.metricsForOperators)
 	authed("POST /v1/sandboxes", a.createSandbox)
 	authed("GET /v1/sandboxes", a.listSandboxes)
 	authed("GET /v1/sandboxes/{id}", a.getSandbox)
@@ -88,12 +90,29 @@ func (a *API) Handler() http.Handler {
 	authed("GET /v1/apikeys", a.listAPIKeys)
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
+	a.registerTenants(authed)
 	a.registerTemplates(authed)
 	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)
 	}))
 	return a.metrics.instrument(mux)
+}
+
+// MetricsHandler serves the Prometheus metrics without authentication, for a listener
+// of their own (space serve --metrics-listen) that only the scraper can reach.
+func (a *API) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{})
+}
+
+// metricsForOperators serves GET /metrics on the API's address: operators only (the
+// metrics describe every tenant and the hosts).
+func (a *API) metricsForOperators(w http.ResponseWriter, r *http.Request) error {
+	if err := service.RequireOperator(principalFrom(r.Context())); err != nil {
+		return err
+	}
+	a.MetricsHandler().ServeHTTP(w, r)
+	return nil
 }
 
 func (a *API) healthz(w http.ResponseWriter, r *http.Request) {

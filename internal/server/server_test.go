@@ -107,6 +107,10 @@ func TestSandboxCommandAndFiles(t *testing.T) {
 	if code, body := do(t, s, "GET", "/v1/sandboxes?state=bogus", ""); code != 400 || !strings.Contains(body, "bogus") {
 		t.Fatalf("bad state filter: %d %s", code, body)
 	}
+	// A runtime the live node does not run is refused at create, naming the one it runs.
+	if code, body := do(t, s, "POST", "/v1/sandboxes", `{"runtime":"qemu"}`); code != 422 || !strings.Contains(body, "runtimes on offer: fake") {
+		t.Fatalf("runtime nobody offers: %d %s", code, body)
+	}
 
 	// Delete.
 	op, err := s.C.DeleteSandbox(c, sb.ID)
@@ -149,10 +153,34 @@ func TestBadInput(t *testing.T) {
 		{"GET", "/v1/nowhere", "", 404, "no route"},
 		{"PUT", "/v1/pools", `{"template":"base","size":-1}`, 400, "size"},
 		{"PUT", "/v1/pools", `{"template":"base@sha256:` + strings.Repeat("a", 64) + `","size":1}`, 400, "digest"},
-		{"POST", "/v1/apikeys", `{"name":""}`, 400, "name"},
+		{"POST", "/v1/apikeys", `{"name":"","tenant":"default"}`, 400, "name"},
 		{"POST", "/v1/apikeys", `{"name":"x","kind":"other"}`, 400, "kind"},
 		{"DELETE", "/v1/templates/base", "", 400, "base:TAG"},
 		{"POST", "/v1/templates", "", 400, "empty"},
+		// A runtime no live node offers: refused at create, naming what is on offer.
+		{"POST", "/v1/sandboxes", `{"runtime":"qemu"}`, 422, "runtimes on offer: none"},
+		// Control characters: refused in metadata and env values (a tab is fine), in
+		// names, in session env and cwd; the field is named.
+		{"POST", "/v1/sandboxes", `{"metadata":{"k":"a\u001b[31mb"}}`, 400, `metadata value for \"k\" contains the control character U+001B`},
+		{"POST", "/v1/sandboxes", `{"metadata":{"k":"a\rb"}}`, 400, `metadata value for \"k\"`},
+		{"POST", "/v1/sandboxes", `{"env":{"K":"a\nb"}}`, 400, `env value for \"K\"`},
+		{"POST", "/v1/sandboxes", `{"metadata":{"k":"\u0085"}}`, 400, "U+0085"},
+		{"POST", "/v1/apikeys", `{"name":"ci\u0007","tenant":"default"}`, 400, "name contains the control character"},
+		{"POST", "/v1/tenants", `{"name":"Bad Name"}`, 400, "tenant name"},
+		{"POST", "/v1/tenants", `{"name":"x\ny"}`, 400, "tenant name"},
+		// Unknown filter values.
+		{"GET", "/v1/sandboxes?state=bogus", "", 400, "bogus"},
+		{"GET", "/v1/sandboxes?tenant=nosuch", "", 404, "tenant"},
+		{"GET", "/v1/operations?kind=bogus", "", 400, "kind"},
+		{"GET", "/v1/sandboxes/x/processes?wake=maybe", "", 400, "wake"},
+		// Keys: an operator names the tenant; revoke takes an id, not a prefix.
+		{"POST", "/v1/apikeys", `{"name":"ci"}`, 400, "tenant is required"},
+		{"POST", "/v1/apikeys", `{"name":"ci","tenant":"nosuch"}`, 404, "tenant"},
+		{"POST", "/v1/apikeys", `{"name":"ci","tenant":"default","kind":"e2b","admin":true}`, 400, "E2B keys are member keys"},
+		{"POST", "/v1/apikeys", `{"name":"ci","tenant":"default","role":"root"}`, 400, "role"},
+		{"DELETE", "/v1/apikeys/space_abcdef", "", 400, "key id"},
+		{"DELETE", "/v1/apikeys/key_nosuch", "", 404, "not found"},
+		{"DELETE", "/v1/tenants/default", "", 409, "cannot be removed"},
 	} {
 		code, body := do(t, s, tc.method, tc.path, tc.body)
 		if code != tc.want || !strings.Contains(body, tc.contains) {
@@ -173,6 +201,13 @@ func TestBadInput(t *testing.T) {
 		if resp.StatusCode != 401 {
 			t.Errorf("key %q: %d", key, resp.StatusCode)
 		}
+	}
+	// A tab is fine in a value; a control character stored nothing.
+	if code, body := do(t, s, "POST", "/v1/sandboxes", `{"metadata":{"k":"a\tb"}}`); code != 202 {
+		t.Errorf("a tab in a metadata value: %d %s", code, body)
+	}
+	if list, err := s.C.ListSandboxes(ctx(t), client.ListOptions{}); err != nil || len(list) != 1 {
+		t.Errorf("sandboxes after the refused creates: %d %v", len(list), err)
 	}
 	// A non-admin key cannot manage keys or pools.
 	user := client.New(s.URL, s.NewKey("default", false, "space"))

@@ -17,7 +17,7 @@ func (a *API) registerTemplates(authed func(string, rest.HandlerFunc)) {
 }
 
 func (a *API) listTemplates(w http.ResponseWriter, r *http.Request) error {
-	out, err := a.svc.Templates(r.Context(), principalFrom(r.Context()))
+	out, err := a.svc.Templates(r.Context(), principalFrom(r.Context()), tenantParam(r))
 	if err != nil {
 		return err
 	}
@@ -26,7 +26,7 @@ func (a *API) listTemplates(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (a *API) getTemplate(w http.ResponseWriter, r *http.Request) error {
-	out, err := a.svc.Template(r.Context(), principalFrom(r.Context()), r.PathValue("name"))
+	out, err := a.svc.Template(r.Context(), principalFrom(r.Context()), r.PathValue("name"), tenantParam(r))
 	if err != nil {
 		return err
 	}
@@ -36,7 +36,7 @@ func (a *API) getTemplate(w http.ResponseWriter, r *http.Request) error {
 
 // deleteTemplate removes a tag (name:tag) or deletes a release (name@sha256:…).
 func (a *API) deleteTemplate(w http.ResponseWriter, r *http.Request) error {
-	out, err := a.svc.DeleteTemplate(r.Context(), principalFrom(r.Context()), r.PathValue("ref"))
+	out, err := a.svc.DeleteTemplate(r.Context(), principalFrom(r.Context()), r.PathValue("ref"), tenantParam(r))
 	if err != nil {
 		return err
 	}
@@ -62,7 +62,7 @@ func (a *API) buildTemplate(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return rest.JSONError(err)
 	}
-	op, err := a.svc.BuildTemplate(r.Context(), principalFrom(r.Context()), body)
+	op, err := a.svc.BuildTemplateFor(r.Context(), principalFrom(r.Context()), body, tenantParam(r))
 	if err != nil {
 		return err
 	}

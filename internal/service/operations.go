@@ -129,18 +129,19 @@ func (s *Service) OperationLog(ctx context.Context, p *Principal, id string, aft
 // maxRecentOperations bounds RecentOperations.
 const maxRecentOperations = 500
 
-// RecentOperations lists the newest operations of one kind that p may see. Only
-// template builds are listed this way (a sandbox's operations are under the sandbox).
-func (s *Service) RecentOperations(ctx context.Context, p *Principal, kind string, limit int) ([]*store.Operation, error) {
+// RecentOperations lists the newest operations of one kind that p may see (operators:
+// every tenant's, or tenant's). Only template builds are listed this way (a sandbox's
+// operations are under the sandbox).
+func (s *Service) RecentOperations(ctx context.Context, p *Principal, kind, tenant string, limit int) ([]*store.Operation, error) {
 	if kind != api.OpTemplateBuild {
 		return nil, invalid("kind must be %q (a sandbox's operations are at /v1/sandboxes/{id}/operations)", api.OpTemplateBuild)
 	}
 	if limit < 1 || limit > maxRecentOperations {
 		return nil, invalid("limit must be between 1 and %d", maxRecentOperations)
 	}
-	tenant := ""
-	if !p.Admin {
-		tenant = p.Tenant
+	scope, err := s.scope(ctx, p, tenant)
+	if err != nil {
+		return nil, err
 	}
-	return s.st.RecentOperations(ctx, kind, tenant, limit)
+	return s.st.RecentOperations(ctx, kind, scope, limit)
 }

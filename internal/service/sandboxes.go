@@ -4,11 +4,14 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"regexp"
 	"slices"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/crash"
@@ -41,8 +44,25 @@ func invalid(format string, args ...any) error { return fault.New(fault.Invalid,
 
 func notFound(id string) error { return fault.New(fault.NotFound, "sandbox %q not found", id) }
 
-// ValidateMap checks a user-supplied string map (env, metadata): size, key syntax and
-// values without NUL.
+// checkText refuses invalid UTF-8 and control characters (C0, DEL, C1; a tab only when
+// tab is true) in a user-supplied string: they end up in terminals, logs and headers.
+func checkText(field, v string, tab bool) error {
+	if !utf8.ValidString(v) {
+		return invalid("%s is not valid UTF-8", field)
+	}
+	for _, r := range v {
+		if r == '\t' && tab {
+			continue
+		}
+		if unicode.IsControl(r) {
+			return invalid("%s contains the control character %U; control characters are not allowed (tab only in values)", field, r)
+		}
+	}
+	return nil
+}
+
+// ValidateMap checks a user-supplied string map (env, metadata): size, key syntax, and
+// values of valid UTF-8 without control characters other than tab.
 func ValidateMap(field string, m map[string]string, env bool) error {
 	keyRe := metaKeyRe
 	if env {
@@ -55,8 +75,11 @@ func ValidateMap(field string, m map[string]string, env bool) error {
 		if len(k) == 0 || len(k) > maxKeyLen || !keyRe.MatchString(k) {
 			return invalid("%s key %q is invalid", field, k)
 		}
-		if len(v) > maxValueLen || strings.ContainsRune(v, 0) {
-			return invalid("%s value for %q is too long or contains NUL", field, k)
+		if len(v) > maxValueLen {
+			return invalid("%s value for %q is longer than %d bytes", field, k, maxValueLen)
+		}
+		if err := checkText(fmt.Sprintf("%s value for %q", field, k), v, true); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -95,14 +118,17 @@ type ListFilter struct {
 	States   []string
 	Metadata map[string]string
 	Limit    int
+	// Tenant narrows an operator's list to one tenant (others may name only their own).
+	Tenant string
 }
 
 // List lists the sandboxes p may see, newest first.
 func (s *Service) List(ctx context.Context, p *Principal, f ListFilter) ([]*store.Sandbox, error) {
-	sf := store.SandboxFilter{Limit: maxListLimit, States: f.States, Metadata: f.Metadata}
-	if !p.Admin {
-		sf.Tenant = p.Tenant
+	tenant, err := s.scope(ctx, p, f.Tenant)
+	if err != nil {
+		return nil, err
 	}
+	sf := store.SandboxFilter{Limit: maxListLimit, States: f.States, Metadata: f.Metadata, Tenant: tenant}
 	for _, st := range f.States {
 		if !lifecycle.IsState(st) {
 			return nil, invalid("state %q is not a sandbox state (one of %s)", st, strings.Join(lifecycle.States(), ", "))
@@ -131,7 +157,7 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 	}
 	// Resources: the request's, else the template's defaults, else the server's.
 	if req.CPU == 0 || req.MemoryMB == 0 || req.DiskMB == 0 {
-		cfg := s.templateConfig(ctx, ref)
+		cfg := s.templateConfig(ctx, p.Tenant, ref)
 		if req.CPU == 0 {
 			req.CPU = cmp.Or(cfg.CPU, s.cfg.DefaultCPU)
 		}
@@ -157,8 +183,21 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 	if err := ValidateMap("metadata", req.Metadata, false); err != nil {
 		return nil, err
 	}
-	if req.Runtime != "" && !slices.Contains(runtimes, req.Runtime) {
-		return nil, invalid("runtime must be one of %s", strings.Join(runtimes, ", "))
+	if req.Runtime != "" {
+		if !slices.Contains(runtimes, req.Runtime) {
+			return nil, invalid("runtime must be one of %s", strings.Join(runtimes, ", "))
+		}
+		offer, err := s.RuntimesOnOffer(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if !slices.Contains(offer, req.Runtime) {
+			on := "none (no node is alive)"
+			if len(offer) > 0 {
+				on = strings.Join(offer, ", ")
+			}
+			return nil, fault.New(fault.Unprocessable, "runtime %q is not offered by any live node; runtimes on offer: %s", req.Runtime, on)
+		}
 	}
 	sb := &store.Sandbox{
 		ID:           ids.Sandbox(),
@@ -189,21 +228,31 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		sb.ExpiresAt = exp
 	}
 	// Resolve the reference now so an unknown template is a 404 and creates nothing.
+	// Another tenant's template answers exactly like a missing one.
 	if ref.Digest != "" {
 		if _, err := s.st.GetRelease(ctx, ref.Digest); err != nil {
 			return nil, err
 		}
+		if ok, err := s.st.ReleaseVisible(ctx, p.Tenant, ref.Digest); err != nil {
+			return nil, err
+		} else if !ok {
+			return nil, fault.New(fault.NotFound, "template release %q not found", ref.Digest)
+		}
 		sb.TemplateDigest = ref.Digest
 	} else {
-		d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+		d, owner, err := s.st.ResolveTenantTag(ctx, p.Tenant, ref.Name, ref.Tag)
 		if err != nil {
 			return nil, err
 		}
 		if d == "" && !(ref.Tag == "latest" && slices.Contains(s.cfg.BuiltinTemplates, ref.Name)) {
 			return nil, fault.New(fault.NotFound, "template %q not found", ref.String())
 		}
-		// The digest is recorded by the node when it starts the sandbox (a builtin
-		// template may still have to be built).
+		// A shared tag's digest is recorded by the node when it starts the sandbox (a
+		// builtin template may still have to be built); a tenant's tag is pinned now,
+		// as nodes resolve shared tags only.
+		if owner != "" {
+			sb.TemplateDigest = d
+		}
 	}
 	return sb, nil
 }
@@ -287,6 +336,9 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant}
 	var resp []byte
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		if err := s.checkQuota(ctx, tx, sb.Tenant, sandboxNeed(sb.Spec, 1)); err != nil {
+			return err
+		}
 		var claimed *store.Sandbox
 		if poolKey != "" {
 			op.Message = "resuming a sandbox from the warm pool"
@@ -331,19 +383,19 @@ func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, strin
 	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot {
 		return "", ""
 	}
-	d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+	d, _, err := s.st.ResolveTenantTag(ctx, sb.Tenant, ref.Name, ref.Tag)
 	if err != nil || d == "" {
 		return "", ""
 	}
-	return store.PoolKey(ref.String(), sb.Spec.CPU, sb.Spec.MemoryMB), d
+	return store.PoolKey(sb.Tenant, ref.String(), sb.Spec.CPU, sb.Spec.MemoryMB), d
 }
 
-// templateConfig returns the configuration a template's release records (zero if
-// none yet).
-func (s *Service) templateConfig(ctx context.Context, ref api.TemplateRef) template.Config {
+// templateConfig returns the configuration a template's release records for a tenant
+// (zero if none yet).
+func (s *Service) templateConfig(ctx context.Context, tenant string, ref api.TemplateRef) template.Config {
 	digest := ref.Digest
 	if digest == "" {
-		d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)
+		d, _, err := s.st.ResolveTenantTag(ctx, tenant, ref.Name, ref.Tag)
 		if err != nil || d == "" {
 			return template.Config{}
 		}
@@ -359,19 +411,48 @@ func (s *Service) templateConfig(ctx context.Context, ref api.TemplateRef) templ
 
 // Verb requests a lifecycle verb (pause, resume, suspend, restore, stop, start, wake)
 // with a reason shown on the sandbox. A verb that asks for the state the sandbox is in
-// (a wake of a running sandbox) returns an operation that is already done.
+// (a wake of a running sandbox) returns an operation that is already done. A verb that
+// makes a sandbox hold a node's memory again (a wake of a suspended sandbox) counts
+// against the tenant's quotas, and every verb is an operation of the tenant.
 func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
+	return s.verb(ctx, p, id, kind, reason, false)
+}
+
+// RequestVerb is Verb asked for explicitly by a client (the lifecycle endpoints, E2B
+// pause and resume): it also replaces the sandbox's E2B envd access token. Wakes that
+// a request needing the sandbox makes on its own (Awake) do not, so an SDK holding
+// the token keeps working across idle suspends and autoResume.
+func (s *Service) RequestVerb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
+	return s.verb(ctx, p, id, kind, reason, true)
+}
+
+// holdsMemory reports whether a sandbox of this desired state holds a node's memory
+// (what the running_sandboxes, vcpus and memory_mb quotas count).
+func holdsMemory(desired string) bool {
+	return desired == api.StateRunning || desired == api.StatePaused
+}
+
+func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason string, rotate bool) (*store.Operation, error) {
 	v, ok := lifecycle.VerbOf(kind)
 	if !ok || kind == api.OpClone {
 		return nil, invalid("unknown lifecycle verb %q", kind)
 	}
+	// The tenant's row is locked before the sandbox's (the order every quota check
+	// takes), so look at the sandbox first to learn its tenant.
+	peek, err := s.sandbox(ctx, p, id)
+	if err != nil {
+		return nil, err
+	}
 	op := &store.Operation{ID: ids.Operation(), Kind: v.Kind}
-	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		if _, err := tx.LockTenant(ctx, peek.Tenant); err != nil {
+			return err
+		}
 		sb, err := tx.GetSandboxForUpdate(ctx, id)
 		if err != nil {
 			return err
 		}
-		if !visible(p, sb) {
+		if !visible(p, sb) || sb.Tenant != peek.Tenant {
 			return notFound(id)
 		}
 		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
@@ -387,10 +468,24 @@ func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason strin
 			op.SandboxID, op.Tenant, op.TargetGeneration = sb.ID, sb.Tenant, sb.Generation
 			return tx.InsertOperation(ctx, op)
 		}
+		n := need{store.QuotaOperations: 1}
+		if holdsMemory(v.Desired) && !holdsMemory(sb.DesiredState) {
+			n = sandboxNeed(sb.Spec, 1)
+			delete(n, store.QuotaDiskMB) // its disk is counted already
+		}
+		if err := s.checkQuota(ctx, tx, sb.Tenant, n); err != nil {
+			return err
+		}
 		if reason == "" {
 			reason = v.Kind + " requested"
 		}
-		return tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
+		if err := tx.SetDesiredState(ctx, sb, v.Desired, reason, op); err != nil {
+			return err
+		}
+		if rotate {
+			return tx.RotateAccess(ctx, sb)
+		}
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -445,12 +540,19 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 	}
 	clone, _ := lifecycle.VerbOf(api.OpClone)
 	batch := ids.Operation()
-	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+	peek, err := s.sandbox(ctx, p, id)
+	if err != nil {
+		return out, err
+	}
+	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		if err := s.checkQuota(ctx, tx, peek.Tenant, sandboxNeed(peek.Spec, int64(req.Count))); err != nil {
+			return err
+		}
 		src, err := tx.GetSandboxForUpdate(ctx, id)
 		if err != nil {
 			return err
 		}
-		if !visible(p, src) {
+		if !visible(p, src) || src.Tenant != peek.Tenant {
 			return notFound(id)
 		}
 		if err := lifecycle.Check(src.Lifecycle(), clone); err != nil {
@@ -598,4 +700,22 @@ func (s *Service) roomOn(ctx context.Context, nodeID string) error {
 		return nil
 	}
 	return fault.New(fault.InsufficientStorage, "node %s has no disk space to wake sandboxes: %s", n.Name, n.DiskLow)
+}
+
+// RotateAccess replaces the E2B envd access token of a sandbox p may see (after an
+// explicit resume) and returns the sandbox with its new access epoch.
+func (s *Service) RotateAccess(ctx context.Context, p *Principal, id string) (*store.Sandbox, error) {
+	var out *store.Sandbox
+	err := s.st.InTx(ctx, func(tx *store.Tx) error {
+		sb, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if !visible(p, sb) || sb.DeletedAt != nil {
+			return notFound(id)
+		}
+		out = sb
+		return tx.RotateAccess(ctx, sb)
+	})
+	return out, err
 }

@@ -4,7 +4,9 @@
 // control-plane HTTP API (internal/server) and the E2B gateway (internal/e2b) both
 // call it; neither encodes domain rules itself. Authorization is one check here: a
 // caller (Principal) sees a resource only if it may (Service.sandbox), and a resource
-// it may not see answers exactly like one that does not exist.
+// it may not see answers exactly like one that does not exist. Every resource belongs
+// to one tenant; quotas per tenant are checked under a lock of the tenant's row in the
+// transaction that records the request (quota.go).
 package service
 
 import (
@@ -64,6 +66,9 @@ type Config struct {
 	BuiltinTemplates []string
 	// NodeClient is used for calls to nodes' internal endpoints.
 	NodeClient *http.Client
+	// DefaultQuota holds the quotas of tenants that have none set (store.Unlimited
+	// for none); missing names are unlimited.
+	DefaultQuota store.Quota
 }
 
 // Service is the domain layer over the store.
@@ -74,6 +79,7 @@ type Service struct {
 	ops    *opWatch
 	act    activity
 	events *eventHub
+	rates  *rateLimits
 }
 
 // New returns the service. Run must be running for operation waits to wake promptly
@@ -115,8 +121,11 @@ func New(cfg Config) *Service {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	if cfg.DefaultQuota == nil {
+		cfg.DefaultQuota = DefaultQuota()
+	}
 	return &Service{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}},
-		events: newEventHub(cfg.Store, cfg.Logger)}
+		events: newEventHub(cfg.Store, cfg.Logger), rates: newRateLimits()}
 }
 
 // Store returns the store the service works on (for read-only listings by gateways).
@@ -132,13 +141,26 @@ func (s *Service) Ping(ctx context.Context) error { return s.st.Ping(ctx) }
 
 // Principal is the authenticated caller of a request.
 type Principal struct {
-	KeyID  string
+	KeyID string
+	// Tenant is the caller's tenant (an operator's home tenant: where the sandboxes it
+	// creates go).
 	Tenant string
-	Admin  bool
+	// Role is store.RoleOperator, RoleAdmin or RoleMember.
+	Role string
+}
+
+// Operator reports whether p is an operator: it sees every tenant.
+func (p *Principal) Operator() bool { return p != nil && p.Role == store.RoleOperator }
+
+// ManagesTenant reports whether p administers its tenant (operators: every tenant).
+func (p *Principal) ManagesTenant() bool {
+	return p != nil && (p.Role == store.RoleOperator || p.Role == store.RoleAdmin)
 }
 
 // Visible reports whether p may see a resource of tenant.
-func (p *Principal) Visible(tenant string) bool { return p != nil && (p.Admin || p.Tenant == tenant) }
+func (p *Principal) Visible(tenant string) bool {
+	return p != nil && (p.Operator() || p.Tenant == tenant)
+}
 
 // Key kinds: keys for the space API and keys for the E2B-compatible API.
 const (
@@ -174,16 +196,44 @@ func (s *Service) Authenticate(ctx context.Context, secret, kind string) (*Princ
 		}
 		return nil, fault.New(fault.Unauthorized, "this API key is not valid here")
 	}
-	return &Principal{KeyID: k.ID, Tenant: k.Tenant, Admin: k.Admin}, nil
+	return &Principal{KeyID: k.ID, Tenant: k.Tenant, Role: k.Role}, nil
 }
 
-// RequireAdmin fails unless p is an admin.
+// RequireAdmin fails unless p is an admin of its tenant or an operator.
 func RequireAdmin(p *Principal) error {
-	if p == nil || !p.Admin {
-		return fault.New(fault.Forbidden, "this request needs an admin API key")
+	if !p.ManagesTenant() {
+		return fault.New(fault.Forbidden, "this request needs an admin API key (of the tenant, or an operator's)")
 	}
 	return nil
 }
+
+// RequireOperator fails unless p is an operator.
+func RequireOperator(p *Principal) error {
+	if !p.Operator() {
+		return fault.New(fault.Forbidden, "this request needs an operator API key")
+	}
+	return nil
+}
+
+// scope returns the tenant a request acts in or lists: a non-operator's own tenant
+// (naming another is answered like a tenant that does not exist), or for an operator
+// the tenant it names ("" = every tenant, or for templates the shared ones).
+func (s *Service) scope(ctx context.Context, p *Principal, tenant string) (string, error) {
+	if !p.Operator() {
+		if tenant != "" && tenant != p.Tenant {
+			return "", tenantNotFound(tenant)
+		}
+		return p.Tenant, nil
+	}
+	if tenant != "" {
+		if _, err := s.st.GetTenant(ctx, tenant); err != nil {
+			return "", err
+		}
+	}
+	return tenant, nil
+}
+
+func tenantNotFound(name string) error { return fault.New(fault.NotFound, "tenant %q not found", name) }
 
 // activity throttles last-activity writes to one per sandbox every few seconds.
 type activity struct {

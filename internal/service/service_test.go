@@ -48,7 +48,7 @@ func TestAuthenticate(t *testing.T) {
 			t.Errorf("%.12q as %s: %v", tc.secret, tc.kind, err)
 		}
 	}
-	if p := principal(t, s, e2bKey, service.KeyE2B); p.Admin || p.Tenant != "default" {
+	if p := principal(t, s, e2bKey, service.KeyE2B); p.Operator() || p.Role != "member" || p.Tenant != "default" {
 		t.Fatalf("e2b principal %+v", p)
 	}
 	if err := service.RequireAdmin(nil); !fault.Is(err, fault.Forbidden) {
@@ -170,25 +170,28 @@ func TestTemplatesPoolsKeysNodes(t *testing.T) {
 	s := spacetest.Start(t, spacetest.Options{})
 	admin := principal(t, s, s.AdminKey, service.KeySpace)
 	user := principal(t, s, s.NewKey("default", false, service.KeySpace), service.KeySpace)
-	list, err := s.Service.Templates(ctx(t), user)
+	list, err := s.Service.Templates(ctx(t), user, "")
 	if err != nil || len(list) != 1 || list[0].Name != "base" {
 		t.Fatalf("templates %+v %v", list, err)
 	}
-	detail, err := s.Service.Template(ctx(t), user, "base")
+	detail, err := s.Service.Template(ctx(t), admin, "base", "")
 	if err != nil || detail.Tags["latest"] != s.Base || len(detail.Releases) != 1 || len(detail.Releases[0].Nodes) != 1 {
 		t.Fatalf("detail %+v %v", detail, err)
 	}
-	if _, err := s.Service.Template(ctx(t), user, "nope"); !fault.Is(err, fault.NotFound) {
+	if d, err := s.Service.Template(ctx(t), user, "base", ""); err != nil || len(d.Releases[0].Nodes) != 0 {
+		t.Fatalf("nodes shown to a member: %+v %v", d, err) // nodes are the operator's
+	}
+	if _, err := s.Service.Template(ctx(t), user, "nope", ""); !fault.Is(err, fault.NotFound) {
 		t.Fatal(err)
 	}
-	if _, err := s.Service.DeleteTemplate(ctx(t), user, "base:latest"); !fault.Is(err, fault.Forbidden) {
+	if _, err := s.Service.DeleteTemplate(ctx(t), user, "base:latest", ""); !fault.Is(err, fault.Forbidden) {
 		t.Fatal(err)
 	}
 	other := s.AddRelease("other", "v1", nil, map[string]string{"a": "b"})
-	if d, err := s.Service.DeleteTemplate(ctx(t), admin, "other:v1"); err != nil || d.Digest != other {
+	if d, err := s.Service.DeleteTemplate(ctx(t), admin, "other:v1", ""); err != nil || d.Digest != other {
 		t.Fatalf("delete tag: %+v %v", d, err)
 	}
-	if d, err := s.Service.DeleteTemplate(ctx(t), admin, "other@"+other); err != nil || len(d.Nodes) != 1 {
+	if d, err := s.Service.DeleteTemplate(ctx(t), admin, "other@"+other, ""); err != nil || len(d.Nodes) != 1 {
 		t.Fatalf("delete release: %+v %v", d, err)
 	}
 	// No node published what it may build from: no node can build.
@@ -206,7 +209,7 @@ func TestTemplatesPoolsKeysNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.Eventually(time.Minute, "the pool to fill", func() bool {
-		pools, err := s.Service.Pools(ctx(t), user)
+		pools, err := s.Service.Pools(ctx(t), user, "")
 		return err == nil && len(pools) == 1 && pools[0].Ready == 1
 	})
 	created, err := s.Service.Create(ctx(t), user, api.CreateSandboxRequest{}, nil)
@@ -220,11 +223,11 @@ func TestTemplatesPoolsKeysNodes(t *testing.T) {
 	if _, err := s.Service.SetPool(ctx(t), admin, api.SetPoolRequest{Template: "base", Size: 0}); err != nil {
 		t.Fatal(err)
 	}
-	key, err := s.Service.CreateAPIKey(ctx(t), admin, api.CreateAPIKeyRequest{Name: "ci"})
+	key, err := s.Service.CreateAPIKey(ctx(t), admin, api.CreateAPIKeyRequest{Name: "ci", Tenant: "default"})
 	if err != nil || key.Secret == "" {
 		t.Fatalf("key %+v %v", key, err)
 	}
-	keys, err := s.Service.APIKeys(ctx(t), admin)
+	keys, err := s.Service.APIKeys(ctx(t), admin, "")
 	if err != nil || len(keys) < 2 {
 		t.Fatalf("keys %v %v", keys, err)
 	}

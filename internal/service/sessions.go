@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -141,7 +142,10 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		return api.CommandSession{}, err
 	}
 	sid := ids.Session()
-	tok, claims, err := s.cfg.Signer.Mint(token.Claims{Sandbox: t.Sandbox.ID, PID: info.PID, Proc: info.UID, Session: sid, Rights: rights, Epoch: t.Sandbox.TokenEpoch}, ttl)
+	// The token names the key that minted it: revoking the key ends it (and cuts its
+	// streams) within a second, whatever its expiry.
+	tok, claims, err := s.cfg.Signer.Mint(token.Claims{Sandbox: t.Sandbox.ID, PID: info.PID, Proc: info.UID, Session: sid,
+		Rights: rights, Epoch: t.Sandbox.TokenEpoch, Key: p.KeyID}, ttl)
 	if err != nil {
 		return api.CommandSession{}, err
 	}
@@ -175,6 +179,14 @@ func ProcessSpec(req *api.CreateSessionRequest) (*wire.ProcessSpec, error) {
 		return nil, invalid("argv[0] is empty")
 	}
 	if err := ValidateMap("env", req.Env, true); err != nil {
+		return nil, err
+	}
+	for i, arg := range spec.Argv {
+		if strings.ContainsRune(arg, 0) {
+			return nil, invalid("argv[%d] contains NUL", i)
+		}
+	}
+	if err := checkText("cwd", spec.Cwd, false); err != nil {
 		return nil, err
 	}
 	if spec.User == "" {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/spacedev/space/api"
@@ -13,27 +14,60 @@ import (
 	"github.com/spacedev/space/internal/template"
 )
 
-// Templates lists template releases.
-func (s *Service) Templates(ctx context.Context, _ *Principal) ([]api.Template, error) {
-	rels, err := s.st.ListReleases(ctx)
+// Templates are shared (builtin ones, and what operators build: every tenant may use
+// them, none may change them) or a tenant's own (what its admins build: invisible to
+// other tenants, answering like missing ones). A tenant's template name takes
+// precedence over a shared one for that tenant.
+
+// Templates lists the templates p may see: its tenant's and the shared ones; an
+// operator every tenant's, or tenant's and the shared ones.
+func (s *Service) Templates(ctx context.Context, p *Principal, tenant string) ([]api.Template, error) {
+	scope, err := s.scope(ctx, p, tenant)
+	if err != nil {
+		return nil, err
+	}
+	rels, err := s.st.ListReleases(ctx, scope, scope == "")
 	if err != nil {
 		return nil, err
 	}
 	out := make([]api.Template, 0, len(rels))
 	for _, rel := range rels {
-		out = append(out, api.Template{Name: rel.Name, Tags: rel.Tags, Digest: rel.Digest, SizeBytes: rel.SizeBytes, CreatedAt: rel.CreatedAt})
+		out = append(out, api.Template{Tenant: rel.Tenant, Name: rel.Name, Tags: rel.Tags, Digest: rel.Digest,
+			SizeBytes: rel.SizeBytes, CreatedAt: rel.CreatedAt})
 	}
 	return out, nil
 }
 
+// templateOwner returns whose template name is for p in the tenant it names: p's
+// tenant's own, else the shared one; for an operator the named tenant's (or the
+// shared one when it names none). A name p may not see is NotFound.
+func (s *Service) templateOwner(ctx context.Context, p *Principal, tenant, name string) (string, error) {
+	scope, err := s.scope(ctx, p, tenant)
+	if err != nil {
+		return "", err
+	}
+	owner, found, err := s.st.TemplateOwner(ctx, scope, name)
+	if err != nil {
+		return "", err
+	}
+	if !found {
+		return "", fault.New(fault.NotFound, "template %q not found", name)
+	}
+	return owner, nil
+}
+
 // Template describes a template: its tags and releases.
-func (s *Service) Template(ctx context.Context, _ *Principal, name string) (api.TemplateDetail, error) {
+func (s *Service) Template(ctx context.Context, p *Principal, name, tenant string) (api.TemplateDetail, error) {
 	ref, err := api.ParseTemplateRef(name)
 	if err != nil {
 		return api.TemplateDetail{}, fault.Wrap(fault.Invalid, err)
 	}
 	name = ref.Name
-	rels, nodes, err := s.st.TemplateReleases(ctx, name)
+	owner, err := s.templateOwner(ctx, p, tenant, name)
+	if err != nil {
+		return api.TemplateDetail{}, err
+	}
+	rels, nodes, err := s.st.TemplateReleases(ctx, owner, name)
 	if err != nil {
 		return api.TemplateDetail{}, err
 	}
@@ -50,8 +84,8 @@ func (s *Service) Template(ctx context.Context, _ *Principal, name string) (api.
 			cfg = json.RawMessage(`{}`)
 		}
 		ns := nodes[rel.Digest]
-		if ns == nil {
-			ns = []string{}
+		if ns == nil || !p.Operator() {
+			ns = []string{} // nodes are the operator's business
 		}
 		tags := rel.Tags
 		if tags == nil {
@@ -64,11 +98,10 @@ func (s *Service) Template(ctx context.Context, _ *Principal, name string) (api.
 }
 
 // DeleteTemplate removes a tag (name:tag) or deletes a release (name@sha256:…) from
-// the database; the nodes that hold the release remove its files. Admins only.
-func (s *Service) DeleteTemplate(ctx context.Context, p *Principal, raw string) (api.TemplateDeleted, error) {
-	if err := RequireAdmin(p); err != nil {
-		return api.TemplateDeleted{}, err
-	}
+// the database; the nodes that hold the release remove its files. A tenant's admins
+// delete their tenant's templates (shared ones are read-only for them); operators the
+// shared ones, or a tenant's when they name it.
+func (s *Service) DeleteTemplate(ctx context.Context, p *Principal, raw, tenant string) (api.TemplateDeleted, error) {
 	if !strings.ContainsAny(raw, ":@") {
 		return api.TemplateDeleted{}, invalid("say %s:TAG to remove a tag or %s@sha256:… to delete a release", raw, raw)
 	}
@@ -76,27 +109,58 @@ func (s *Service) DeleteTemplate(ctx context.Context, p *Principal, raw string) 
 	if err != nil {
 		return api.TemplateDeleted{}, fault.Wrap(fault.Invalid, err)
 	}
+	owner := tenant
+	if !p.Operator() {
+		if owner, err = s.templateOwner(ctx, p, tenant, ref.Name); err != nil {
+			if fault.Is(err, fault.NotFound) && ref.Digest != "" {
+				return api.TemplateDeleted{}, fault.New(fault.NotFound, "template release %s@%s not found", ref.Name, ref.Digest)
+			}
+			if fault.Is(err, fault.NotFound) {
+				return api.TemplateDeleted{}, fault.New(fault.NotFound, "template %s:%s not found", ref.Name, ref.Tag)
+			}
+			return api.TemplateDeleted{}, err
+		}
+		if owner == "" {
+			return api.TemplateDeleted{}, fault.New(fault.Forbidden, "template %s is shared: only operators change it", ref.Name)
+		}
+		if err := RequireAdmin(p); err != nil {
+			return api.TemplateDeleted{}, err
+		}
+	} else if _, err := s.scope(ctx, p, tenant); err != nil {
+		return api.TemplateDeleted{}, err
+	}
 	if ref.Digest != "" {
-		nodes, err := s.st.DeleteRelease(ctx, ref.Name, ref.Digest)
+		nodes, err := s.st.DeleteRelease(ctx, owner, ref.Name, ref.Digest)
 		if err != nil {
 			return api.TemplateDeleted{}, err
 		}
-		s.log.Info("template release deleted", "ref", ref.String(), "nodes", nodes)
+		s.log.Info("template release deleted", "ref", ref.String(), "tenant", owner, "nodes", nodes)
+		if !p.Operator() {
+			nodes = nil
+		}
 		return api.TemplateDeleted{Deleted: ref.String(), Digest: ref.Digest, Nodes: nodes}, nil
 	}
-	d, err := s.st.DeleteTag(ctx, ref.Name, ref.Tag)
+	d, err := s.st.DeleteTag(ctx, owner, ref.Name, ref.Tag)
 	if err != nil {
 		return api.TemplateDeleted{}, err
 	}
-	s.log.Info("template tag removed", "ref", ref.String(), "digest", d)
+	s.log.Info("template tag removed", "ref", ref.String(), "tenant", owner, "digest", d)
 	return api.TemplateDeleted{Deleted: ref.String(), Digest: d}, nil
 }
 
 // BuildTemplate validates a build spec (JSON or YAML), checks its sources against the
 // allowlists the nodes published, picks the least loaded node that may build it and
-// queues the build there. Admins only.
+// queues the build there. A tenant's admins build their tenant's templates (names of
+// shared templates are taken); operators build shared ones. The build is an operation
+// of the tenant (quota "operations").
 func (s *Service) BuildTemplate(ctx context.Context, p *Principal, body []byte) (*store.Operation, error) {
-	if err := RequireAdmin(p); err != nil {
+	return s.BuildTemplateFor(ctx, p, body, "")
+}
+
+// BuildTemplateFor is BuildTemplate in the tenant an operator names ("" = shared).
+func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byte, tenant string) (*store.Operation, error) {
+	owner, err := s.scope(ctx, p, tenant)
+	if err != nil {
 		return nil, err
 	}
 	if len(strings.TrimSpace(string(body))) == 0 {
@@ -106,52 +170,84 @@ func (s *Service) BuildTemplate(ctx context.Context, p *Principal, body []byte) 
 	if err != nil {
 		return nil, err
 	}
-	params := map[string]any{"spec": spec, "template": spec.Ref()}
+	if owner != "" {
+		if slices.Contains(s.cfg.BuiltinTemplates, spec.Name) {
+			return nil, fault.New(fault.Conflict, "template name %q is a builtin template's", spec.Name)
+		}
+		if _, shared, err := s.st.TemplateOwner(ctx, "", spec.Name); err != nil {
+			return nil, err
+		} else if shared {
+			if mine, _, err := s.st.TemplateOwner(ctx, owner, spec.Name); err != nil || mine == "" {
+				return nil, fault.New(fault.Conflict, "template name %q is taken by a shared template", spec.Name)
+			}
+		}
+	}
+	params := map[string]any{"spec": spec, "template": spec.Ref(), "owner": owner}
 	parent := ""
 	if spec.From.Template != "" {
-		if parent, err = s.resolveRelease(ctx, spec.From.Template); err != nil {
+		if parent, err = s.resolveRelease(ctx, owner, spec.From.Template); err != nil {
 			return nil, err
 		}
 		params["from_digest"] = parent
+	}
+	// The role is checked after the names are resolved, so that another tenant's
+	// template answers like a missing one to every key.
+	if err := RequireAdmin(p); err != nil {
+		return nil, err
 	}
 	node, err := s.pickBuildNode(ctx, spec, parent)
 	if err != nil {
 		return nil, err
 	}
 	params["node"] = node.ID
+	opTenant := owner
+	if opTenant == "" {
+		opTenant = p.Tenant
+	}
 	op := &store.Operation{
 		ID: ids.Operation(), Kind: api.OpTemplateBuild, State: api.OpPending,
-		Tenant:  p.Tenant,
+		Tenant:  opTenant,
 		Message: fmt.Sprintf("queued: build %s on node %s", spec.Ref(), node.Name),
 		Params:  params,
 	}
-	if err := s.st.CreateBuildOperation(ctx, op, node.ID); err != nil {
+	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		if err := s.checkQuota(ctx, tx, opTenant, need{store.QuotaOperations: 1}); err != nil {
+			return err
+		}
+		return tx.CreateBuildOperation(ctx, op, node.ID)
+	})
+	if err != nil {
 		return nil, err
 	}
-	s.log.Info("template build queued", "template", spec.Ref(), "node", node.Name, "op", op.ID)
+	s.log.Info("template build queued", "template", spec.Ref(), "tenant", owner, "node", node.Name, "op", op.ID)
 	return op, nil
 }
 
-// resolveRelease returns the digest a template reference names (404 if none).
-func (s *Service) resolveRelease(ctx context.Context, raw string) (string, error) {
+// resolveRelease returns the digest a template reference names for tenant ("" =
+// shared only); 404 if none it may use.
+func (s *Service) resolveRelease(ctx context.Context, tenant, raw string) (string, error) {
 	ref, err := api.ParseTemplateRef(raw)
 	if err != nil {
 		return "", fault.Wrap(fault.Invalid, err)
 	}
 	d := ref.Digest
 	if d == "" {
-		if d, err = s.st.ResolveTag(ctx, ref.Name, ref.Tag); err != nil {
+		if d, _, err = s.st.ResolveTenantTag(ctx, tenant, ref.Name, ref.Tag); err != nil {
 			return "", err
 		}
 		if d == "" {
 			return "", fault.New(fault.NotFound, "template %q not found", ref.String())
 		}
+	} else if ok, err := s.st.ReleaseVisible(ctx, tenant, d); err != nil {
+		return "", err
+	} else if !ok {
+		return "", fault.New(fault.NotFound, "template %q not found", ref.String())
 	}
 	rel, err := s.st.GetRelease(ctx, d)
 	if err != nil {
 		return "", err
 	}
-	if rel.Name != ref.Name {
+	if ref.Digest != "" && rel.Name != ref.Name {
 		return "", fault.New(fault.NotFound, "template %q not found", ref.String())
 	}
 	return d, nil

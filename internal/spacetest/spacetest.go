@@ -64,7 +64,7 @@ type Space struct {
 	Node    *node.Node
 	NodeID  string
 	URL     string
-	// AdminKey is an admin API key of tenant "default"; C is a client using it.
+	// AdminKey is an operator API key (home tenant "default"); C is a client using it.
 	AdminKey string
 	C        *client.Client
 	// Base is the digest of the "base" release every Space has.
@@ -270,19 +270,35 @@ func (s *Space) stop() {
 	s.Store.Close()
 }
 
-// NewKey creates an API key of kind (service.KeySpace or KeyE2B) in tenant and returns
-// its secret.
-func (s *Space) NewKey(tenant string, admin bool, kind string) string {
+// NewKey creates an API key of kind (service.KeySpace or KeyE2B) in tenant (created
+// when missing) and returns its secret: an operator key when operator is true, else a
+// member key.
+func (s *Space) NewKey(tenant string, operator bool, kind string) string {
+	s.T.Helper()
+	role := store.RoleMember
+	if operator {
+		role = store.RoleOperator
+	}
+	_, secret := s.NewKeyRole(tenant, role, kind)
+	return secret
+}
+
+// NewKeyRole creates an API key of a role (store.RoleOperator, RoleAdmin, RoleMember)
+// and kind in tenant (created when missing) and returns its id and secret.
+func (s *Space) NewKeyRole(tenant, role, kind string) (id, secret string) {
 	s.T.Helper()
 	secret, prefix, err := store.NewKeySecret(kind)
 	if err != nil {
 		s.T.Fatal(err)
 	}
-	k := &store.APIKey{ID: ids.APIKey(), Name: "test", Prefix: prefix, Kind: kind, Tenant: tenant, Admin: admin}
+	if err := s.Store.EnsureTenant(s.ctx, tenant); err != nil {
+		s.T.Fatal(err)
+	}
+	k := &store.APIKey{ID: ids.APIKey(), Name: "test", Prefix: prefix, Kind: kind, Tenant: tenant, Role: role}
 	if err := s.Store.CreateAPIKey(s.ctx, k, secret); err != nil {
 		s.T.Fatal(err)
 	}
-	return secret
+	return k.ID, secret
 }
 
 // Create creates a sandbox (base template unless req names one) and waits until its

@@ -13,24 +13,38 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+)
+
+// Key roles (docs/security.md, "Tenancy").
+const (
+	// RoleOperator sees and manages every tenant: tenants and quotas, nodes, metrics,
+	// shared templates, every key. The bootstrap admin key is an operator key.
+	RoleOperator = "operator"
+	// RoleAdmin is a tenant's administrator: its keys, templates and pools.
+	RoleAdmin = "admin"
+	// RoleMember uses its tenant's sandboxes, sessions and operations.
+	RoleMember = "member"
 )
 
 // APIKey is a row of the api_keys table.
 type APIKey struct {
-	ID        string
-	Name      string
-	Prefix    string
-	Kind      string
+	ID     string
+	Name   string
+	Prefix string
+	Kind   string
+	// Tenant is the key's tenant (an operator key's home tenant: where its own
+	// sandboxes go).
 	Tenant    string
-	Admin     bool
+	Role      string
 	CreatedAt time.Time
 	RevokedAt *time.Time
 }
 
 // API converts the row to its wire form.
 func (k *APIKey) API() api.APIKey {
-	return api.APIKey{ID: k.ID, Name: k.Name, Prefix: k.Prefix, Kind: k.Kind, Admin: k.Admin,
-		CreatedAt: k.CreatedAt, RevokedAt: k.RevokedAt}
+	return api.APIKey{ID: k.ID, Name: k.Name, Prefix: k.Prefix, Kind: k.Kind, Tenant: k.Tenant, Role: k.Role,
+		Admin: k.Role != RoleMember, CreatedAt: k.CreatedAt, RevokedAt: k.RevokedAt}
 }
 
 // HashKey is how key secrets are stored: SHA-256 (secrets are 256-bit random, so a
@@ -40,20 +54,26 @@ func HashKey(secret string) []byte {
 	return h[:]
 }
 
-const keyCols = `id, name, prefix, kind, tenant, admin, created_at, revoked_at`
+const keyCols = `id, name, prefix, kind, tenant, role, created_at, revoked_at`
 
 func scanKey(row pgx.Row) (*APIKey, error) {
 	var k APIKey
-	err := row.Scan(&k.ID, &k.Name, &k.Prefix, &k.Kind, &k.Tenant, &k.Admin, &k.CreatedAt, &k.RevokedAt)
+	err := row.Scan(&k.ID, &k.Name, &k.Prefix, &k.Kind, &k.Tenant, &k.Role, &k.CreatedAt, &k.RevokedAt)
 	return &k, err
 }
 
-// CreateAPIKey stores a key (its hash only).
+// CreateAPIKey stores a key (its hash only). The tenant must exist.
 func (s *Store) CreateAPIKey(ctx context.Context, k *APIKey, secret string) error {
-	row := s.pool.QueryRow(ctx, `INSERT INTO api_keys (id, name, prefix, hash, kind, tenant, admin)
+	if k.Role == "" {
+		k.Role = RoleMember
+	}
+	row := s.pool.QueryRow(ctx, `INSERT INTO api_keys (id, name, prefix, hash, kind, tenant, role)
 		VALUES ($1,$2,$3,$4,$5,$6,$7) RETURNING `+keyCols,
-		k.ID, k.Name, k.Prefix, HashKey(secret), k.Kind, k.Tenant, k.Admin)
+		k.ID, k.Name, k.Prefix, HashKey(secret), k.Kind, k.Tenant, k.Role)
 	got, err := scanKey(row)
+	if isForeignKeyViolation(err) {
+		return fault.New(fault.NotFound, "tenant %q not found", k.Tenant)
+	}
 	if err != nil {
 		return fmt.Errorf("create api key: %w", err)
 	}
@@ -70,9 +90,18 @@ func (s *Store) LookupAPIKey(ctx context.Context, secret string) (*APIKey, error
 	return k, nil
 }
 
-// ListAPIKeys lists keys, newest first.
-func (s *Store) ListAPIKeys(ctx context.Context) ([]*APIKey, error) {
-	rows, err := s.pool.Query(ctx, `SELECT `+keyCols+` FROM api_keys ORDER BY created_at DESC`)
+// GetAPIKey returns a key (revoked or not) by id.
+func (s *Store) GetAPIKey(ctx context.Context, id string) (*APIKey, error) {
+	k, err := scanKey(s.pool.QueryRow(ctx, `SELECT `+keyCols+` FROM api_keys WHERE id=$1`, id))
+	if err != nil {
+		return nil, notFound(err, "api key", id)
+	}
+	return k, nil
+}
+
+// ListAPIKeys lists the keys of a tenant ("" = every tenant), newest first.
+func (s *Store) ListAPIKeys(ctx context.Context, tenant string) ([]*APIKey, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+keyCols+` FROM api_keys WHERE $1 = '' OR tenant = $1 ORDER BY created_at DESC, id`, tenant)
 	if err != nil {
 		return nil, err
 	}
@@ -88,20 +117,44 @@ func (s *Store) ListAPIKeys(ctx context.Context) ([]*APIKey, error) {
 	return out, rows.Err()
 }
 
-// RevokeAPIKey revokes a key by id or prefix.
-func (s *Store) RevokeAPIKey(ctx context.Context, idOrPrefix string) (*APIKey, error) {
-	k, err := scanKey(s.pool.QueryRow(ctx, `UPDATE api_keys SET revoked_at=coalesce(revoked_at, now())
-		WHERE id=$1 OR prefix=$1 RETURNING `+keyCols, idOrPrefix))
-	if err != nil {
-		return nil, notFound(err, "api key", idOrPrefix)
-	}
-	return k, nil
+// RevokeAPIKey revokes the key with this id (ids only: a prefix names no key) and
+// announces it on ChannelKeys, so that the data plane cuts streams authorized by
+// tokens the key minted. Revoking a revoked key changes nothing.
+func (s *Store) RevokeAPIKey(ctx context.Context, id string) (*APIKey, error) {
+	var k *APIKey
+	err := s.InTx(ctx, func(tx *Tx) error {
+		var err error
+		k, err = scanKey(tx.tx.QueryRow(ctx, `UPDATE api_keys SET revoked_at=coalesce(revoked_at, now())
+			WHERE id=$1 RETURNING `+keyCols, id))
+		if err != nil {
+			return notFound(err, "api key", id)
+		}
+		return tx.Notify(ctx, ChannelKeys, id)
+	})
+	return k, err
 }
 
-// CountAdminKeys counts live admin keys.
-func (s *Store) CountAdminKeys(ctx context.Context) (int, error) {
+// KeyLive reports whether the key with this id exists and is not revoked.
+func (s *Store) KeyLive(ctx context.Context, id string) (bool, error) {
+	var live bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM api_keys WHERE id=$1 AND revoked_at IS NULL)`, id).Scan(&live)
+	return live, err
+}
+
+// RevokedKeys returns which of ids are revoked or gone.
+func (s *Store) RevokedKeys(ctx context.Context, ids []string) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT u.id FROM unnest($1::text[]) AS u(id)
+		WHERE NOT EXISTS (SELECT 1 FROM api_keys k WHERE k.id = u.id AND k.revoked_at IS NULL)`, ids)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// CountOperatorKeys counts live operator keys.
+func (s *Store) CountOperatorKeys(ctx context.Context) (int, error) {
 	var n int
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM api_keys WHERE admin AND revoked_at IS NULL`).Scan(&n)
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM api_keys WHERE role=$1 AND revoked_at IS NULL`, RoleOperator).Scan(&n)
 	return n, err
 }
 

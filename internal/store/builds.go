@@ -19,15 +19,18 @@ func BuildChannel(nodeID string) string { return "space_build_" + nodeID }
 // CreateBuildOperation inserts a queued template build assigned to nodeID (recorded in
 // op.Params["node"] by the caller) and wakes that node when the transaction commits.
 func (s *Store) CreateBuildOperation(ctx context.Context, op *Operation, nodeID string) error {
-	return s.InTx(ctx, func(tx *Tx) error {
-		if err := tx.InsertOperation(ctx, op); err != nil {
-			return err
-		}
-		if err := tx.Notify(ctx, ChannelOperations, op.ID); err != nil {
-			return err
-		}
-		return tx.Notify(ctx, BuildChannel(nodeID), op.ID)
-	})
+	return s.InTx(ctx, func(tx *Tx) error { return tx.CreateBuildOperation(ctx, op, nodeID) })
+}
+
+// CreateBuildOperation is CreateBuildOperation inside a transaction.
+func (t *Tx) CreateBuildOperation(ctx context.Context, op *Operation, nodeID string) error {
+	if err := t.InsertOperation(ctx, op); err != nil {
+		return err
+	}
+	if err := t.Notify(ctx, ChannelOperations, op.ID); err != nil {
+		return err
+	}
+	return t.Notify(ctx, BuildChannel(nodeID), op.ID)
 }
 
 // QueuedBuilds lists the pending template builds assigned to nodeID, oldest first.
@@ -117,13 +120,15 @@ func (s *Store) NodeTemplateSources(ctx context.Context) (map[string][]string, e
 	return out, rows.Err()
 }
 
-// TemplateReleases returns the releases of one template, newest first, with their tags
-// and the nodes that hold them.
-func (s *Store) TemplateReleases(ctx context.Context, name string) ([]*Release, map[string][]string, error) {
-	rows, err := s.pool.Query(ctx, `SELECT r.digest, r.name, r.config, r.size_bytes, r.created_at,
-		coalesce((SELECT array_agg(t.tag ORDER BY t.tag) FROM template_tags t WHERE t.digest=r.digest AND t.name=r.name), '{}'),
+// TemplateReleases returns the releases of one template of owner ("" = shared), newest
+// first, with the template's tags that point at each and the nodes that hold them.
+func (s *Store) TemplateReleases(ctx context.Context, owner, name string) ([]*Release, map[string][]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT r.digest, $2, r.config, r.size_bytes, r.created_at, $1,
+		coalesce((SELECT array_agg(t.tag ORDER BY t.tag) FROM template_tags t WHERE t.digest=r.digest AND t.name=$2 AND t.tenant=$1), '{}'),
 		coalesce((SELECT array_agg(n.node_id ORDER BY n.node_id) FROM node_releases n WHERE n.digest=r.digest), '{}')
-		FROM template_releases r WHERE r.name=$1 ORDER BY r.created_at DESC, r.digest`, name)
+		FROM template_releases r
+		WHERE (r.name=$2 AND r.tenant=$1) OR r.digest IN (SELECT digest FROM template_tags WHERE name=$2 AND tenant=$1)
+		ORDER BY r.created_at DESC, r.digest`, owner, name)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -133,7 +138,7 @@ func (s *Store) TemplateReleases(ctx context.Context, name string) ([]*Release, 
 	for rows.Next() {
 		var r Release
 		var ns []string
-		if err := rows.Scan(&r.Digest, &r.Name, &r.Config, &r.SizeBytes, &r.CreatedAt, &r.Tags, &ns); err != nil {
+		if err := rows.Scan(&r.Digest, &r.Name, &r.Config, &r.SizeBytes, &r.CreatedAt, &r.Tenant, &r.Tags, &ns); err != nil {
 			return nil, nil, err
 		}
 		nodes[r.Digest] = ns
@@ -142,45 +147,68 @@ func (s *Store) TemplateReleases(ctx context.Context, name string) ([]*Release, 
 	return out, nodes, rows.Err()
 }
 
-// DeleteTag removes the tag name:tag and returns the digest it pointed at.
-func (s *Store) DeleteTag(ctx context.Context, name, tag string) (string, error) {
+// DeleteTag removes owner's tag name:tag ("" = shared) and returns the digest it
+// pointed at.
+func (s *Store) DeleteTag(ctx context.Context, owner, name, tag string) (string, error) {
 	var d string
-	err := s.pool.QueryRow(ctx, `DELETE FROM template_tags WHERE name=$1 AND tag=$2 RETURNING digest`, name, tag).Scan(&d)
+	err := s.pool.QueryRow(ctx, `DELETE FROM template_tags WHERE tenant=$1 AND name=$2 AND tag=$3 RETURNING digest`, owner, name, tag).Scan(&d)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", fault.New(fault.NotFound, "template %s:%s not found", name, tag)
 	}
 	return d, err
 }
 
-// DeleteRelease deletes the release name@digest from the database with the tags that
-// point at it, and queues the removal of its artifacts on the nodes that hold it (see
-// PendingReleaseGC); it returns those nodes. It refuses (fault.Conflict) while a
-// sandbox that is not deleted was created from it (or waits to be, by one of its
-// tags), or an unfinished build starts from it.
-func (s *Store) DeleteRelease(ctx context.Context, name, digest string) ([]string, error) {
+// DeleteRelease deletes owner's release name@digest ("" = shared) from the database
+// with the tags that point at it, and queues the removal of its artifacts on the nodes
+// that hold it (see PendingReleaseGC); it returns those nodes. It refuses
+// (fault.Conflict) while a sandbox that is not deleted was created from it (or waits to
+// be, by one of its tags), an unfinished build starts from it, or another tenant's tag
+// points at it (a build of identical content). Sandboxes are named only when they are
+// owner's (shared: any).
+func (s *Store) DeleteRelease(ctx context.Context, owner, name, digest string) ([]string, error) {
 	var nodes []string
 	err := s.InTx(ctx, func(tx *Tx) error {
-		var got string
-		err := tx.tx.QueryRow(ctx, `SELECT name FROM template_releases WHERE digest=$1 FOR UPDATE`, digest).Scan(&got)
-		if errors.Is(err, pgx.ErrNoRows) || err == nil && got != name {
+		var got, gotOwner string
+		err := tx.tx.QueryRow(ctx, `SELECT name, tenant FROM template_releases WHERE digest=$1 FOR UPDATE`, digest).Scan(&got, &gotOwner)
+		if errors.Is(err, pgx.ErrNoRows) || err == nil && (got != name || gotOwner != owner) {
 			return fault.New(fault.NotFound, "template release %s@%s not found", name, digest)
 		}
 		if err != nil {
 			return err
 		}
-		rows, err := tx.tx.Query(ctx, `SELECT id FROM sandboxes WHERE deleted_at IS NULL AND (template_digest=$1
+		rows, err := tx.tx.Query(ctx, `SELECT id, tenant FROM sandboxes WHERE deleted_at IS NULL AND (template_digest=$1
 			OR (template_digest IS NULL OR template_digest='') AND template_ref IN
 				(SELECT t.name || ':' || t.tag FROM template_tags t WHERE t.digest=$1))
 			ORDER BY created_at LIMIT 5`, digest)
 		if err != nil {
 			return err
 		}
-		users, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
+		var users []string
+		inUse := false
+		for rows.Next() {
+			var id, tenant string
+			if err := rows.Scan(&id, &tenant); err != nil {
+				rows.Close()
+				return err
+			}
+			inUse = true
+			if owner == "" || tenant == owner {
+				users = append(users, id)
+			}
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
 			return err
 		}
-		if len(users) > 0 {
-			return fault.New(fault.Conflict, "template release %s@%s is in use by sandbox %v; delete those sandboxes first", name, digest, users)
+		if inUse {
+			return fault.New(fault.Conflict, "template release %s@%s is in use by sandboxes %v; delete those sandboxes first", name, digest, users)
+		}
+		var others int
+		if err := tx.tx.QueryRow(ctx, `SELECT count(*) FROM template_tags WHERE digest=$1 AND tenant <> $2`, digest, owner).Scan(&others); err != nil {
+			return err
+		}
+		if others > 0 {
+			return fault.New(fault.Conflict, "template release %s@%s is also the release of other templates", name, digest)
 		}
 		var builds []string
 		rows, err = tx.tx.Query(ctx, `SELECT id FROM operations WHERE kind=$1 AND done_at IS NULL AND params->>'from_digest'=$2`,

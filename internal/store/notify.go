@@ -22,6 +22,9 @@ const (
 	ChannelSandboxes = "space_sandboxes"
 	// ChannelTokens announces token revocations (payload: sandbox id).
 	ChannelTokens = "space_tokens"
+	// ChannelKeys announces API key revocations (payload: key id; "" when several
+	// keys went at once, e.g. with their tenant).
+	ChannelKeys = "space_keys"
 )
 
 // NodeChannel is the channel that wakes one node (payload: sandbox id).

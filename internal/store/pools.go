@@ -9,6 +9,8 @@ import (
 
 // Pool is a row of the pools table.
 type Pool struct {
+	// Tenant is the tenant whose creates claim the pool's members.
+	Tenant   string
 	Template string
 	CPU      int
 	MemoryMB int
@@ -17,42 +19,60 @@ type Pool struct {
 }
 
 // Key identifies the pool's members (sandboxes.pool_key).
-func (p *Pool) Key() string { return PoolKey(p.Template, p.CPU, p.MemoryMB) }
+func (p *Pool) Key() string { return PoolKey(p.Tenant, p.Template, p.CPU, p.MemoryMB) }
 
-// PoolKey is the pool key of a template reference and size class.
-func PoolKey(template string, cpu, memoryMB int) string {
-	return fmt.Sprintf("%s/%dcpu/%dmb", template, cpu, memoryMB)
+// PoolKey is the pool key of a tenant's pool of a template reference and size class.
+func PoolKey(tenant, template string, cpu, memoryMB int) string {
+	return fmt.Sprintf("%s/%s/%dcpu/%dmb", tenant, template, cpu, memoryMB)
 }
+
+// poolKeySQL is PoolKey in SQL, over the pools row p.
+const poolKeySQL = `p.tenant || '/' || p.template || '/' || p.cpu || 'cpu/' || p.memory_mb || 'mb'`
 
 // SetPool creates, resizes or (size 0) removes a pool and wakes the controller.
 func (s *Store) SetPool(ctx context.Context, p Pool) error {
-	return s.InTx(ctx, func(tx *Tx) error {
-		var err error
-		if p.Size == 0 {
-			_, err = tx.tx.Exec(ctx, `DELETE FROM pools WHERE template=$1 AND cpu=$2 AND memory_mb=$3`, p.Template, p.CPU, p.MemoryMB)
-		} else {
-			_, err = tx.tx.Exec(ctx, `INSERT INTO pools (template, cpu, memory_mb, size) VALUES ($1,$2,$3,$4)
-				ON CONFLICT (template, cpu, memory_mb) DO UPDATE SET size=$4, updated_at=now()`, p.Template, p.CPU, p.MemoryMB, p.Size)
-		}
-		if err != nil {
-			return fmt.Errorf("set pool: %w", err)
-		}
-		return tx.Notify(ctx, ChannelController, "")
-	})
+	return s.InTx(ctx, func(tx *Tx) error { return tx.SetPool(ctx, p) })
 }
 
-// ListPools lists pools with how many members are ready to be claimed.
-func (s *Store) ListPools(ctx context.Context) ([]Pool, error) {
-	rows, err := s.pool.Query(ctx, `SELECT p.template, p.cpu, p.memory_mb, p.size,
-		(SELECT count(*) FROM sandboxes s WHERE s.pool_key = p.template || '/' || p.cpu || 'cpu/' || p.memory_mb || 'mb'
+// SetPool is SetPool inside a transaction (after a quota check under LockTenant).
+func (t *Tx) SetPool(ctx context.Context, p Pool) error {
+	var err error
+	if p.Size == 0 {
+		_, err = t.tx.Exec(ctx, `DELETE FROM pools WHERE tenant=$1 AND template=$2 AND cpu=$3 AND memory_mb=$4`, p.Tenant, p.Template, p.CPU, p.MemoryMB)
+	} else {
+		_, err = t.tx.Exec(ctx, `INSERT INTO pools (tenant, template, cpu, memory_mb, size) VALUES ($1,$2,$3,$4,$5)
+			ON CONFLICT (tenant, template, cpu, memory_mb) DO UPDATE SET size=$5, updated_at=now()`, p.Tenant, p.Template, p.CPU, p.MemoryMB, p.Size)
+	}
+	if err != nil {
+		return fmt.Errorf("set pool: %w", err)
+	}
+	return t.Notify(ctx, ChannelController, "")
+}
+
+// PoolSize returns the size of a pool (0 if it does not exist).
+func (t *Tx) PoolSize(ctx context.Context, p Pool) (int, error) {
+	var n int
+	err := t.tx.QueryRow(ctx, `SELECT coalesce((SELECT size FROM pools WHERE tenant=$1 AND template=$2 AND cpu=$3 AND memory_mb=$4), 0)`,
+		p.Tenant, p.Template, p.CPU, p.MemoryMB).Scan(&n)
+	return n, err
+}
+
+// ListPools lists every tenant's pools with how many members are ready to be claimed.
+func (s *Store) ListPools(ctx context.Context) ([]Pool, error) { return s.TenantPools(ctx, "") }
+
+// TenantPools lists a tenant's pools ("" = every tenant's) with how many members are
+// ready to be claimed.
+func (s *Store) TenantPools(ctx context.Context, tenant string) ([]Pool, error) {
+	rows, err := s.pool.Query(ctx, `SELECT p.tenant, p.template, p.cpu, p.memory_mb, p.size,
+		(SELECT count(*) FROM sandboxes s WHERE s.pool_key = `+poolKeySQL+`
 			AND s.state='paused' AND s.desired_state='paused' AND s.deleted_at IS NULL)
-		FROM pools p ORDER BY p.template, p.cpu, p.memory_mb`)
+		FROM pools p WHERE $1 = '' OR p.tenant = $1 ORDER BY p.tenant, p.template, p.cpu, p.memory_mb`, tenant)
 	if err != nil {
 		return nil, err
 	}
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Pool, error) {
 		var p Pool
-		err := r.Scan(&p.Template, &p.CPU, &p.MemoryMB, &p.Size, &p.Ready)
+		err := r.Scan(&p.Tenant, &p.Template, &p.CPU, &p.MemoryMB, &p.Size, &p.Ready)
 		return p, err
 	})
 }
@@ -71,7 +91,7 @@ func (s *Store) PoolMembers(ctx context.Context, key string) ([]*Sandbox, error)
 func (s *Store) OrphanPoolMembers(ctx context.Context) ([]*Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes s
 		WHERE pool_key IS NOT NULL AND deleted_at IS NULL AND desired_state <> 'deleted'
-		AND NOT EXISTS (SELECT 1 FROM pools p WHERE s.pool_key = p.template || '/' || p.cpu || 'cpu/' || p.memory_mb || 'mb')`)
+		AND NOT EXISTS (SELECT 1 FROM pools p WHERE s.pool_key = `+poolKeySQL+`)`)
 	if err != nil {
 		return nil, err
 	}

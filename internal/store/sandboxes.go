@@ -62,6 +62,8 @@ type Sandbox struct {
 	ExpireAction string
 	// Transition is what the node is in the middle of ("" when resting).
 	Transition lifecycle.Transition
+	// AccessEpoch is what the sandbox's E2B envd access token is bound to.
+	AccessEpoch int64
 }
 
 // Lifecycle is the state machine's view of the row.
@@ -74,6 +76,7 @@ func (s *Sandbox) Lifecycle() lifecycle.Sandbox {
 func (s *Sandbox) API() api.Sandbox {
 	return api.Sandbox{
 		ID:             s.ID,
+		Tenant:         s.Tenant,
 		Template:       s.TemplateRef,
 		TemplateDigest: s.TemplateDigest,
 		State:          s.State,
@@ -103,7 +106,7 @@ const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spe
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
-	disk_exclusive_bytes, identity_generation, expire_action, transition`
+	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -113,7 +116,7 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
-		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition)
+		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch)
 	if err != nil {
 		return nil, err
 	}
@@ -330,10 +333,11 @@ func (t *Tx) NotifySandbox(ctx context.Context, s *Sandbox) error {
 	return t.Notify(ctx, NodeChannel(s.NodeID), s.ID)
 }
 
-// BumpTokenEpoch revokes every attachment token issued for the sandbox so far.
+// BumpTokenEpoch revokes every attachment token issued for the sandbox so far, and its
+// E2B envd access token.
 func (s *Store) BumpTokenEpoch(ctx context.Context, id string) (int64, error) {
 	var epoch int64
-	err := s.pool.QueryRow(ctx, `UPDATE sandboxes SET token_epoch=token_epoch+1, updated_at=now()
+	err := s.pool.QueryRow(ctx, `UPDATE sandboxes SET token_epoch=token_epoch+1, access_epoch=access_epoch+1, updated_at=now()
 		WHERE id=$1 AND deleted_at IS NULL RETURNING token_epoch`, id).Scan(&epoch)
 	if err != nil {
 		return 0, notFound(err, "sandbox", id)
@@ -438,6 +442,27 @@ func (s *Store) PurgeDeleted(ctx context.Context, before time.Time) (int64, erro
 		return 0, err
 	}
 	return tag.RowsAffected(), nil
+}
+
+// RotateAccess replaces the sandbox's E2B envd access token (explicit pause and resume).
+func (t *Tx) RotateAccess(ctx context.Context, s *Sandbox) error {
+	err := t.tx.QueryRow(ctx, `UPDATE sandboxes SET access_epoch=access_epoch+1 WHERE id=$1 RETURNING access_epoch`, s.ID).Scan(&s.AccessEpoch)
+	if err != nil {
+		return fmt.Errorf("rotate access token: %w", err)
+	}
+	return nil
+}
+
+// TokenState is what the data plane checks a token against: the sandbox's current
+// epoch and node, and whether the API key that minted the token is live.
+func (s *Store) TokenState(ctx context.Context, sandboxID, keyID string) (epoch int64, nodeID string, keyLive bool, err error) {
+	err = s.pool.QueryRow(ctx, `SELECT token_epoch, coalesce(node_id,''),
+		EXISTS (SELECT 1 FROM api_keys WHERE id=$2 AND revoked_at IS NULL)
+		FROM sandboxes WHERE id=$1 AND deleted_at IS NULL`, sandboxID, keyID).Scan(&epoch, &nodeID, &keyLive)
+	if err != nil {
+		return 0, "", false, notFound(err, "sandbox", sandboxID)
+	}
+	return epoch, nodeID, keyLive, nil
 }
 
 // TokenEpoch returns the current token epoch of a live sandbox.

@@ -189,16 +189,26 @@ func TestAPIKeys(t *testing.T) {
 	if !regexp.MustCompile(`^e2b_[0-9a-f]{40}$`).MatchString(e2bSecret) || e2bPrefix != e2bSecret[:10] {
 		t.Fatalf("e2b secret %q prefix %q", e2bSecret, e2bPrefix)
 	}
-	admin := &store.APIKey{ID: ids.APIKey(), Name: "admin", Prefix: prefix, Kind: "space", Tenant: "t1", Admin: true}
+	// A key's tenant must exist.
+	if err := st.CreateAPIKey(ctx, &store.APIKey{ID: ids.APIKey(), Name: "x", Prefix: "x", Kind: "space", Tenant: "t1"}, "s"); !fault.Is(err, fault.NotFound) ||
+		!strings.Contains(err.Error(), `tenant "t1" not found`) {
+		t.Fatalf("key of a missing tenant: %v", err)
+	}
+	for _, tn := range []string{"t1", "t2"} {
+		if _, err := st.CreateTenant(ctx, tn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	admin := &store.APIKey{ID: ids.APIKey(), Name: "admin", Prefix: prefix, Kind: "space", Tenant: "t1", Role: store.RoleOperator}
 	if err := st.CreateAPIKey(ctx, admin, secret); err != nil {
 		t.Fatal(err)
 	}
-	if admin.CreatedAt.IsZero() || admin.RevokedAt != nil {
+	if admin.CreatedAt.IsZero() || admin.RevokedAt != nil || admin.Role != store.RoleOperator {
 		t.Fatalf("created key %+v", admin)
 	}
 	user := &store.APIKey{ID: ids.APIKey(), Name: "user", Prefix: e2bPrefix, Kind: "e2b", Tenant: "t2"}
-	if err := st.CreateAPIKey(ctx, user, e2bSecret); err != nil {
-		t.Fatal(err)
+	if err := st.CreateAPIKey(ctx, user, e2bSecret); err != nil || user.Role != store.RoleMember {
+		t.Fatal(user.Role, err)
 	}
 	// The same secret twice is refused (its hash is unique).
 	if err := st.CreateAPIKey(ctx, &store.APIKey{ID: ids.APIKey(), Name: "dup", Prefix: "x", Kind: "space", Tenant: "t1"}, secret); err == nil {
@@ -206,7 +216,7 @@ func TestAPIKeys(t *testing.T) {
 	}
 
 	got, err := st.LookupAPIKey(ctx, secret)
-	if err != nil || got.ID != admin.ID || !got.Admin || got.Tenant != "t1" || got.Kind != "space" {
+	if err != nil || got.ID != admin.ID || got.Role != store.RoleOperator || got.Tenant != "t1" || got.Kind != "space" {
 		t.Fatalf("lookup: %+v %v", got, err)
 	}
 	if got.API().Prefix != prefix || got.API().ID != admin.ID {
@@ -215,21 +225,37 @@ func TestAPIKeys(t *testing.T) {
 	if _, err := st.LookupAPIKey(ctx, secret+"x"); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("unknown secret: %v", err)
 	}
-	list, err := st.ListAPIKeys(ctx)
+	list, err := st.ListAPIKeys(ctx, "")
 	if err != nil || len(list) != 2 {
 		t.Fatalf("list: %v %v", list, err)
+	}
+	if t2, err := st.ListAPIKeys(ctx, "t2"); err != nil || len(t2) != 1 || t2[0].ID != user.ID {
+		t.Fatalf("list of t2: %v %v", t2, err)
 	}
 	if !list[0].CreatedAt.After(list[1].CreatedAt) && !list[0].CreatedAt.Equal(list[1].CreatedAt) {
 		t.Fatalf("list not newest first: %v, %v", list[0].CreatedAt, list[1].CreatedAt)
 	}
-	if n, err := st.CountAdminKeys(ctx); err != nil || n != 1 {
-		t.Fatalf("admins %d %v", n, err)
+	if n, err := st.CountOperatorKeys(ctx); err != nil || n != 1 {
+		t.Fatalf("operators %d %v", n, err)
 	}
 
-	// Revoke by prefix: the key stops working; revoking again keeps the first time.
-	rev, err := st.RevokeAPIKey(ctx, prefix)
+	// A prefix names no key: revoking by one revokes nothing.
+	if _, err := st.RevokeAPIKey(ctx, prefix); !fault.Is(err, fault.NotFound) {
+		t.Fatalf("revoke by prefix: %v", err)
+	}
+	if live, err := st.KeyLive(ctx, admin.ID); err != nil || !live {
+		t.Fatalf("key after a revoke by prefix: %v %v", live, err)
+	}
+	// Revoke by id: the key stops working; revoking again keeps the first time.
+	rev, err := st.RevokeAPIKey(ctx, admin.ID)
 	if err != nil || rev.ID != admin.ID || rev.RevokedAt == nil {
-		t.Fatalf("revoke by prefix: %+v %v", rev, err)
+		t.Fatalf("revoke: %+v %v", rev, err)
+	}
+	if live, err := st.KeyLive(ctx, admin.ID); err != nil || live {
+		t.Fatalf("revoked key live: %v %v", live, err)
+	}
+	if gone, err := st.RevokedKeys(ctx, []string{admin.ID, user.ID, "key_nosuch"}); err != nil || !slices.Equal(gone, []string{admin.ID, "key_nosuch"}) {
+		t.Fatalf("revoked keys %v %v", gone, err)
 	}
 	if _, err := st.LookupAPIKey(ctx, secret); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("revoked key still found: %v", err)
@@ -238,10 +264,9 @@ func TestAPIKeys(t *testing.T) {
 	if err != nil || !again.RevokedAt.Equal(*rev.RevokedAt) {
 		t.Fatalf("second revoke moved revoked_at: %v -> %v (%v)", rev.RevokedAt, again.RevokedAt, err)
 	}
-	if n, err := st.CountAdminKeys(ctx); err != nil || n != 0 {
-		t.Fatalf("admins after revoke %d %v", n, err)
+	if n, err := st.CountOperatorKeys(ctx); err != nil || n != 0 {
+		t.Fatalf("operators after revoke %d %v", n, err)
 	}
-	// Revoke by id.
 	if rev, err := st.RevokeAPIKey(ctx, user.ID); err != nil || rev.RevokedAt == nil || rev.Kind != "e2b" {
 		t.Fatalf("revoke by id: %+v %v", rev, err)
 	}
@@ -395,7 +420,7 @@ func TestReleasesTagsAndGC(t *testing.T) {
 	if err := st.PutRelease(ctx, &store.Release{Digest: "sha256:333", Name: "other"}, "v1", ""); err != nil {
 		t.Fatal(err)
 	}
-	all, err := st.ListReleases(ctx)
+	all, err := st.ListReleases(ctx, "", true)
 	if err != nil || len(all) != 3 {
 		t.Fatalf("list releases %v %v", all, err)
 	}
@@ -406,7 +431,7 @@ func TestReleasesTagsAndGC(t *testing.T) {
 	if !slices.Equal(tags["sha256:111"], []string{"old"}) || !slices.Equal(tags["sha256:222"], []string{"latest"}) {
 		t.Fatalf("tags %v", tags)
 	}
-	rels, nodes, err := st.TemplateReleases(ctx, "py")
+	rels, nodes, err := st.TemplateReleases(ctx, "", "py")
 	if err != nil || len(rels) != 2 || !slices.Equal(nodes["sha256:111"], []string{"n1", "n2"}) || !slices.Equal(nodes["sha256:222"], []string{"n1"}) {
 		t.Fatalf("template releases %v %v %v", rels, nodes, err)
 	}
@@ -415,27 +440,27 @@ func TestReleasesTagsAndGC(t *testing.T) {
 	}
 
 	// Deleting a tag returns what it pointed at, once.
-	if d, err := st.DeleteTag(ctx, "other", "v1"); err != nil || d != "sha256:333" {
+	if d, err := st.DeleteTag(ctx, "", "other", "v1"); err != nil || d != "sha256:333" {
 		t.Fatalf("delete tag: %q %v", d, err)
 	}
-	if _, err := st.DeleteTag(ctx, "other", "v1"); !fault.Is(err, fault.NotFound) {
+	if _, err := st.DeleteTag(ctx, "", "other", "v1"); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("delete tag twice: %v", err)
 	}
 
 	// Deleting a release: refused under the wrong name, while a sandbox uses it (by
 	// digest, or waiting for it by tag), and while a build starts from it.
-	if _, err := st.DeleteRelease(ctx, "other", "sha256:111"); !fault.Is(err, fault.NotFound) {
+	if _, err := st.DeleteRelease(ctx, "", "other", "sha256:111"); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("delete under wrong name: %v", err)
 	}
-	if _, err := st.DeleteRelease(ctx, "py", "sha256:none"); !fault.Is(err, fault.NotFound) {
+	if _, err := st.DeleteRelease(ctx, "", "py", "sha256:none"); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("delete unknown: %v", err)
 	}
 	user, _ := newSandbox(t, ctx, st, &store.Sandbox{TemplateRef: "py:old", TemplateDigest: "sha256:111"})
-	if _, err := st.DeleteRelease(ctx, "py", "sha256:111"); !fault.Is(err, fault.Conflict) || !strings.Contains(err.Error(), user.ID) {
+	if _, err := st.DeleteRelease(ctx, "", "py", "sha256:111"); !fault.Is(err, fault.Conflict) || !strings.Contains(err.Error(), user.ID) {
 		t.Fatalf("delete in use: %v", err)
 	}
 	exec(t, st, `UPDATE sandboxes SET template_digest=NULL WHERE id=$1`, user.ID)
-	if _, err := st.DeleteRelease(ctx, "py", "sha256:111"); !fault.Is(err, fault.Conflict) {
+	if _, err := st.DeleteRelease(ctx, "", "py", "sha256:111"); !fault.Is(err, fault.Conflict) {
 		t.Fatalf("delete while a pending sandbox waits for its tag: %v", err)
 	}
 	exec(t, st, `UPDATE sandboxes SET deleted_at=now() WHERE id=$1`, user.ID)
@@ -443,13 +468,13 @@ func TestReleasesTagsAndGC(t *testing.T) {
 	if err := st.CreateBuildOperation(ctx, build, "n1"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := st.DeleteRelease(ctx, "py", "sha256:111"); !fault.Is(err, fault.Conflict) || !strings.Contains(err.Error(), build.ID) {
+	if _, err := st.DeleteRelease(ctx, "", "py", "sha256:111"); !fault.Is(err, fault.Conflict) || !strings.Contains(err.Error(), build.ID) {
 		t.Fatalf("delete while a build starts from it: %v", err)
 	}
 	if err := st.UpdateOperation(ctx, build.ID, api.OpFailed, "failed", "x"); err != nil {
 		t.Fatal(err)
 	}
-	holders, err := st.DeleteRelease(ctx, "py", "sha256:111")
+	holders, err := st.DeleteRelease(ctx, "", "py", "sha256:111")
 	if err != nil || !slices.Equal(holders, []string{"n1", "n2"}) {
 		t.Fatalf("delete release: %v %v", holders, err)
 	}
@@ -1052,14 +1077,24 @@ func TestIdempotency(t *testing.T) {
 func TestPools(t *testing.T) {
 	st, ctx := open(t)
 	registerNode(t, ctx, st, "n1")
-	if k := store.PoolKey("base:latest", 2, 1024); k != "base:latest/2cpu/1024mb" {
+	if k := store.PoolKey("t1", "base:latest", 2, 1024); k != "t1/base:latest/2cpu/1024mb" {
 		t.Fatalf("pool key %q", k)
 	}
-	p := store.Pool{Template: "base:latest", CPU: 1, MemoryMB: 512, Size: 2}
+	p := store.Pool{Tenant: "t1", Template: "base:latest", CPU: 1, MemoryMB: 512, Size: 2}
 	if err := st.SetPool(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	if err := st.SetPool(ctx, store.Pool{Template: "py:latest", CPU: 1, MemoryMB: 512, Size: 1}); err != nil {
+	if err := st.SetPool(ctx, store.Pool{Tenant: "t1", Template: "py:latest", CPU: 1, MemoryMB: 512, Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// Another tenant's pool of the same template and size: a pool of its own.
+	if err := st.SetPool(ctx, store.Pool{Tenant: "t2", Template: "base:latest", CPU: 1, MemoryMB: 512, Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if t2, err := st.TenantPools(ctx, "t2"); err != nil || len(t2) != 1 || t2[0].Tenant != "t2" || t2[0].Key() == p.Key() {
+		t.Fatalf("t2's pools %+v %v", t2, err)
+	}
+	if err := st.SetPool(ctx, store.Pool{Tenant: "t2", Template: "base:latest", CPU: 1, MemoryMB: 512}); err != nil {
 		t.Fatal(err)
 	}
 	p.Size = 3

@@ -5,7 +5,11 @@
 //
 // Format: "spt1." + base64url(JSON claims) + "." + base64url(HMAC-SHA256(key, "spt1."+claims)).
 // The version prefix pins the algorithm (no negotiation, no "none"); the MAC is checked
-// in constant time before the claims are parsed. The key lives in PostgreSQL so every
+// in constant time before the claims are parsed. Both parts have exactly one accepted
+// spelling: unpadded base64url with zero trailing bits and nothing else (no padding, no
+// line breaks, no standard-alphabet characters), so a token cannot be re-spelled into
+// another string that verifies. Tokens carry the id of the API key that minted them
+// (the data plane refuses them once that key is revoked). The key lives in PostgreSQL so every
 // replica verifies every token and tokens survive restarts.
 package token
 
@@ -54,6 +58,9 @@ type Claims struct {
 	IssuedAt int64 `json:"iat"`
 	// ID makes every token unique.
 	ID string `json:"jti"`
+	// Key is the id of the API key that minted the token ("" for node tokens, which
+	// the api role mints for itself).
+	Key string `json:"kid,omitempty"`
 }
 
 // Has reports whether the claims include right r.
@@ -111,12 +118,12 @@ func (s *Signer) Verify(tok string) (*Claims, error) {
 		return nil, fault.New(fault.Unauthorized, "malformed token")
 	}
 	payload, sig := tok[:i], tok[i+1:]
-	got, err := base64.RawURLEncoding.DecodeString(sig)
-	if err != nil || !hmac.Equal(got, s.mac(payload)) {
+	got, ok := decode(sig)
+	if !ok || !hmac.Equal(got, s.mac(payload)) {
 		return nil, fault.New(fault.Unauthorized, "invalid token signature")
 	}
-	body, err := base64.RawURLEncoding.DecodeString(payload[len(prefix):])
-	if err != nil {
+	body, ok := decode(payload[len(prefix):])
+	if !ok {
 		return nil, fault.New(fault.Unauthorized, "malformed token")
 	}
 	var c Claims
@@ -127,6 +134,17 @@ func (s *Signer) Verify(tok string) (*Claims, error) {
 		return nil, fault.New(fault.Unauthorized, "token expired")
 	}
 	return &c, nil
+}
+
+// decode decodes unpadded base64url and accepts only the canonical spelling: the one
+// encoding the result gives back. (Go's decoder alone would also take line breaks
+// anywhere and non-zero trailing bits.)
+func decode(s string) ([]byte, bool) {
+	b, err := base64.RawURLEncoding.Strict().DecodeString(s)
+	if err != nil || base64.RawURLEncoding.EncodeToString(b) != s {
+		return nil, false
+	}
+	return b, true
 }
 
 // Authorize checks that claims allow right on sandbox/pid at the sandbox's current

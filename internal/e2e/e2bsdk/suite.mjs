@@ -290,14 +290,15 @@ test('files: symlinks report their resolved target', async () => {
 
 test('signed upload and download URLs', async () => {
   // With a single E2B_SANDBOX_URL the links name no sandbox: space finds the one
-  // whose access token signed them.
-  const up = await sbx.uploadUrl('/tmp/signed.txt')
+  // whose access token signed them. Signed URLs must expire (at most the server's
+  // --e2b-signed-url-max-ttl ahead).
+  const up = await sbx.uploadUrl('/tmp/signed.txt', { useSignatureExpiration: 60 })
   assert.ok(up.startsWith(sandboxUrl) && up.includes('signature=v1_'))
   const form = new FormData()
   form.append('file', new Blob(['signed upload']), '/tmp/signed.txt')
   const res = await fetch(up, { method: 'POST', body: form })
   assert.equal(res.status, 200, await res.clone().text())
-  const down = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: 60_000 })
+  const down = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: 60 })
   assert.equal(await (await fetch(down)).text(), 'signed upload')
   // The sandbox headers work as well.
   const headers = { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49983' }
@@ -308,15 +309,18 @@ test('signed upload and download URLs', async () => {
     assert.equal(r.status, 401, `${url}: ${r.status}`)
     assert.deepEqual(await r.json(), { code: 401, message })
   }
-  const expired = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: -10_000 })
+  const expired = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: -10 })
   const forged = new URL(down)
   forged.searchParams.set('signature', 'v1_forged')
   const unsigned = new URL(down)
   unsigned.searchParams.delete('signature')
+  const forever = await sbx.downloadUrl('/tmp/signed.txt')
   for (const h of [{}, headers]) {
     await envdError(expired, h, 'signature is already expired')
     await envdError(forged, h, 'invalid signature')
     await envdError(unsigned, h, 'missing signature query parameter')
+    // A URL without an expiration would never expire: refused.
+    await envdError(forever, h, 'signature_expiration is required: signed URLs must expire (the SDKs\' useSignatureExpiration option)')
   }
 })
 
@@ -416,9 +420,11 @@ test('pause and connect keep files and processes', async () => {
   assert.equal((await sbx.getInfo()).state, 'paused')
   const paused = await Sandbox.list({ query: { metadata: { suite: tag }, state: ['paused'] } }).nextItems()
   assert.deepEqual(paused.map((s) => s.sandboxId), [sbx.sandboxId])
-  assert.equal(await sbx.isRunning(), false)
+  // The pause replaced the envd access token: the old object's is refused.
+  await assert.rejects(sbx.isRunning())
   await assert.rejects(sbx.commands.run('true'))
 
+  // Sandbox.connect resumes and returns an object with the current token.
   const resumed = await Sandbox.connect(sbx.sandboxId)
   assert.equal((await resumed.getInfo()).state, 'running')
   assert.equal(await resumed.files.read('/tmp/before-pause.txt'), 'still here')
@@ -427,9 +433,9 @@ test('pause and connect keep files and processes', async () => {
   await waitFor('counter counting again', async () => Number(await resumed.files.read('/tmp/count')) > before + 2)
   const att = await resumed.commands.connect(counter.pid)
   assert.equal(await att.kill(), true)
-  // Connecting to a running sandbox is a no-op that keeps it running.
+  // Connecting to a running sandbox is a no-op that keeps it running (and its token).
   await sbx.connect()
-  assert.equal(await sbx.isRunning(), true)
+  assert.equal(await resumed.isRunning(), true)
 })
 
 test('lifecycle: the timeout kills, or pauses with onTimeout pause', async () => {

@@ -38,9 +38,10 @@ function showChrome(on) {
   who.hidden = !on;
   if (on) {
     const w = session.who || {};
-    document.getElementById('who-text').textContent = `tenant ${w.tenant || '?'}${w.admin ? ' · admin' : ''}`;
+    document.getElementById('who-text').textContent = `tenant ${w.tenant || '?'}${w.role && w.role !== 'member' ? ' · ' + w.role : ''}`;
     document.body.classList.toggle('is-admin', !!w.admin);
     for (const el of document.querySelectorAll('.admin-only')) el.hidden = !w.admin;
+    for (const el of document.querySelectorAll('.operator-only')) el.hidden = w.role !== 'operator';
   }
 }
 

@@ -13,7 +13,7 @@ export function render(main, { notice, onSignedIn }) {
       h('label', { for: 'apikey' }, 'API key'),
       input,
       h('span', { class: 'muted', id: 'apikey-hint' },
-        'A space API key. `space serve` printed the first admin key and saved it in <data-dir>/admin.key. ' +
+        'A space API key. `space serve` saved the operator key in <data-dir>/admin.key. ' +
         'The key stays in this tab only (sessionStorage) and is sent as a bearer header.')),
     h('div', { class: 'row' }, btn));
   form.addEventListener('submit', async (e) => {
