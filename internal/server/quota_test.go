@@ -9,6 +9,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
 )
@@ -70,7 +71,8 @@ func usage(t *testing.T, tn *api.Tenant, name string) api.QuotaUsage {
 // a body naming the limit, its value and the usage, before anything is stored; deletes
 // are never refused; space tenant get shows usage against quota.
 func TestQuotas(t *testing.T) {
-	s, member, admin := quotaSpace(t, spacetest.Options{NoNode: true})
+	// Sandboxes that ask for no disk get 1024 MiB (their disk quota charge).
+	s, member, admin := quotaSpace(t, spacetest.Options{NoNode: true, Service: func(c *service.Config) { c.DefaultDiskMB = 1024 }})
 	count := func() int {
 		list, err := s.Store.ListSandboxes(ctx(t), store.SandboxFilter{Tenant: "q", IncludeDeleted: true})
 		if err != nil {
@@ -142,13 +144,13 @@ func TestQuotas(t *testing.T) {
 		t.Fatalf("delete at the operations quota: %d %+v", code, e)
 	}
 
-	// Disk: every live sandbox is charged its estimate (1024 MiB).
+	// Disk: every live sandbox is charged its disk_mb (1024 MiB here).
 	setQuota(t, s, api.SetQuotaRequest{DiskMB: n(2500), Operations: n(-1)})
 	if code, e := create(`{}`); code != 202 { // 2 live (one being deleted: not charged) + 1
 		t.Fatalf("create within the disk quota: %d %+v", code, e)
 	}
 	code, e = create(`{}`)
-	if code != 403 || e.Limit == nil || e.Limit.Name != "disk_mb" || e.Limit.Usage != 2048 || e.Limit.Requested != store.DefaultDiskEstimateMB {
+	if code != 403 || e.Limit == nil || e.Limit.Name != "disk_mb" || e.Limit.Usage != 2048 || e.Limit.Requested != 1024 {
 		t.Fatalf("over the disk quota: %d %+v", code, e)
 	}
 

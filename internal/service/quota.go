@@ -84,8 +84,12 @@ type need store.Usage
 
 // sandboxNeed is what one more sandbox of spec that holds memory adds.
 func sandboxNeed(spec store.SandboxSpec, n int64) need {
+	disk := int64(store.DefaultDiskEstimateMB)
+	if spec.DiskMB > 0 {
+		disk = int64(spec.DiskMB)
+	}
 	return need{store.QuotaRunning: n, store.QuotaVCPUs: n * int64(spec.CPU), store.QuotaMemoryMB: n * int64(spec.MemoryMB),
-		store.QuotaDiskMB: n * store.DefaultDiskEstimateMB, store.QuotaOperations: n}
+		store.QuotaDiskMB: n * disk, store.QuotaOperations: n}
 }
 
 // checkQuota locks the tenant and refuses the request when what it needs would take
