@@ -335,7 +335,7 @@ func (g *Gateway) detail(r *http.Request, sb *store.Sandbox) sandboxDetail {
 		lc.OnTimeout = "pause"
 	}
 	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb.ID), Domain: g.domain(r),
-		AllowInternetAccess: sb.Spec.Network, Lifecycle: lc}
+		AllowInternetAccess: allowInternet(sb), Lifecycle: lc}
 }
 
 // newSandbox is E2B's NewSandbox (v1) and NewSandboxV2 body.

@@ -155,7 +155,11 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	if err := n.rt.Create(ctx, n.spec(sb, root)); err != nil {
+	att, err := n.attachNetwork(ctx, sb)
+	if err != nil {
+		return err
+	}
+	if err := n.rt.Create(ctx, n.spec(sb, root, att)); err != nil {
 		return fmt.Errorf("start %s instance: %w", n.info.Name, err)
 	}
 	crash.Point("boot.instance")
@@ -166,6 +170,9 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 		return fmt.Errorf("give sandbox its identity: %w", err)
 	}
 	crash.Point("boot.identity")
+	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
+		return err
+	}
 	if err := n.runTemplateStart(ctx, sb); err != nil {
 		return err
 	}
@@ -362,7 +369,11 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 	if err := os.MkdirAll(state, 0o700); err != nil {
 		return err
 	}
-	if err := snap.Restore(ctx, n.spec(sb, root), dir); err != nil {
+	att, err := n.attachNetwork(ctx, sb)
+	if err != nil {
+		return err
+	}
+	if err := snap.Restore(ctx, n.spec(sb, root, att), dir); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
 	crash.Point("restore.instance")
@@ -371,6 +382,10 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 		return err
 	}
 	crash.Point("restore.resumed")
+	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
+		_ = n.rt.Destroy(ctx, sb.ID)
+		return err
+	}
 	n.setReady(sb.ID, true)
 	return nil
 }
@@ -424,6 +439,9 @@ func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 	if err := os.RemoveAll(n.stateDir(id)); err != nil {
 		errs = append(errs, err)
 	}
+	if err := n.teardownNetwork(ctx, id); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -433,7 +451,7 @@ func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 // the next plan sees its loss.
 func (n *Node) adopt(ctx context.Context, sb *store.Sandbox, target string) error {
 	root, _ := n.diskPath(sb.ID)
-	err := n.rt.Adopt(ctx, n.spec(sb, root))
+	err := n.rt.Adopt(ctx, n.spec(sb, root, nil))
 	if err == nil {
 		err = n.reviveInstance(ctx, sb, target)
 	}

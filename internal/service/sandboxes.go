@@ -153,11 +153,16 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 	if req.Runtime != "" && !slices.Contains(runtimes, req.Runtime) {
 		return nil, invalid("runtime must be one of %s", strings.Join(runtimes, ", "))
 	}
+	netSpec, err := s.networkForCreate(req.Network)
+	if err != nil {
+		return nil, err
+	}
 	sb := &store.Sandbox{
-		ID:           ids.Sandbox(),
-		Tenant:       p.Tenant,
-		TemplateRef:  ref.String(),
-		Spec:         store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime, FreshBoot: req.FreshBoot},
+		ID:          ids.Sandbox(),
+		Tenant:      p.Tenant,
+		TemplateRef: ref.String(),
+		Spec: store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime,
+			FreshBoot: req.FreshBoot, Network: netSpec},
 		Metadata:     req.Metadata,
 		DesiredState: api.StateRunning,
 		State:        api.StatePending,
@@ -318,7 +323,9 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 // digest its members must have), or "" when the template's tag does not resolve yet.
 func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, string) {
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
-	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot {
+	// Warm-pool members run without a network: a sandbox with one cannot be claimed
+	// from the pool (its network must exist before its instance starts).
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil {
 		return "", ""
 	}
 	d, err := s.st.ResolveTag(ctx, ref.Name, ref.Tag)

@@ -59,6 +59,8 @@ type Config struct {
 	BuiltinTemplates []string
 	// NodeClient is used for calls to nodes' internal endpoints.
 	NodeClient *http.Client
+	// Network is the operator's network configuration (default policy, validation).
+	Network NetworkConfig
 }
 
 // Service is the domain layer over the store.
