@@ -122,7 +122,9 @@ func startWith(t testing.TB, o options, prepare func(dataDir string)) *srv {
 // launch starts the process and waits for /healthz.
 func (s *srv) launch() {
 	s.t.Helper()
-	args := []string{"serve", "--data-dir", s.dataDir, "--listen", s.addr, "--store-size", "17179869184"}
+	// Sandbox networking stays off unless a test turns it on (with a fake internet as
+	// the host: network_test.go): the machine's own namespace is never touched.
+	args := []string{"serve", "--data-dir", s.dataDir, "--listen", s.addr, "--store-size", "17179869184", "--network", "off"}
 	if s.dbURL != "" {
 		args = append(args, "--database-url", s.dbURL)
 	}
