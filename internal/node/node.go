@@ -365,7 +365,7 @@ func (n *Node) spec(sb *store.Sandbox, root string, att *network.Attachment) run
 		ID: sb.ID, RootFS: root, StateDir: n.stateDir(sb.ID), AgentPath: n.cfg.AgentPath,
 		CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, AgentEnv: n.cfg.AgentEnv,
 	}
-	if att != nil {
+	if att != nil && att.Netns != "" {
 		s.Network, s.NetNS = true, att.Netns
 	}
 	return s
