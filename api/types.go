@@ -58,19 +58,21 @@ type Sandbox struct {
 	Template string `json:"template"`
 	// TemplateDigest is the content digest of the release the sandbox was created
 	// from ("sha256:…"). Empty until the template reference is resolved.
-	TemplateDigest string            `json:"template_digest,omitempty"`
-	State          string            `json:"state"`
-	DesiredState   string            `json:"desired_state"`
-	CPU            int               `json:"cpu"`
-	MemoryMB       int               `json:"memory_mb"`
-	Env            map[string]string `json:"env,omitempty"`
-	Metadata       map[string]string `json:"metadata,omitempty"`
-	Runtime        string            `json:"runtime,omitempty"`
-	Node           string            `json:"node,omitempty"`
-	StartPath      string            `json:"start_path,omitempty"`
-	Error          string            `json:"error,omitempty"`
-	CreatedAt      time.Time         `json:"created_at"`
-	UpdatedAt      time.Time         `json:"updated_at"`
+	TemplateDigest string `json:"template_digest,omitempty"`
+	State          string `json:"state"`
+	DesiredState   string `json:"desired_state"`
+	CPU            int    `json:"cpu"`
+	MemoryMB       int    `json:"memory_mb"`
+	// DiskMB is the disk limit (what the sandbox may write, snapshots included).
+	DiskMB    int               `json:"disk_mb,omitempty"`
+	Env       map[string]string `json:"env,omitempty"`
+	Metadata  map[string]string `json:"metadata,omitempty"`
+	Runtime   string            `json:"runtime,omitempty"`
+	Node      string            `json:"node,omitempty"`
+	StartPath string            `json:"start_path,omitempty"`
+	Error     string            `json:"error,omitempty"`
+	CreatedAt time.Time         `json:"created_at"`
+	UpdatedAt time.Time         `json:"updated_at"`
 	// ExpiresAt is when the sandbox's TTL ends and it is deleted.
 	ExpiresAt *time.Time `json:"expires_at,omitempty"`
 	// IdleTimeout is how long the sandbox may be idle before it is suspended.
@@ -97,9 +99,13 @@ type Sandbox struct {
 type CreateSandboxRequest struct {
 	// Template is a template reference: "name", "name:tag" or "name@sha256:…".
 	// Defaults to "base".
-	Template string            `json:"template,omitempty"`
-	CPU      int               `json:"cpu,omitempty"`
-	MemoryMB int               `json:"memory_mb,omitempty"`
+	Template string `json:"template,omitempty"`
+	CPU      int    `json:"cpu,omitempty"`
+	MemoryMB int    `json:"memory_mb,omitempty"`
+	// DiskMB bounds what the sandbox may write to its disk, its suspend snapshots
+	// included (default: the template's, else the server's). Writes past it fail with
+	// ENOSPC or EDQUOT inside the sandbox.
+	DiskMB   int               `json:"disk_mb,omitempty"`
 	Env      map[string]string `json:"env,omitempty"`
 	Metadata map[string]string `json:"metadata,omitempty"`
 	// TTL is a Go duration ("30m", "2h"); the sandbox is deleted when it ends.

@@ -132,4 +132,3 @@ func (c *Client) netlogOnce(ctx context.Context, sandboxID string, from int64, f
 		}
 	}
 }
-

@@ -19,6 +19,8 @@ pkgs=(
   cpio busybox-static  # initramfs building and VM tests
   chromium         # headless browser for the web console's tests (internal/e2e/console_test.go)
   nftables         # nft(8): inspecting the egress rules (the code itself uses netlink)
+  # the code interpreter server's unit test runs it on the host (internal/guest/codeinterp)
+  python3-jupyter-client python3-ipykernel python3-matplotlib python3-numpy
 )
 missing=()
 for p in "${pkgs[@]}"; do

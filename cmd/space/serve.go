@@ -60,6 +60,10 @@ type serveConfig struct {
 	defaultMemory  int
 	maxCPU         int
 	maxMemory      int
+	defaultDisk    int
+	maxDisk        int
+	diskReserve    string
+	pidsLimit      int
 	mirror         string
 	sources        template.Sources
 	storeSize      int64
@@ -138,6 +142,10 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.IntVar(&c.defaultMemory, "default-memory", service.DefaultMemoryMB, "memory (MiB) of a sandbox that asks for none")
 	f.IntVar(&c.maxCPU, "max-cpu", service.DefaultMaxCPU, "largest cpu a sandbox may ask for")
 	f.IntVar(&c.maxMemory, "max-memory", service.DefaultMaxMemoryMB, "largest memory (MiB) a sandbox may ask for")
+	f.IntVar(&c.defaultDisk, "default-disk", service.DefaultDiskMB, "disk limit (MiB, snapshots included) of a sandbox that asks for none")
+	f.IntVar(&c.maxDisk, "max-disk", service.DefaultMaxDiskMB, "largest disk limit (MiB) a sandbox may ask for")
+	f.StringVar(&c.diskReserve, "disk-reserve", "10%", "free disk the node keeps: creates, wakes and snapshots that would go below it are refused (507); a percentage or a fraction")
+	f.IntVar(&c.pidsLimit, "pids-limit", 0, "host tasks each sandbox may have (0: the runtime's default: gVisor 8448, of which 2048 for the sandbox's own processes; QEMU 64 VMM threads)")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", storage.DefaultImageSize, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
@@ -260,7 +268,8 @@ func serve(ctx context.Context, c *serveConfig) error {
 		svc := service.New(service.Config{
 			Store: st, Signer: signer, Logger: log.With("component", "api"), Network: netCfg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
-			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: []string{node.BaseTemplate},
+			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
+			DefaultDiskMB: c.defaultDisk, MaxDiskMB: c.maxDisk,
 			IdleTimeout: c.idleTimeout,
 		})
 		a := server.NewAPI(server.Config{Service: svc, Logger: log.With("component", "api"), Registry: reg,
@@ -269,7 +278,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: []string{node.BaseTemplate}})
+				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins()})
 			if err != nil {
 				return err
 			}
@@ -419,7 +428,12 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		}
 		why = "requested with --runtime fake (a test build)"
 	} else {
-		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, Logger: log.With("component", "storage")})
+		reserve, err := storage.ParseDiskReserve(c.diskReserve)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("--disk-reserve: %w", err)
+		}
+		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, DiskReserve: reserve,
+			Logger: log.With("component", "storage")})
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("open btrfs store: %w", err)
 		}
@@ -468,6 +482,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		},
 		Logger:            log.With("component", "node"),
 		Metrics:           metrics,
+		PidsLimit:         c.pidsLimit,
 		AgentReadyTimeout: c.agentReadyWait,
 		NoBaseSnapshots:   !c.baseSnapshots,
 		RuntimeReason:     why,

@@ -245,21 +245,40 @@ func userMetadata(sb *store.Sandbox) map[string]string {
 	return out
 }
 
-// domain is the sandbox domain returned to SDKs (see Config.Domain).
+// domain is the sandbox domain returned to SDKs (see Config.Domain). SDKs build
+// <port>-<sandbox id>.<domain> host names from it, so it must make a valid URL host
+// (an IP address does not: "8000-id.127.0.0.1" ends in a number, which URL parsers
+// reject). Derived from the request's Host, keeping its port (host-routed requests
+// come back to this listener):
+//   - "api.<domain>" gives <domain>;
+//   - localhost or a loopback address gives "localhost" (RFC 6761: every name under
+//     localhost is the loopback interface; browsers and curl resolve them so);
+//   - another IP address gives "<a-b-c-d>.ip.invalid": valid, never resolvable (the
+//     reserved .invalid name), so an SDK fails plainly instead of sending traffic to
+//     a name someone else resolves. Serving remote clients host-routed traffic needs
+//     Config.Domain and a wildcard DNS name (docs/e2b.md);
+//   - any other name is used as it is.
 func (g *Gateway) domain(r *http.Request) string {
 	if g.cfg.Domain != "" {
 		return g.cfg.Domain
 	}
-	host := r.Host
-	if h, _, err := net.SplitHostPort(host); err == nil {
-		host = h
+	host, port := r.Host, ""
+	if h, p, err := net.SplitHostPort(host); err == nil {
+		host, port = h, p
 	}
-	host = strings.Trim(host, "[]")
-	if rest, ok := strings.CutPrefix(host, "api."); ok && rest != "" {
-		return rest
+	host = strings.ToLower(strings.Trim(host, "[]"))
+	switch ip := net.ParseIP(host); {
+	case host == "" || host == "localhost" || (ip != nil && (ip.IsLoopback() || ip.IsUnspecified())):
+		host = "localhost"
+	case ip != nil:
+		host = strings.NewReplacer(".", "-", ":", "-").Replace(ip.String()) + ".ip.invalid"
+	default:
+		if rest, ok := strings.CutPrefix(host, "api."); ok && rest != "" {
+			host = rest
+		}
 	}
-	if host == "" {
-		return "localhost"
+	if port != "" {
+		return net.JoinHostPort(host, port)
 	}
 	return host
 }
@@ -317,15 +336,10 @@ type sandboxDetail struct {
 	Lifecycle           lifecycleJSON `json:"lifecycle"`
 }
 
-// diskSizeMB is what sandboxes report as their disk size: space gives them no
-// per-sandbox disk quota (they share the node's store), so there is no number to
-// report.
-const diskSizeMB = 0
-
 func listed(sb *store.Sandbox) listedSandbox {
 	id, alias := templateNames(sb.TemplateRef)
 	return listedSandbox{TemplateID: id, Alias: alias, SandboxID: sb.ID, ClientID: clientID, StartedAt: sb.CreatedAt,
-		EndAt: endAt(sb), CPUCount: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, DiskSizeMB: diskSizeMB,
+		EndAt: endAt(sb), CPUCount: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, DiskSizeMB: sb.Spec.DiskMB,
 		Metadata: userMetadata(sb), State: e2bState(sb), EnvdVersion: envdpb.Version, VolumeMounts: []volumeMount{}}
 }
 

@@ -84,6 +84,8 @@ type Gateway struct {
 	// verified (the token names one sandbox; tenants do not apply).
 	envdCaller *service.Principal
 	handler    http.Handler
+	// ports carries traffic to sandbox ports other than envd's (ports.go).
+	ports *http.Transport
 }
 
 // tokenKeyID is the signing key the envd access tokens derive from.
@@ -107,6 +109,7 @@ func New(ctx context.Context, cfg Config) (*Gateway, error) {
 	g := &Gateway{cfg: cfg, api: cfg.API, st: cfg.Store, log: cfg.Logger, tokenKey: key,
 		envdCaller: &service.Principal{KeyID: "e2b-envd", Admin: true}}
 	g.handler = g.routes()
+	g.ports = g.newPortTransport()
 	return g, nil
 }
 
@@ -119,6 +122,8 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, err.Error())
 	case isSandbox:
 		g.serveSandbox(w, r, id, port)
+	case r.URL.Path == "/files" && (r.Method == http.MethodGet || r.Method == http.MethodPost):
+		g.serveUnroutedFiles(w, r) // a signed link behind a single E2B_SANDBOX_URL
 	default:
 		g.handler.ServeHTTP(w, r)
 	}

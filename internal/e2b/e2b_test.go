@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -83,31 +84,50 @@ func sign(path, op, user, token string, exp int64) string {
 
 func TestSignature(t *testing.T) {
 	now := time.Unix(1_800_000_000, 0)
-	check := func(method, path, user, sig string, exp int64) bool {
-		q := url.Values{"path": {path}, "signature": {sig}}
+	check := func(method, path, user, sig string, exp int64, hdr string) (int, string) {
+		q := url.Values{"path": {path}}
+		if sig != "" {
+			q.Set("signature", sig)
+		}
 		if user != "" {
 			q.Set("username", user)
 		}
 		if exp != 0 {
 			q.Set("signature_expiration", strconv.FormatInt(exp, 10))
 		}
-		return validSignature(httptest.NewRequest(method, "/files?"+q.Encode(), nil), "tok", now)
+		r := httptest.NewRequest(method, "/files?"+q.Encode(), nil)
+		if hdr != "" {
+			r.Header.Set("X-Access-Token", hdr)
+		}
+		return checkFiles(r, "tok", now)
 	}
-	if !check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", 0), 0) {
-		t.Error("valid read signature refused")
+	if st, msg := check("GET", "/a b.txt", "", sign("/a b.txt", "read", "", "tok", 0), 0, ""); st != 0 {
+		t.Errorf("valid read signature refused: %d %s", st, msg)
 	}
-	if !check("POST", "x", "root", sign("x", "write", "root", "tok", now.Unix()+60), now.Unix()+60) {
-		t.Error("valid write signature with expiration refused")
+	if st, msg := check("POST", "x", "root", sign("x", "write", "root", "tok", now.Unix()+60), now.Unix()+60, ""); st != 0 {
+		t.Errorf("valid write signature with expiration refused: %d %s", st, msg)
 	}
-	for name, ok := range map[string]bool{
-		"read signature used to write": check("POST", "x", "", sign("x", "read", "", "tok", 0), 0),
-		"other user":                   check("GET", "x", "root", sign("x", "read", "", "tok", 0), 0),
-		"other token":                  check("GET", "x", "", sign("x", "read", "", "other", 0), 0),
-		"expired":                      check("GET", "x", "", sign("x", "read", "", "tok", now.Unix()-1), now.Unix()-1),
-		"no signature":                 check("GET", "x", "", "", 0),
+	if st, _ := check("GET", "x", "", "", 0, "tok"); st != 0 {
+		t.Error("access token header refused")
+	}
+	for _, c := range []struct {
+		name              string
+		method, user, sig string
+		exp               int64
+		hdr               string
+		wantSt            int
+		wantMsg           string
+	}{
+		{"read signature used to write", "POST", "", sign("x", "read", "", "tok", 0), 0, "", 401, "invalid signature"},
+		{"other user", "GET", "root", sign("x", "read", "", "tok", 0), 0, "", 401, "invalid signature"},
+		{"other token", "GET", "", sign("x", "read", "", "other", 0), 0, "", 401, "invalid signature"},
+		{"expired", "GET", "", sign("x", "read", "", "tok", now.Unix()-1), now.Unix() - 1, "", 401, "signature is already expired"},
+		{"forged and expired", "GET", "", "v1_forged", now.Unix() - 1, "", 401, "invalid signature"},
+		{"no signature", "GET", "", "", 0, "", 401, "missing signature query parameter"},
+		{"wrong header", "GET", "", sign("x", "read", "", "tok", 0), 0, "nope", 401, "access token present in header but does not match"},
 	} {
-		if ok {
-			t.Errorf("%s: accepted", name)
+		if st, msg := check(c.method, "x", c.user, c.sig, c.exp, c.hdr); st != c.wantSt || msg != c.wantMsg {
+			t.Errorf("%s: %d %q, want %d %q", c.name, st, msg, c.wantSt, c.wantMsg)
 		}
 	}
 }
@@ -157,16 +177,35 @@ func TestUntunnel(t *testing.T) {
 func TestDomain(t *testing.T) {
 	g := &Gateway{}
 	for host, want := range map[string]string{
-		"api.example.com":   "example.com",
-		"127.0.0.1:3000":    "127.0.0.1",
-		"localhost:3000":    "localhost",
-		"[::1]:3000":        "::1",
-		"e2b.internal:3000": "e2b.internal",
+		"api.example.com":      "example.com",
+		"api.example.com:8443": "example.com:8443",
+		"127.0.0.1:3000":       "localhost:3000",
+		"127.0.0.2":            "localhost",
+		"localhost:3000":       "localhost:3000",
+		"[::1]:3000":           "localhost:3000",
+		"0.0.0.0:3000":         "localhost:3000",
+		"10.1.2.3:3000":        "10-1-2-3.ip.invalid:3000",
+		"[fd00::1]:3000":       "fd00--1.ip.invalid:3000",
+		"e2b.internal:3000":    "e2b.internal:3000",
+		"":                     "localhost",
 	} {
 		r := httptest.NewRequest("GET", "/", nil)
 		r.Host = host
-		if got := g.domain(r); got != want {
+		got := g.domain(r)
+		if got != want {
 			t.Errorf("%s: %q, want %q", host, got, want)
+		}
+		// What the SDKs build from it must be a valid URL with that host.
+		// (WHATWG URL parsers, Node's among them, reject a host whose last label is
+		// a number.)
+		u, err := url.Parse("https://8000-abc123." + got + "/")
+		if err != nil || !strings.HasPrefix(u.Hostname(), "8000-abc123.") {
+			t.Errorf("%s: URL from %q: %v %v", host, got, u, err)
+			continue
+		}
+		labels := strings.Split(u.Hostname(), ".")
+		if _, err := strconv.Atoi(labels[len(labels)-1]); err == nil {
+			t.Errorf("%s: %q ends in a number", host, u.Hostname())
 		}
 	}
 	g.cfg.Domain = "sandboxes.example.com"

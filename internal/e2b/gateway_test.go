@@ -403,7 +403,7 @@ func TestSandboxLifecycle(t *testing.T) {
 	a := g.create("/v2/sandboxes", map[string]any{"templateID": "base", "timeout": 120,
 		"metadata": map[string]string{"app": "demo", "user-id": "a&b=c"}, "envVars": map[string]string{"GREETING": "hello"}})
 	if !regexp.MustCompile(`^[0-9a-f]{64}$`).MatchString(a.EnvdAccessToken) || a.TemplateID != "base" || a.Alias != "base" ||
-		a.ClientID == "" || a.EnvdVersion != envdpb.Version || a.Domain != "127.0.0.1" || a.TrafficAccessToken != nil || !ids.ValidSandbox(a.SandboxID) {
+		a.ClientID == "" || a.EnvdVersion != envdpb.Version || !strings.HasPrefix(a.Domain, "localhost:") || a.TrafficAccessToken != nil || !ids.ValidSandbox(a.SandboxID) {
 		t.Fatalf("v2 create %+v", a)
 	}
 	row := g.row(a.SandboxID)
@@ -412,7 +412,7 @@ func TestSandboxLifecycle(t *testing.T) {
 	}
 	d := g.get(a.SandboxID)
 	if d.State != "running" || d.Metadata["app"] != "demo" || d.EnvdAccessToken != a.EnvdAccessToken || d.Lifecycle.OnTimeout != "kill" ||
-		d.Lifecycle.AutoResume || !near(d.EndAt, 120*time.Second, 30*time.Second) || d.CPUCount < 1 || d.MemoryMB < 1 || d.Domain != "127.0.0.1" {
+		d.Lifecycle.AutoResume || !near(d.EndAt, 120*time.Second, 30*time.Second) || d.CPUCount < 1 || d.MemoryMB < 1 || d.Domain != a.Domain {
 		t.Fatalf("get %+v", d)
 	}
 
@@ -508,7 +508,7 @@ func TestSandboxLifecycle(t *testing.T) {
 	upload := func(token string) reply {
 		return g.envd("POST", a.SandboxID, "/files?path=data/hello.txt", mp.Bytes(), "Content-Type", mw.FormDataContentType(), "X-Access-Token", token)
 	}
-	want(t, "upload without token", upload(""), http.StatusUnauthorized, "access token")
+	want(t, "upload without token", upload(""), http.StatusUnauthorized, "missing signature")
 	want(t, "upload with another sandbox's token", upload(b.EnvdAccessToken), http.StatusUnauthorized)
 	r = upload(a.EnvdAccessToken)
 	want(t, "upload", r, http.StatusOK, `"name":"hello.txt"`, `"type":"file"`)

@@ -64,44 +64,134 @@ func notFound502(w http.ResponseWriter, id string) {
 	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox was not found", "code": http.StatusBadGateway})
 }
 
-// validSignature checks a signed /files URL: v1_ + base64(sha256(path:op:user:token
-// [:expiration])) without padding, not expired.
-func validSignature(r *http.Request, token string, now time.Time) bool {
-	q := r.URL.Query()
-	sig := q.Get("signature")
-	if sig == "" {
-		return false
-	}
-	op := "write"
-	if r.Method == http.MethodGet {
+// envd's answers to /files requests whose credentials do not hold (all 401, as envd
+// gives them).
+const (
+	msgMissingSignature = "missing signature query parameter"
+	msgInvalidSignature = "invalid signature"
+	msgExpiredSignature = "signature is already expired"
+	msgTokenMismatch    = "access token present in header but does not match"
+	msgUnauthorized     = "unauthorized access, please provide a valid access token or method signing if supported"
+)
+
+// fileSignature is the signature of a /files request under token: v1_ +
+// base64(sha256(path:op:user:token[:expiration])) without padding, op being read (GET)
+// or write (POST). ok is false when the request cannot be signed (another method).
+func fileSignature(r *http.Request, token string) (sig string, ok bool) {
+	op := ""
+	switch r.Method {
+	case http.MethodGet:
 		op = "read"
+	case http.MethodPost:
+		op = "write"
+	default:
+		return "", false
 	}
+	q := r.URL.Query()
 	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token
 	if exp := q.Get("signature_expiration"); exp != "" {
-		n, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil || now.Unix() > n {
-			return false
-		}
 		raw += ":" + exp
 	}
 	sum := sha256.Sum256([]byte(raw))
-	want := "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
-	return subtle.ConstantTimeCompare([]byte(sig), []byte(want)) == 1
+	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:]), true
+}
+
+// signatureMatches compares the request's signature with token's in constant time.
+func signatureMatches(r *http.Request, token string) bool {
+	want, ok := fileSignature(r, token)
+	got := r.URL.Query().Get("signature")
+	return ok && got != "" && subtle.ConstantTimeCompare([]byte(got), []byte(want)) == 1
+}
+
+// checkFiles applies envd's rules for /files: an X-Access-Token header must be the
+// token; without it the signature must match, then must not be expired. It returns
+// the status and envd's message of a refusal, or 0.
+func checkFiles(r *http.Request, token string, now time.Time) (int, string) {
+	if got := r.Header.Get("X-Access-Token"); got != "" {
+		if subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+			return http.StatusUnauthorized, msgTokenMismatch
+		}
+		return 0, ""
+	}
+	q := r.URL.Query()
+	if !q.Has("signature") {
+		return http.StatusUnauthorized, msgMissingSignature
+	}
+	var exp int64
+	if s := q.Get("signature_expiration"); s != "" {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return http.StatusBadRequest, "invalid signature_expiration " + strconv.Quote(s)
+		}
+		exp = n
+	}
+	if !signatureMatches(r, token) {
+		return http.StatusUnauthorized, msgInvalidSignature
+	}
+	if q.Get("signature_expiration") != "" && exp < now.Unix() {
+		return http.StatusUnauthorized, msgExpiredSignature
+	}
+	return 0, ""
 }
 
 // authorize checks envd's access rules: the access token on everything but GET
-// /health and /files; /files takes the token or a valid signature.
-func (g *Gateway) authorize(r *http.Request, id string) bool {
+// /health and /files; /files takes the token or a valid signature (checkFiles). It
+// returns the status and message of a refusal, or 0.
+func (g *Gateway) authorize(r *http.Request, id string) (int, string) {
 	token := g.accessToken(id)
-	got := r.Header.Get("X-Access-Token")
-	match := subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1
 	switch {
 	case r.URL.Path == "/health" && r.Method == http.MethodGet:
-		return true
-	case r.URL.Path == "/files" && got == "":
-		return validSignature(r, token, time.Now())
+		return 0, ""
+	case r.URL.Path == "/files" && (r.Method == http.MethodGet || r.Method == http.MethodPost):
+		return checkFiles(r, token, time.Now())
 	}
-	return match
+	if subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(token)) != 1 {
+		return http.StatusUnauthorized, msgUnauthorized
+	}
+	return 0, ""
+}
+
+// serveUnroutedFiles serves a /files request that names no sandbox: a signed
+// uploadUrl()/downloadUrl() link behind a single E2B_SANDBOX_URL (the SDKs put no
+// sandbox id in those links). The sandbox is the one whose access token verifies the
+// signature (or equals the X-Access-Token header): every sandbox that is not deleted
+// is a candidate, each compared in constant time. Nothing found is envd's 401.
+func (g *Gateway) serveUnroutedFiles(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	header := r.Header.Get("X-Access-Token")
+	if header == "" && !q.Has("signature") {
+		writeError(w, http.StatusUnauthorized, msgMissingSignature)
+		return
+	}
+	if s := q.Get("signature_expiration"); s != "" {
+		if _, err := strconv.ParseInt(s, 10, 64); err != nil {
+			writeError(w, http.StatusBadRequest, "invalid signature_expiration "+strconv.Quote(s))
+			return
+		}
+	}
+	list, err := g.st.ListSandboxes(r.Context(), store.SandboxFilter{})
+	if err != nil {
+		g.fail(w, r, err)
+		return
+	}
+	for _, sb := range list {
+		token := g.accessToken(sb.ID)
+		match := false
+		if header != "" {
+			match = subtle.ConstantTimeCompare([]byte(header), []byte(token)) == 1
+		} else {
+			match = signatureMatches(r, token)
+		}
+		if match {
+			g.serveSandbox(w, r, sb.ID, envdpb.Port)
+			return
+		}
+	}
+	if header != "" {
+		writeError(w, http.StatusUnauthorized, msgTokenMismatch)
+		return
+	}
+	writeError(w, http.StatusUnauthorized, msgInvalidSignature)
 }
 
 // serveSandbox relays one envd request to the sandbox's agent.
@@ -112,20 +202,15 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		return
 	}
 	if port != envdpb.Port {
-		if sb, err := g.runningSandbox(ctx, id); err == nil && sb != nil {
-			writeJSON(w, http.StatusBadGateway, map[string]any{"message": "The sandbox is running but port is not open",
-				"sandboxId": id, "port": port, "code": http.StatusBadGateway})
-			return
-		}
-		notFound502(w, id)
+		g.servePort(w, r, id, port)
 		return
 	}
 	if r.URL.RawPath != "" || !envdPathRe.MatchString(r.URL.Path) {
 		writeError(w, http.StatusNotFound, fmt.Sprintf("no envd route for %s %s", r.Method, r.URL.Path))
 		return
 	}
-	if !g.authorize(r, id) {
-		writeError(w, http.StatusUnauthorized, "unauthorized access, please provide a valid access token or method signing if supported")
+	if status, msg := g.authorize(r, id); status != 0 {
+		writeError(w, status, msg)
 		return
 	}
 	sb, err := g.runningSandbox(ctx, id)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/template"
 )
 
 // e2bSDKDir holds the Node.js scripts that drive the real E2B JS SDK
@@ -33,10 +34,11 @@ func e2bSDKDir(t *testing.T) string {
 	return dir
 }
 
-// e2bServer starts space serve with the E2B listener and makes an E2B key.
-func e2bServer(t *testing.T) (s *srv, e2bURL, key string) {
+// e2bServer starts space serve with the E2B listener and makes an E2B key. builtins
+// are builtin templates besides base to have ready.
+func e2bServer(t *testing.T, builtins ...string) (s *srv, e2bURL, key string) {
 	addr := freeAddr(t)
-	s = start(t, options{args: []string{"--e2b-listen", addr}})
+	s = start(t, options{args: []string{"--e2b-listen", addr}, builtins: builtins})
 	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
 	if code != 0 {
 		t.Fatalf("apikey create --e2b: %s", errOut)
@@ -74,6 +76,34 @@ func TestE2BSDK(t *testing.T) {
 	// Everything the suites created is gone (killed, or expired) except what the
 	// lifecycle tests left paused… which they kill too.
 	waitFor(t, time.Minute, "the suites' sandboxes to be deleted", func() bool {
+		list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
+		return err == nil && len(list) == 0
+	})
+}
+
+// TestE2BCodeInterpreter runs E2B's code interpreter SDK (@e2b/code-interpreter,
+// codeinterp.mjs) against the builtin template code-interpreter-v1.
+func TestE2BCodeInterpreter(t *testing.T) {
+	dir := e2bSDKDir(t)
+	if _, err := os.Stat(filepath.Join(dir, "node_modules", "@e2b", "code-interpreter", "package.json")); err != nil {
+		t.Skipf("@e2b/code-interpreter not installed: run `npm ci` in %s (scripts/setup.sh does)", dir)
+	}
+	s, url, key := e2bServer(t, template.CodeInterpreterTemplate)
+	cmd := exec.CommandContext(ctx(t, 8*time.Minute), "node", "--test", "--test-reporter=spec", "codeinterp.mjs")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "E2B_API_KEY="+key, "E2B_API_URL="+url, "E2B_SANDBOX_URL="+url, "E2B_DOMAIN=", "E2B_DEBUG=")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	err := cmd.Run()
+	t.Logf("code interpreter suite took %s", time.Since(start).Round(time.Millisecond))
+	if err != nil {
+		t.Fatalf("code interpreter suite failed: %v\n%s", err, out.String())
+	}
+	if testing.Verbose() {
+		t.Log(out.String())
+	}
+	waitFor(t, time.Minute, "the suite's sandboxes to be deleted", func() bool {
 		list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
 		return err == nil && len(list) == 0
 	})
@@ -185,6 +215,18 @@ func TestE2BWire(t *testing.T) {
 	}
 	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id})
 	wantError("sandbox id without port", 400, code, m)
+	// /files naming no sandbox: a signed link behind a single E2B_SANDBOX_URL, else
+	// envd's refusals.
+	for q, msg := range map[string]string{
+		"path=x":                     "missing signature query parameter",
+		"path=x&signature=v1_forged": "invalid signature",
+		"path=x&signature=v1_forged&signature_expiration=1": "invalid signature",
+	} {
+		code, m, _ = do("GET", "/files?"+q, nil, map[string]string{"X-API-KEY": ""})
+		if code != 401 || m["message"] != msg {
+			t.Errorf("unrouted /files?%s: %d %v, want 401 %q", q, code, m, msg)
+		}
+	}
 	// Host routing: <port>-<id>.<domain>.
 	req, _ := http.NewRequest("GET", url+"/health", nil)
 	req.Host = "49983-" + id + ".sandbox.example"

@@ -38,7 +38,9 @@ type options struct {
 	embedded bool
 	// noBase leaves the store without the base template (the server builds it).
 	noBase bool
-	args   []string
+	// builtins are other builtin templates to put in the store (code-interpreter-v1).
+	builtins []string
+	args     []string
 	// failpoints runs a -tags failpoints build (crash points act on env).
 	failpoints bool
 	// env is extra environment of the server process (kept across restarts unless
@@ -108,6 +110,9 @@ func startWith(t testing.TB, o options, prepare func(dataDir string)) *srv {
 			t.Fatal(err)
 		}
 		templatetest.Base(t, st)
+		for _, name := range o.builtins {
+			templatetest.Builtin(t, st, name)
+		}
 		st.Close()
 	}
 	s.URL = "http://" + s.addr

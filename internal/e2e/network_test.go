@@ -265,4 +265,3 @@ func netlog(t *testing.T, c *client.Client, id string) []api.NetworkEvent {
 	}
 	return evs
 }
-

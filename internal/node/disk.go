@@ -4,6 +4,9 @@ import (
 	"context"
 	"os"
 
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/store"
+
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/storage"
 )
@@ -36,6 +39,13 @@ type Disk interface {
 	CopyDisk(ctx context.Context, src, dst string, readOnly bool) error
 	CopyTree(ctx context.Context, src, dst string) error
 	RemoveAll(ctx context.Context, path string) error
+
+	// SetSandboxLimit bounds what a sandbox may write (its disk and snapshots); a
+	// fault.Unavailable error means the store enforces no limits (docs/operations.md).
+	SetSandboxLimit(ctx context.Context, id string, bytes int64) error
+	// CheckSpace fails with fault.InsufficientStorage when need bytes more would take
+	// the store's free space below the operator's reserve.
+	CheckSpace(need int64) error
 }
 
 var _ Disk = (*storage.Store)(nil)
@@ -65,6 +75,25 @@ func (n *Node) createDisk(ctx context.Context, id, digest string) (string, error
 	}
 	return n.disk.CreateSandboxRoot(ctx, id, digest)
 }
+
+// limitDisk bounds what a sandbox may write: its disk limit, plus room for a suspend
+// snapshot of its memory (snapshots count toward the same limit), plus a margin for the
+// runtime's own files. Stores without quotas enforce nothing (logged once).
+func (n *Node) limitDisk(ctx context.Context, sb *store.Sandbox) error {
+	if sb.Spec.DiskMB <= 0 {
+		return nil
+	}
+	bytes := (int64(sb.Spec.DiskMB) + int64(sb.Spec.MemoryMB) + diskMarginMB) << 20
+	err := n.disk.SetSandboxLimit(ctx, sb.ID, bytes)
+	if fault.Is(err, fault.Unavailable) {
+		n.quotaOnce.Do(func() { n.log.Warn("sandbox disk limits are not enforced by this store", "why", err) })
+		return nil
+	}
+	return err
+}
+
+// diskMarginMB is what the runtime may write beside the sandbox's own data.
+const diskMarginMB = 64
 
 // createDiskFrom makes sandbox id's disk an O(1) copy of src (a snapshot's disk).
 func (n *Node) createDiskFrom(ctx context.Context, id, src string) (string, error) {

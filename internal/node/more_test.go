@@ -83,9 +83,14 @@ func (b *builder) AllowedSources() template.Sources {
 	return src
 }
 
-func (b *builder) BuildBase(ctx context.Context, progress func(string)) (storage.Release, error) {
-	progress("building base (fake)")
-	return b.disk.AddRelease(node.BaseTemplate, "sha256:"+strings.Repeat("b", 64), spacetest.BaseConfig, map[string]string{"etc/os-release": "ID=built\n"})
+func (b *builder) BuildBuiltin(ctx context.Context, name string, progress func(string)) (storage.Release, template.Config, error) {
+	progress("building " + name + " (fake)")
+	var cfg template.Config
+	if err := json.Unmarshal(spacetest.BaseConfig, &cfg); err != nil {
+		return storage.Release{}, cfg, err
+	}
+	rel, err := b.disk.AddRelease(name, "sha256:"+strings.Repeat("b", 64), spacetest.BaseConfig, map[string]string{"etc/os-release": "ID=built\n"})
+	return rel, cfg, err
 }
 
 func (b *builder) Build(ctx context.Context, spec *template.Spec, opts template.BuildOptions) (storage.Release, template.Config, error) {

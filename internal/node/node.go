@@ -31,10 +31,10 @@ import (
 	"github.com/spacedev/space/internal/token"
 )
 
-// TemplateBuilder builds templates: the builtin base template and build specs
-// (implemented by *template.Builder).
+// TemplateBuilder builds templates: the builtin templates (template.Builtins) and build
+// specs (implemented by *template.Builder).
 type TemplateBuilder interface {
-	BuildBase(ctx context.Context, progress func(string)) (storage.Release, error)
+	BuildBuiltin(ctx context.Context, name string, progress func(string)) (storage.Release, template.Config, error)
 	Build(ctx context.Context, spec *template.Spec, opts template.BuildOptions) (storage.Release, template.Config, error)
 	AllowedSources() template.Sources
 }
@@ -82,6 +82,8 @@ type Config struct {
 	ShutdownGrace time.Duration
 	// NoBaseSnapshots disables base snapshots (every create boots).
 	NoBaseSnapshots bool
+	// PidsLimit bounds each sandbox's host tasks (0: the runtime's default).
+	PidsLimit int
 	// DefaultCPU and DefaultMemoryMB are the size class base snapshots are made for
 	// right after a template build.
 	DefaultCPU      int
@@ -123,6 +125,7 @@ type Node struct {
 	seenOutput map[string]time.Time
 
 	netLocks  netLocks
+	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
@@ -287,7 +290,11 @@ func (n *Node) heartbeat(ctx context.Context) error {
 			return nil
 		case <-t.C:
 		}
-		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch)
+		diskLow := ""
+		if err := n.disk.CheckSpace(0); err != nil {
+			diskLow = err.Error()
+		}
+		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
@@ -364,6 +371,7 @@ func (n *Node) spec(sb *store.Sandbox, root string, att *network.Attachment) run
 	s := runtime.Spec{
 		ID: sb.ID, RootFS: root, StateDir: n.stateDir(sb.ID), AgentPath: n.cfg.AgentPath,
 		CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, AgentEnv: n.cfg.AgentEnv,
+		PidsLimit: n.cfg.PidsLimit,
 	}
 	if att != nil && att.Netns != "" {
 		s.Network, s.NetNS = true, att.Netns

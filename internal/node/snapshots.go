@@ -263,7 +263,13 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 
 // prepareClone gives one clone its disk and memory image (both O(1) copies).
 func (n *Node) prepareClone(ctx context.Context, c *store.Sandbox, memDir, disk string) error {
+	if err := n.disk.CheckSpace(int64(c.Spec.MemoryMB) << 20); err != nil {
+		return err
+	}
 	if _, err := n.createDiskFrom(ctx, c.ID, disk); err != nil {
+		return err
+	}
+	if err := n.limitDisk(ctx, c); err != nil {
 		return err
 	}
 	cp, err := n.disk.CheckpointDir(c.ID)

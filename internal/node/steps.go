@@ -76,7 +76,11 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 		n.log.Warn("clean up an earlier create attempt", "sandbox", sb.ID, "err", err)
 	}
 	path := "boot"
-	digest, err := n.resolveTemplate(ctx, sb)
+	err := n.disk.CheckSpace(0)
+	var digest string
+	if err == nil {
+		digest, err = n.resolveTemplate(ctx, sb)
+	}
 	if err == nil {
 		path, err = n.startNew(ctx, sb, digest)
 	}
@@ -126,6 +130,9 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot {
 		root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
 		if err == nil {
+			err = n.limitDisk(ctx, sb)
+		}
+		if err == nil {
 			if err = n.restoreFrom(ctx, snap, sb, filepath.Join(dir, "checkpoint"), root); err == nil {
 				return "snapshot", nil
 			}
@@ -136,6 +143,9 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 	root, err := n.createDisk(ctx, sb.ID, digest)
 	if err != nil {
 		return "", fmt.Errorf("create disk: %w", err)
+	}
+	if err := n.limitDisk(ctx, sb); err != nil {
+		return "", fmt.Errorf("limit disk: %w", err)
 	}
 	crash.Point("create.disk")
 	if err := n.boot(ctx, sb, root); err != nil {
@@ -183,6 +193,9 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 // start boots a stopped sandbox from its disk.
 func (n *Node) start(ctx context.Context, sb *store.Sandbox) error {
 	return n.transition(ctx, sb, lifecycle.TStart, "", func() (outcome, error) {
+		if err := n.disk.CheckSpace(0); err != nil {
+			return outcome{state: api.StateStopped}, err
+		}
 		root, err := n.diskPath(sb.ID)
 		if err != nil {
 			return outcome{state: api.StateFailed}, err
@@ -263,6 +276,10 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 	}
 	wasPaused := sb.State == api.StatePaused
 	return n.transition(ctx, sb, lifecycle.TSuspend, sb.StatusReason, func() (outcome, error) {
+		// The snapshot holds the sandbox's memory: it must fit above the reserve.
+		if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
+			return outcome{state: sb.State}, err
+		}
 		dir, err := n.disk.CheckpointDir(sb.ID)
 		if err != nil {
 			return outcome{state: api.StateFailed}, err
@@ -326,6 +343,9 @@ func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir
 // was lost.
 func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 	return n.transition(ctx, sb, lifecycle.TRestore, "", func() (outcome, error) {
+		if err := n.disk.CheckSpace(0); err != nil {
+			return outcome{state: api.StateSuspended}, err
+		}
 		dir, err := n.disk.CheckpointDir(sb.ID)
 		if err != nil {
 			return outcome{state: api.StateFailed}, err

@@ -9,13 +9,15 @@ import (
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/template"
 )
 
-// BaseTemplate is the builtin template built on first use.
-const BaseTemplate = "base"
+// BaseTemplate is the default builtin template. Every name in template.Builtins()
+// (base, code-interpreter-v1) is built on this node on first use.
+const BaseTemplate = template.BaseTemplate
 
 // resolveTemplate returns the digest of the release the sandbox starts from, making
-// sure its artifacts are on this node (building the builtin base template on first use).
+// sure its artifacts are on this node (building a builtin template on first use).
 func (n *Node) resolveTemplate(ctx context.Context, sb *store.Sandbox) (string, error) {
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
 	if err != nil {
@@ -33,8 +35,8 @@ func (n *Node) resolveTemplate(ctx context.Context, sb *store.Sandbox) (string, 
 	if digest != "" && n.disk.HasRelease(digest) {
 		return digest, nil
 	}
-	if ref.Name == BaseTemplate && ref.Tag == "latest" && sb.TemplateDigest == "" {
-		return n.buildBase(ctx, sb)
+	if template.IsBuiltin(ref.Name) && ref.Tag == "latest" && sb.TemplateDigest == "" {
+		return n.buildBuiltin(ctx, sb, ref.Name)
 	}
 	if digest == "" {
 		return "", fmt.Errorf("template %s not found", ref)
@@ -42,48 +44,50 @@ func (n *Node) resolveTemplate(ctx context.Context, sb *store.Sandbox) (string, 
 	return "", fmt.Errorf("template release %s is not present on node %s", digest, n.cfg.Name)
 }
 
-// buildBase builds the base template once; concurrent creates wait for the same build.
-func (n *Node) buildBase(ctx context.Context, sb *store.Sandbox) (string, error) {
-	n.progress(ctx, sb, "waiting for template base:latest to be built on node "+n.cfg.Name+" (first use; about a minute)")
+// buildBuiltin builds a builtin template once; concurrent creates wait for the same
+// build.
+func (n *Node) buildBuiltin(ctx context.Context, sb *store.Sandbox, name string) (string, error) {
+	ref := name + ":latest"
+	n.progress(ctx, sb, "waiting for template "+ref+" to be built on node "+n.cfg.Name+" (first use; a few minutes)")
 	n.buildMu.Lock()
 	defer n.buildMu.Unlock()
-	if d, err := n.st.ResolveTag(ctx, BaseTemplate, "latest"); err == nil && d != "" && n.disk.HasRelease(d) {
+	if d, err := n.st.ResolveTag(ctx, name, "latest"); err == nil && d != "" && n.disk.HasRelease(d) {
 		return d, nil
 	}
-	// A base release already on this node's disk (the database was reset, or the
-	// release was imported with space template import) is registered, not rebuilt.
-	if d, ok, err := n.registerLocalBase(ctx); err != nil || ok {
+	// A release already on this node's disk (the database was reset, or the release
+	// was imported with space template import) is registered, not rebuilt.
+	if d, ok, err := n.registerLocalBuiltin(ctx, name); err != nil || ok {
 		return d, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpTemplateBuild, State: api.OpRunning,
 		Tenant:  sb.Tenant,
-		Message: "building template base:latest",
-		Params:  map[string]any{"template": "base:latest", "node": n.cfg.ID}}
+		Message: "building template " + ref,
+		Params:  map[string]any{"template": ref, "node": n.cfg.ID}}
 	if err := n.st.CreateOperation(ctx, op); err != nil {
 		return "", err
 	}
-	n.progress(ctx, sb, fmt.Sprintf("waiting for template base:latest to be built (first use; operation %s)", op.ID))
-	n.log.Info("building template base:latest", "op", op.ID)
+	n.progress(ctx, sb, fmt.Sprintf("waiting for template %s to be built (first use; operation %s)", ref, op.ID))
+	n.log.Info("building template", "template", ref, "op", op.ID)
 	progress := func(line string) {
-		n.log.Info("template build", "template", "base:latest", "line", line)
+		n.log.Info("template build", "template", ref, "line", line)
 		_ = n.st.AppendOperationLog(context.WithoutCancel(ctx), op.ID, line)
 	}
 	if n.cfg.Builder == nil {
 		_ = n.st.UpdateOperation(context.WithoutCancel(ctx), op.ID, api.OpFailed, "failed", "this node builds no templates")
-		return "", fmt.Errorf("build template base:latest: node %s builds no templates", n.cfg.Name)
+		return "", fmt.Errorf("build template %s: node %s builds no templates", ref, n.cfg.Name)
 	}
-	rel, err := n.cfg.Builder.BuildBase(ctx, progress)
+	rel, tcfg, err := n.cfg.Builder.BuildBuiltin(ctx, name, progress)
 	if err != nil {
 		_ = n.st.UpdateOperation(context.WithoutCancel(ctx), op.ID, api.OpFailed, "failed", err.Error())
-		return "", fmt.Errorf("build template base:latest: %w", err)
+		return "", fmt.Errorf("build template %s: %w", ref, err)
 	}
-	cfg, _ := json.Marshal(rel.Config)
-	if err := n.st.PutRelease(ctx, &store.Release{Digest: rel.Digest, Name: BaseTemplate, Config: cfg, SizeBytes: rel.SizeBytes}, "latest", n.cfg.ID); err != nil {
+	cfg, _ := json.Marshal(tcfg)
+	if err := n.st.PutRelease(ctx, &store.Release{Digest: rel.Digest, Name: name, Config: cfg, SizeBytes: rel.SizeBytes}, "latest", n.cfg.ID); err != nil {
 		_ = n.st.UpdateOperation(context.WithoutCancel(ctx), op.ID, api.OpFailed, "failed", err.Error())
 		return "", err
 	}
 	_ = n.st.UpdateOperation(ctx, op.ID, api.OpSucceeded, "built "+rel.Digest, "")
-	n.log.Info("template built", "template", "base:latest", "digest", rel.Digest)
+	n.log.Info("template built", "template", ref, "digest", rel.Digest)
 	return rel.Digest, nil
 }
 
@@ -97,7 +101,7 @@ func (n *Node) failInterruptedBuilds(ctx context.Context) error {
 		if node, _ := op.Params["node"].(string); node == n.cfg.ID && op.State == api.OpRunning {
 			msg := "the build was interrupted by a restart of its node; submit it again"
 			if op.Params["spec"] == nil {
-				msg = "the build was interrupted by a restart of its node; the next create builds base again"
+				msg = "the build was interrupted by a restart of its node; the next create builds it again"
 			}
 			if err := n.st.UpdateOperation(ctx, op.ID, api.OpFailed, "interrupted", msg); err != nil {
 				return err
@@ -107,25 +111,25 @@ func (n *Node) failInterruptedBuilds(ctx context.Context) error {
 	return nil
 }
 
-// registerLocalBase tags the newest base release found on disk as base:latest.
-func (n *Node) registerLocalBase(ctx context.Context) (string, bool, error) {
+// registerLocalBuiltin tags the newest release of the builtin template name found on
+// disk as name:latest, with the config recorded in its tree.
+func (n *Node) registerLocalBuiltin(ctx context.Context, name string) (string, bool, error) {
 	rels, err := n.disk.ListReleases()
 	if err != nil {
 		return "", false, err
 	}
 	var best *storage.Release
 	for i := range rels {
-		if rels[i].Name == BaseTemplate && (best == nil || rels[i].CreatedAt.After(best.CreatedAt)) {
+		if rels[i].Name == name && (best == nil || rels[i].CreatedAt.After(best.CreatedAt)) {
 			best = &rels[i]
 		}
 	}
 	if best == nil {
 		return "", false, nil
 	}
-	cfg, _ := json.Marshal(best.Config)
-	if err := n.st.PutRelease(ctx, &store.Release{Digest: best.Digest, Name: BaseTemplate, Config: cfg, SizeBytes: best.SizeBytes}, "latest", n.cfg.ID); err != nil {
+	if err := n.st.PutRelease(ctx, &store.Release{Digest: best.Digest, Name: name, Config: best.Config, SizeBytes: best.SizeBytes}, "latest", n.cfg.ID); err != nil {
 		return "", false, err
 	}
-	n.log.Info("registered base release found on disk", "digest", best.Digest)
+	n.log.Info("registered builtin release found on disk", "template", name, "digest", best.Digest)
 	return best.Digest, true, nil
 }

@@ -258,3 +258,41 @@ func TestLifecycleVerbs(t *testing.T) {
 		t.Fatalf("revoke: %d %s", code, body)
 	}
 }
+
+// Disk: every sandbox gets a limit (its disk plus room for a snapshot of its memory),
+// and a node whose free disk is at the reserve refuses creates and wakes with 507.
+func TestDiskLimitAndReserve(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{DiskMB: 2048, MemoryMB: 256})
+	if sb.DiskMB != 2048 {
+		t.Fatalf("disk_mb %d", sb.DiskMB)
+	}
+	if got, want := s.Disk.Limit(sb.ID), int64(2048+256+64)<<20; got != want {
+		t.Fatalf("limit %d, want %d", got, want)
+	}
+	if code, body := do(t, s, "POST", "/v1/sandboxes", `{"disk_mb":1}`); code != 400 || !strings.Contains(body, "disk_mb") {
+		t.Fatalf("tiny disk: %d %s", code, body)
+	}
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	s.Disk.SetFull("the store is at its reserve (test)")
+	s.Eventually(10*time.Second, "creates to be refused", func() bool {
+		code, body := do(t, s, "POST", "/v1/sandboxes", `{}`)
+		return code == 507 && strings.Contains(body, "reserve")
+	})
+	if code, body := do(t, s, "POST", "/v1/sandboxes/"+sb.ID+"/wake", ""); code != 507 {
+		t.Fatalf("wake on a full node: %d %s", code, body)
+	}
+	if got, _ := s.C.GetSandbox(c, sb.ID); got.State != api.StateSuspended {
+		t.Fatalf("the refused wake changed the sandbox: %+v", got)
+	}
+	s.Disk.SetFull("")
+	s.Eventually(10*time.Second, "creates to be accepted again", func() bool {
+		code, _ := do(t, s, "POST", "/v1/sandboxes", `{}`)
+		return code == 202
+	})
+}

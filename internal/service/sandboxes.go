@@ -28,6 +28,7 @@ const (
 	maxClones     = 50
 	maxListLimit  = 1000
 	minMemoryMB   = 64
+	minDiskMB     = 64
 )
 
 var (
@@ -129,7 +130,7 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		return nil, fault.Wrap(fault.Invalid, err)
 	}
 	// Resources: the request's, else the template's defaults, else the server's.
-	if req.CPU == 0 || req.MemoryMB == 0 {
+	if req.CPU == 0 || req.MemoryMB == 0 || req.DiskMB == 0 {
 		cfg := s.templateConfig(ctx, ref)
 		if req.CPU == 0 {
 			req.CPU = cmp.Or(cfg.CPU, s.cfg.DefaultCPU)
@@ -137,6 +138,12 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		if req.MemoryMB == 0 {
 			req.MemoryMB = cmp.Or(cfg.MemoryMB, s.cfg.DefaultMemoryMB)
 		}
+		if req.DiskMB == 0 {
+			req.DiskMB = cmp.Or(cfg.DiskMB, s.cfg.DefaultDiskMB)
+		}
+	}
+	if req.DiskMB < minDiskMB || req.DiskMB > s.cfg.MaxDiskMB {
+		return nil, invalid("disk_mb must be between %d and %d", minDiskMB, s.cfg.MaxDiskMB)
 	}
 	if req.CPU < 1 || req.CPU > s.cfg.MaxCPU {
 		return nil, invalid("cpu must be between 1 and %d", s.cfg.MaxCPU)
@@ -161,7 +168,7 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		ID:          ids.Sandbox(),
 		Tenant:      p.Tenant,
 		TemplateRef: ref.String(),
-		Spec: store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, Env: req.Env, Runtime: req.Runtime,
+		Spec: store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, DiskMB: req.DiskMB, Env: req.Env, Runtime: req.Runtime,
 			FreshBoot: req.FreshBoot, Network: netSpec},
 		Metadata:     req.Metadata,
 		DesiredState: api.StateRunning,
@@ -278,6 +285,9 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 	if err != nil {
 		return nil, err
 	}
+	if err := s.roomForNew(ctx); err != nil {
+		return nil, err
+	}
 	poolKey, poolDigest := s.poolFor(ctx, sb)
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant}
 	var resp []byte
@@ -373,6 +383,11 @@ func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason strin
 		}
 		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
 			return err
+		}
+		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" {
+			if err := s.roomOn(ctx, sb.NodeID); err != nil {
+				return err
+			}
 		}
 		if lifecycle.AlreadyThere(sb.Lifecycle(), v) {
 			op.State, op.Message = api.OpSucceeded, "already "+sb.State
@@ -558,4 +573,36 @@ func (s *Service) waitRunning(ctx context.Context, sb *store.Sandbox, opID strin
 		case <-t.C:
 		}
 	}
+}
+
+// roomForNew refuses a new sandbox (507) when no alive node has disk space above its
+// reserve: nothing is stored.
+func (s *Service) roomForNew(ctx context.Context) error {
+	nodes, err := s.st.ListNodes(ctx)
+	if err != nil {
+		return err
+	}
+	reason := ""
+	for _, n := range nodes {
+		if n.State != store.NodeAlive {
+			continue
+		}
+		if n.DiskLow == "" {
+			return nil
+		}
+		reason = n.DiskLow
+	}
+	if reason == "" {
+		return nil // no alive node: the create waits for one, saying so
+	}
+	return fault.New(fault.InsufficientStorage, "no node has disk space for a new sandbox: %s", reason)
+}
+
+// roomOn refuses to wake a sandbox (507) on a node whose disk is at its reserve.
+func (s *Service) roomOn(ctx context.Context, nodeID string) error {
+	n, err := s.st.GetNode(ctx, nodeID)
+	if err != nil || n.DiskLow == "" {
+		return nil
+	}
+	return fault.New(fault.InsufficientStorage, "node %s has no disk space to wake sandboxes: %s", n.Name, n.DiskLow)
 }

@@ -28,6 +28,8 @@ const (
 	DefaultMemoryMB        = 512
 	DefaultMaxCPU          = 8
 	DefaultMaxMemoryMB     = 16384
+	DefaultDiskMB          = 10240
+	DefaultMaxDiskMB       = 102400
 	DefaultIdleTimeout     = store.DefaultIdleTimeout
 	DefaultTemplate        = "base"
 	nodeTokenTTL           = time.Minute
@@ -51,6 +53,9 @@ type Config struct {
 	DefaultMemoryMB int
 	MaxCPU          int
 	MaxMemoryMB     int
+	// DefaultDiskMB and MaxDiskMB bound what a sandbox may write (snapshots included).
+	DefaultDiskMB int
+	MaxDiskMB     int
 	// IdleTimeout is the idle timeout of sandboxes that ask for none.
 	IdleTimeout time.Duration
 	// DefaultTemplate is used when a create request names none.
@@ -93,6 +98,12 @@ func New(cfg Config) *Service {
 	}
 	if cfg.MaxMemoryMB == 0 {
 		cfg.MaxMemoryMB = DefaultMaxMemoryMB
+	}
+	if cfg.DefaultDiskMB == 0 {
+		cfg.DefaultDiskMB = DefaultDiskMB
+	}
+	if cfg.MaxDiskMB == 0 {
+		cfg.MaxDiskMB = DefaultMaxDiskMB
 	}
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = DefaultIdleTimeout

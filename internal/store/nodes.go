@@ -32,6 +32,8 @@ type Node struct {
 	StartedAt    time.Time
 	HeartbeatAt  time.Time
 	Sandboxes    int
+	// DiskLow says why the node refuses new disk use ('' when it has room).
+	DiskLow string
 }
 
 // RegisterNode creates or updates a node's row at start-up and bumps its epoch, which
@@ -54,9 +56,10 @@ func (s *Store) RegisterNode(ctx context.Context, n *Node) error {
 	return s.Notify(ctx, ChannelController, "")
 }
 
-// Heartbeat records that the node is alive. It fails if another incarnation took over.
-func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64) error {
-	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET heartbeat_at=now(), state='alive' WHERE id=$1 AND epoch=$2`, id, epoch)
+// Heartbeat records that the node is alive, and its disk status (diskLow: why it
+// refuses new disk use, ” when it has room). It fails if another incarnation took over.
+func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64, diskLow string) error {
+	tag, err := s.pool.Exec(ctx, `UPDATE nodes SET heartbeat_at=now(), state='alive', disk_low=$3 WHERE id=$1 AND epoch=$2`, id, epoch, diskLow)
 	if err != nil {
 		return fmt.Errorf("heartbeat: %w", err)
 	}
@@ -67,13 +70,13 @@ func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64) error {
 }
 
 const nodeCols = `n.id, n.name, n.runtime, n.runtime_info, n.data_plane_url, n.epoch, n.state, n.started_at, n.heartbeat_at,
-	(SELECT count(*) FROM sandboxes s WHERE s.node_id=n.id AND s.deleted_at IS NULL)`
+	(SELECT count(*) FROM sandboxes s WHERE s.node_id=n.id AND s.deleted_at IS NULL), n.disk_low`
 
 func scanNode(row pgx.Row) (*Node, error) {
 	var n Node
 	var info []byte
 	if err := row.Scan(&n.ID, &n.Name, &n.Runtime, &info, &n.DataPlaneURL, &n.Epoch, &n.State, &n.StartedAt,
-		&n.HeartbeatAt, &n.Sandboxes); err != nil {
+		&n.HeartbeatAt, &n.Sandboxes, &n.DiskLow); err != nil {
 		return nil, err
 	}
 	_ = json.Unmarshal(info, &n.RuntimeInfo)

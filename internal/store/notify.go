@@ -17,7 +17,8 @@ const (
 	ChannelController = "space_controller"
 	// ChannelOperations announces operation changes (payload: operation id).
 	ChannelOperations = "space_operations"
-	// ChannelSandboxes announces observed-state changes (payload: sandbox id).
+	// ChannelSandboxes announces sandbox changes: new sandboxes, new intent, observed
+	// state (payload: sandbox id).
 	ChannelSandboxes = "space_sandboxes"
 	// ChannelTokens announces token revocations (payload: sandbox id).
 	ChannelTokens = "space_tokens"

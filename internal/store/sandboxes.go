@@ -18,6 +18,7 @@ import (
 type SandboxSpec struct {
 	CPU      int               `json:"cpu"`
 	MemoryMB int               `json:"memory_mb"`
+	DiskMB   int               `json:"disk_mb,omitempty"`
 	Env      map[string]string `json:"env,omitempty"`
 	Runtime  string            `json:"runtime,omitempty"`
 	// Network is the sandbox's network policy; nil: no network at all (no network
@@ -82,6 +83,7 @@ func (s *Sandbox) API() api.Sandbox {
 		DesiredState:   s.DesiredState,
 		CPU:            s.Spec.CPU,
 		MemoryMB:       s.Spec.MemoryMB,
+		DiskMB:         s.Spec.DiskMB,
 		Env:            s.Spec.Env,
 		Metadata:       s.Metadata,
 		Runtime:        s.Runtime,
@@ -169,6 +171,9 @@ func (t *Tx) CreateSandbox(ctx context.Context, s *Sandbox, op *Operation) error
 	op.SandboxID = s.ID
 	op.TargetGeneration = s.Generation
 	if err := t.InsertOperation(ctx, op); err != nil {
+		return err
+	}
+	if err := t.Notify(ctx, ChannelSandboxes, s.ID); err != nil {
 		return err
 	}
 	return t.NotifySandbox(ctx, s)
@@ -313,6 +318,10 @@ func (t *Tx) SetDesiredState(ctx context.Context, s *Sandbox, desired, reason st
 		if err := t.Notify(ctx, ChannelTokens, s.ID); err != nil {
 			return err
 		}
+	}
+	// Watchers of sandboxes (event streams) see the new intent at once.
+	if err := t.Notify(ctx, ChannelSandboxes, s.ID); err != nil {
+		return err
 	}
 	return t.NotifySandbox(ctx, s)
 }

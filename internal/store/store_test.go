@@ -297,14 +297,14 @@ func TestNodes(t *testing.T) {
 	if n2.Epoch != first+1 {
 		t.Fatalf("epoch after re-register %d", n2.Epoch)
 	}
-	err := st.Heartbeat(ctx, "n1", first)
+	err := st.Heartbeat(ctx, "n1", first, "")
 	if !errors.Is(err, store.ErrFenced) {
 		t.Fatalf("stale heartbeat: %v", err)
 	}
-	if err := st.Heartbeat(ctx, "nosuch", 1); !errors.Is(err, store.ErrFenced) {
+	if err := st.Heartbeat(ctx, "nosuch", 1, ""); !errors.Is(err, store.ErrFenced) {
 		t.Fatalf("unknown node heartbeat: %v", err)
 	}
-	if err := st.Heartbeat(ctx, "n1", n2.Epoch); err != nil {
+	if err := st.Heartbeat(ctx, "n1", n2.Epoch, ""); err != nil {
 		t.Fatal(err)
 	}
 	registerNode(t, ctx, st, "n2")
@@ -342,7 +342,7 @@ func TestNodes(t *testing.T) {
 		t.Fatalf("dead again: %v %v", dead, err)
 	}
 	// A heartbeat of the current incarnation brings it back.
-	if err := st.Heartbeat(ctx, "n1", n2.Epoch); err != nil {
+	if err := st.Heartbeat(ctx, "n1", n2.Epoch, ""); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := st.GetNode(ctx, "n1"); got.State != store.NodeAlive {

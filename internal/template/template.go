@@ -1,7 +1,7 @@
 // Package template builds template releases into the storage store: the builtin
-// "base" template (Debian bookworm from debootstrap, variant minbase, with bash, python3,
-// coreutils, procps, iproute2, ca-certificates and a user "user", uid 1000, home
-// /home/user), and releases described by a build spec (spec.go): a root filesystem from
+// templates "base" and "code-interpreter-v1" (builtin.go: Debian bookworm from
+// debootstrap with a user "user", uid 1000, home /home/user), and releases described
+// by a build spec (spec.go): a root filesystem from
 // a Debian suite, an OCI image (registry, docker-archive tarball or OCI layout), a
 // directory or an existing release, then build steps run in a build sandbox, and a
 // runtime config. It also owns the operator's allowlist of template sources
@@ -21,9 +21,6 @@ package template
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -36,25 +33,14 @@ import (
 	"github.com/spacedev/space/internal/storage"
 )
 
-// Recipe of the base template. Bump baseRecipeVersion whenever BuildBase changes what it
-// puts in the tree, so that caches keyed by BaseRecipeID are refreshed.
+// The builtin templates' common recipe (builtin.go has the rest).
 const (
-	baseName          = "base"
-	baseSuite         = "bookworm"
-	baseVariant       = "minbase"
-	basePackages      = "bash,python3,coreutils,procps,iproute2,ca-certificates"
-	baseUser          = "user"
-	baseUID           = "1000"
-	baseHome          = "/home/user"
-	baseRecipeVersion = "1"
+	baseSuite   = "bookworm"
+	baseVariant = "minbase"
+	baseUser    = "user"
+	baseUID     = "1000"
+	baseHome    = "/home/user"
 )
-
-// BaseRecipeID identifies what BuildBase builds (suite, variant, packages, customization).
-// Two builds with the same recipe differ only in package versions and timestamps.
-func BaseRecipeID() string {
-	sum := sha256.Sum256([]byte(strings.Join([]string{baseRecipeVersion, baseSuite, baseVariant, basePackages, baseUser, baseUID, baseHome}, "\x00")))
-	return hex.EncodeToString(sum[:6])
-}
 
 // Builder builds template releases into Store.
 type Builder struct {
@@ -79,41 +65,6 @@ func (b *Builder) logger() *slog.Logger {
 		return slog.New(slog.DiscardHandler)
 	}
 	return b.Logger
-}
-
-// BuildBase builds the base template and returns its release. If a release with the same
-// content digest exists already, the new build is dropped and the existing release
-// returned. progress, if not nil, receives debootstrap's status lines ("I: ...").
-// Needs root.
-func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (rel storage.Release, err error) {
-	if b.Store == nil {
-		return storage.Release{}, errors.New("template: Builder.Store is nil")
-	}
-	build, err := b.Store.BeginRelease(ctx)
-	if err != nil {
-		return storage.Release{}, fmt.Errorf("template: %w", err)
-	}
-	defer build.Discard(ctx)
-	rootfs := build.Rootfs()
-
-	log := b.logger()
-	log.InfoContext(ctx, "template: building base", "suite", baseSuite, "dir", rootfs)
-	if err := b.debootstrap(ctx, rootfs, baseSuite, strings.Split(basePackages, ","), progress); err != nil {
-		return storage.Release{}, err
-	}
-	if err := b.customizeBase(ctx, rootfs); err != nil {
-		return storage.Release{}, fmt.Errorf("template: %w", err)
-	}
-	cfg, err := json.Marshal(Config{User: baseUser, Workdir: baseHome})
-	if err != nil {
-		return storage.Release{}, fmt.Errorf("template: %w", err)
-	}
-	rel, err = build.Commit(ctx, storage.Release{Name: baseName, Config: cfg})
-	if err != nil {
-		return storage.Release{}, fmt.Errorf("template: %w", err)
-	}
-	log.InfoContext(ctx, "template: base built", "digest", rel.Digest, "size", rel.SizeBytes)
-	return rel, nil
 }
 
 // debootstrap installs a Debian suite (variant minbase, plus packages) into rootfs, an
@@ -151,44 +102,54 @@ func (b *Builder) debootstrap(ctx context.Context, rootfs, suite string, package
 	return nil
 }
 
-// customizeBase adds the user, the runtime mount points, and removes host-derived and
-// cache files debootstrap leaves behind.
-func (b *Builder) customizeBase(ctx context.Context, rootfs string) error {
+// customizeBase adds the user (with passwordless sudo, as on E2B), the runtime mount
+// points, and removes host-derived and cache files debootstrap leaves behind. It
+// returns the path of chroot(8) for further steps.
+func (b *Builder) customizeBase(ctx context.Context, rootfs string) (string, error) {
 	chroot, err := exec.LookPath("chroot")
 	if err != nil {
-		return fmt.Errorf("chroot not found: %w", err)
+		return "", fmt.Errorf("chroot not found: %w", err)
 	}
 	if err := b.runInTarget(ctx, nil, rootfs, chroot, rootfs, "useradd",
 		"--uid", baseUID, "--user-group", "--create-home", "--home-dir", baseHome,
 		"--shell", "/bin/bash", baseUser); err != nil {
-		return fmt.Errorf("add user: %w", err)
+		return "", fmt.Errorf("add user: %w", err)
 	}
 	for _, d := range []string{".space", "run/space"} {
 		if err := os.MkdirAll(filepath.Join(rootfs, d), 0o755); err != nil {
-			return err
+			return "", err
+		}
+	}
+	if _, err := os.Stat(filepath.Join(rootfs, "etc/sudoers.d")); err == nil {
+		sudoers := filepath.Join(rootfs, "etc/sudoers.d", baseUser)
+		if err := os.WriteFile(sudoers, []byte(baseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
+			return "", err
+		}
+		if err := os.Chmod(sudoers, 0o440); err != nil {
+			return "", err
 		}
 	}
 	// debootstrap copies the build host's resolv.conf and hostname; a sandbox has no
 	// network by default and the runtime provides both when it has.
 	if err := os.WriteFile(filepath.Join(rootfs, "etc/resolv.conf"), nil, 0o644); err != nil {
-		return err
+		return "", err
 	}
 	if err := os.WriteFile(filepath.Join(rootfs, "etc/hostname"), []byte("sandbox\n"), 0o644); err != nil {
-		return err
+		return "", err
 	}
 	// Package indexes and apt's binary caches: large, stale soon, rebuilt by apt-get update.
 	for _, pattern := range []string{"var/lib/apt/lists/*_*", "var/cache/apt/*.bin"} {
 		matches, err := filepath.Glob(filepath.Join(rootfs, pattern))
 		if err != nil {
-			return err
+			return "", err
 		}
 		for _, m := range matches {
 			if err := os.Remove(m); err != nil {
-				return err
+				return "", err
 			}
 		}
 	}
-	return nil
+	return chroot, nil
 }
 
 // run runs a build command as PID 1 of a new PID namespace, in a private mount namespace

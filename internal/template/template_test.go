@@ -51,10 +51,26 @@ func TestBuildBase(t *testing.T) {
 	if ro, err := s.IsReadOnly(root); err != nil || !ro {
 		t.Fatalf("release read-only = %v, %v", ro, err)
 	}
-	for _, p := range []string{"usr/bin/bash", "usr/bin/python3", "usr/bin/ps", "usr/sbin/ip", "etc/ssl/certs/ca-certificates.crt", ".space", "run/space"} {
+	for _, p := range []string{"usr/bin/bash", "usr/bin/python3", "usr/bin/python", "usr/bin/pip", "usr/bin/ps", "usr/sbin/ip",
+		"usr/bin/git", "usr/bin/curl", "usr/bin/sudo", "usr/bin/node", "usr/bin/npm", "usr/bin/gcc", "usr/bin/make",
+		"etc/ssl/certs/ca-certificates.crt", ".space", "run/space", template.ConfigFile} {
 		if _, err := os.Stat(filepath.Join(root, p)); err != nil {
 			t.Errorf("missing %s: %v", p, err)
 		}
+	}
+	if sudoers, err := os.ReadFile(filepath.Join(root, "etc/sudoers.d/user")); err != nil || string(sudoers) != "user ALL=(ALL:ALL) NOPASSWD: ALL\n" {
+		t.Errorf("sudoers: %q %v", sudoers, err)
+	}
+	if cfg, err := template.ReadConfigFile(root); err != nil || cfg.User != "user" || cfg.Workdir != "/home/user" {
+		t.Errorf("recorded config: %+v %v", cfg, err)
+	}
+	for _, p := range []string{"var/cache/apt/archives/partial", "usr/sbin/policy-rc.d"} {
+		if matches, _ := filepath.Glob(filepath.Join(root, p, "*")); len(matches) > 0 {
+			t.Errorf("build leftovers in %s: %v", p, matches)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(root, "usr/sbin/policy-rc.d")); err == nil {
+		t.Error("policy-rc.d left in the tree")
 	}
 	fi, err := os.Stat(filepath.Join(root, "home/user"))
 	if err != nil {

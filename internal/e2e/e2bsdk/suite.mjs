@@ -8,6 +8,8 @@
 // it against a real `space serve`.
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
+import http from 'node:http'
+import { WebSocket } from 'undici'
 
 const pkg = process.env.E2B_SDK || 'e2b'
 const sdk = await import(pkg)
@@ -29,6 +31,50 @@ async function waitFor (what, cond, ms = 30000) {
 }
 
 const tag = `${pkg}-${process.pid}-${Date.now()}`
+
+// A WebSocket echo server for the sandbox (Python's standard library has none):
+// the handshake, then every text frame comes back prefixed with "echo: ".
+const WS_ECHO_SERVER = `
+import base64, hashlib, socket, sys, threading
+def recv(c, n):
+    b = b''
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            raise EOFError
+        b += d
+    return b
+def serve(c):
+    try:
+        req = b''
+        while b'\\r\\n\\r\\n' not in req:
+            req += c.recv(4096)
+        key = [l.split(b':', 1)[1].strip() for l in req.split(b'\\r\\n') if l.lower().startswith(b'sec-websocket-key:')][0]
+        accept = base64.b64encode(hashlib.sha1(key + b'258EAFA5-E914-47DA-95CA-C5AB0DC85B11').digest())
+        c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\nSec-WebSocket-Accept: ' + accept + b'\\r\\n\\r\\n')
+        while True:
+            b0, b1 = recv(c, 2)
+            n = b1 & 127
+            if n == 126:
+                n = int.from_bytes(recv(c, 2), 'big')
+            mask = recv(c, 4) if b1 & 128 else b'\\0\\0\\0\\0'
+            data = bytes(x ^ mask[i % 4] for i, x in enumerate(recv(c, n)))
+            if b0 & 15 == 8:
+                c.sendall(b'\\x88\\x00')
+                return
+            out = b'echo: ' + data
+            c.sendall(bytes([0x81, len(out)]) + out)
+    except EOFError:
+        pass
+    finally:
+        c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', int(sys.argv[1])))
+s.listen()
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+`
 let sbx
 
 test('create with metadata and envs; getInfo', async () => {
@@ -75,6 +121,21 @@ test('commands.run: output, exit codes, cwd, envs, user, timeout', async () => {
     return true
   })
   assert.ok(Date.now() - t0 < 15000)
+})
+
+test("base template: E2B's tools", async () => {
+  const r = await sbx.commands.run('python --version && pip --version && node --version && npm --version && git --version && curl --version && gcc --version && make --version')
+  assert.match(r.stdout, /^Python 3\.\d+/)
+  assert.match(r.stdout, /\nv\d+\.\d+/) // node
+  assert.match(r.stdout, /git version/)
+  assert.match(r.stdout, /gcc/)
+  // sudo is configured as on E2B (passwordless for user), but gVisor ignores setuid
+  // bits (every process runs with no_new_privs), so it cannot work there: commands
+  // that need root pass user: 'root' (docs/e2b.md).
+  const sudoers = await sbx.commands.run('cat /etc/sudoers.d/user', { user: 'root' })
+  assert.equal(sudoers.stdout, 'user ALL=(ALL:ALL) NOPASSWD: ALL\n')
+  const build = await sbx.commands.run('printf "#include <stdio.h>\\nint main(){puts(\\"compiled\\");}\\n" > /tmp/c.c && gcc -o /tmp/c /tmp/c.c && /tmp/c')
+  assert.equal(build.stdout, 'compiled\n')
 })
 
 test('background commands: list, connect, stdin, kill', async () => {
@@ -173,10 +234,25 @@ test('files: write, read, list, exists, getInfo, makeDir, rename, remove, watchD
   await wh.stop()
 })
 
-test('files: metadata, gzip, octet-stream and streams', async () => {
-  const info = await sbx.files.write('/tmp/meta.txt', 'with metadata', { metadata: { owner: 'suite' } })
-  assert.deepEqual(info.metadata, { owner: 'suite' })
-  assert.deepEqual((await sbx.files.getInfo('/tmp/meta.txt')).metadata, { owner: 'suite' })
+test('files: metadata on every path, gzip, octet-stream and streams', async () => {
+  // /tmp is a tmpfs (extended attributes); the home directory is the sandbox's root
+  // file system, which has none under gVisor: the agent keeps the metadata there.
+  for (const path of ['/tmp/meta.txt', 'meta/rel.txt', '/home/user/meta/abs.txt']) {
+    const info = await sbx.files.write(path, 'with metadata', { metadata: { owner: 'suite', path } })
+    assert.deepEqual(info.metadata, { owner: 'suite', path }, path)
+    assert.deepEqual((await sbx.files.getInfo(path)).metadata, { owner: 'suite', path }, path)
+  }
+  const listed = await sbx.files.list('meta')
+  assert.deepEqual(listed.find((e) => e.name === 'rel.txt').metadata, { owner: 'suite', path: 'meta/rel.txt' })
+  await sbx.files.rename('meta', 'meta2')
+  assert.deepEqual((await sbx.files.getInfo('meta2/rel.txt')).metadata, { owner: 'suite', path: 'meta/rel.txt' })
+  await sbx.files.remove('meta2/rel.txt')
+  await sbx.files.write('meta2/rel.txt', 'again')
+  assert.equal((await sbx.files.getInfo('meta2/rel.txt')).metadata, undefined)
+  // A write the server refuses leaves nothing behind.
+  await assert.rejects(sbx.files.write('refused/dir/f.txt', 'x', { metadata: { big: 'v'.repeat(5000) } }))
+  assert.equal(await sbx.files.exists('refused'), false)
+
   await sbx.files.write('/tmp/gz.txt', 'zipped content', { gzip: true })
   assert.equal(await sbx.files.read('/tmp/gz.txt', { gzip: true }), 'zipped content')
   await sbx.files.write('/tmp/oct.txt', 'octets', { useOctetStream: true })
@@ -189,24 +265,108 @@ test('files: metadata, gzip, octet-stream and streams', async () => {
   assert.equal(streamed, 'streamed data')
 })
 
+test('files: symlinks report their resolved target', async () => {
+  await sbx.files.write('test_file.txt', 'test')
+  await sbx.commands.run('ln -sf test_file.txt symlink_to_file && ln -sf /nowhere dangling && ln -sfn /tmp tmp_link')
+  const info = await sbx.files.getInfo('symlink_to_file')
+  assert.equal(info.type, FileType.FILE)
+  assert.equal(info.symlinkTarget, '/home/user/test_file.txt')
+  assert.equal(info.mode, 0o644)
+  assert.ok(info.permissions.startsWith('L'), info.permissions)
+  const dir = await sbx.files.getInfo('tmp_link')
+  assert.equal(dir.type, FileType.DIR)
+  assert.equal(dir.symlinkTarget, '/tmp')
+  // A link that does not resolve reports its own path and no type (the SDK's list()
+  // skips entries of unknown type, as with envd).
+  const dangling = await sbx.files.getInfo('dangling')
+  const home = await sbx.files.list('.')
+  assert.ok(!home.some((e) => e.name === 'dangling'))
+  const listedLink = home.find((e) => e.name === 'symlink_to_file')
+  assert.equal(listedLink.type, FileType.FILE)
+  assert.equal(listedLink.symlinkTarget, '/home/user/test_file.txt')
+  assert.equal(dangling.symlinkTarget, '/home/user/dangling')
+  assert.equal(dangling.type, undefined)
+})
+
 test('signed upload and download URLs', async () => {
-  // With a fixed E2B_SANDBOX_URL the URL cannot name the sandbox: the request must
-  // carry E2b-Sandbox-Id (with <port>-<id>.<domain> host routing it would not).
-  const headers = { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49983' }
+  // With a single E2B_SANDBOX_URL the links name no sandbox: space finds the one
+  // whose access token signed them.
   const up = await sbx.uploadUrl('/tmp/signed.txt')
   assert.ok(up.startsWith(sandboxUrl) && up.includes('signature=v1_'))
   const form = new FormData()
   form.append('file', new Blob(['signed upload']), '/tmp/signed.txt')
-  const res = await fetch(up, { method: 'POST', body: form, headers })
+  const res = await fetch(up, { method: 'POST', body: form })
   assert.equal(res.status, 200, await res.clone().text())
-  const down = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: 60 })
+  const down = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: 60_000 })
+  assert.equal(await (await fetch(down)).text(), 'signed upload')
+  // The sandbox headers work as well.
+  const headers = { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49983' }
   assert.equal(await (await fetch(down, { headers })).text(), 'signed upload')
-  // No token and no (valid) signature: 401.
-  const bad = new URL(down)
-  bad.searchParams.set('signature', 'v1_forged')
-  assert.equal((await fetch(bad, { headers })).status, 401)
-  bad.searchParams.delete('signature')
-  assert.equal((await fetch(bad, { headers })).status, 401)
+  // envd's refusals, with and without the sandbox headers.
+  const envdError = async (url, h, message) => {
+    const r = await fetch(url, { headers: h })
+    assert.equal(r.status, 401, `${url}: ${r.status}`)
+    assert.deepEqual(await r.json(), { code: 401, message })
+  }
+  const expired = await sbx.downloadUrl('/tmp/signed.txt', { useSignatureExpiration: -10_000 })
+  const forged = new URL(down)
+  forged.searchParams.set('signature', 'v1_forged')
+  const unsigned = new URL(down)
+  unsigned.searchParams.delete('signature')
+  for (const h of [{}, headers]) {
+    await envdError(expired, h, 'signature is already expired')
+    await envdError(forged, h, 'invalid signature')
+    await envdError(unsigned, h, 'missing signature query parameter')
+  }
+})
+
+test('ports: HTTP and WebSocket to any port, host and header routing, closed ports', async () => {
+  const host = sbx.getHost(8000)
+  // The listener is 127.0.0.1:PORT: the domain it derives is localhost:PORT, which
+  // makes valid URLs (an IP address would not).
+  assert.equal(host, `8000-${sbx.sandboxId}.localhost:${new URL(sandboxUrl).port}`)
+  assert.doesNotThrow(() => new URL(`http://${host}/`))
+  await sbx.files.write('www/hello.txt', 'hello from the sandbox')
+  const web = await sbx.commands.run('python3 -m http.server 8000 --directory /home/user/www', { background: true, timeoutMs: 0 })
+  await sbx.files.write('/tmp/ws.py', WS_ECHO_SERVER)
+  const ws = await sbx.commands.run('python3 /tmp/ws.py 8001', { background: true, timeoutMs: 0 })
+  try {
+    const headers = { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8000' }
+    const r = await waitFor('the web server', async () => {
+      const res = await fetch(`${sandboxUrl}/hello.txt`, { headers })
+      return res.status === 200 ? res : false
+    })
+    assert.equal(await r.text(), 'hello from the sandbox')
+    // Host routing: <port>-<id>.<domain>, sent to the listener.
+    const byHost = await new Promise((resolve, reject) => {
+      const u = new URL(sandboxUrl)
+      http.get({ host: u.hostname, port: u.port, path: '/hello.txt', headers: { Host: host } }, (res) => {
+        let b = ''
+        res.on('data', (d) => { b += d })
+        res.on('end', () => resolve({ status: res.statusCode, body: b }))
+      }).on('error', reject)
+    })
+    assert.deepEqual(byHost, { status: 200, body: 'hello from the sandbox' })
+    // WebSocket through the same route.
+    const wsUrl = sandboxUrl.replace(/^http/, 'ws') + '/echo'
+    const messages = await waitFor('the WebSocket server', () => new Promise((resolve) => {
+      const sock = new WebSocket(wsUrl, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8001' } })
+      const got = []
+      sock.onopen = () => { sock.send('one'); sock.send('two') }
+      sock.onmessage = (ev) => { got.push(ev.data); if (got.length === 2) { sock.close(); resolve(got) } }
+      sock.onerror = () => resolve(false)
+    }))
+    assert.deepEqual(messages, ['echo: one', 'echo: two'])
+    // Nothing listens on 8002: 502 naming the port.
+    const closed = await fetch(`${sandboxUrl}/`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8002' } })
+    assert.equal(closed.status, 502)
+    const body = await closed.json()
+    assert.equal(body.port, 8002)
+    assert.equal(body.message, 'The sandbox is running but port is not open')
+  } finally {
+    await web.kill()
+    await ws.kill()
+  }
 })
 
 test('Sandbox.list with metadata and state filters, pagination', async () => {

@@ -55,6 +55,9 @@ type Config struct {
 	StdinStallTimeout time.Duration
 	// EtcDir holds the passwd and group files users are resolved from. Default "/etc".
 	EtcDir string
+	// StateDir is where the agent keeps its own files inside the sandbox (the file
+	// metadata store of metadata.go). Default "/.space/state".
+	StateDir string
 	// Version is reported by /v1/health.
 	Version string
 	// Reaper collects exited children; exactly one must exist per OS process (see
@@ -77,6 +80,7 @@ type Agent struct {
 	log     *slog.Logger
 	reaper  *Reaper
 	users   *userDB
+	meta    *metaStore
 	bootID  string
 	handler http.Handler
 
@@ -91,9 +95,11 @@ type Agent struct {
 	seq    uint64
 
 	quiesce chan struct{}
+	tunnels tunnels
 
 	freezeMu sync.Mutex
 	frozen   bool
+	stopped  []int // the processes freeze stopped as PID 1 (thaw continues exactly these)
 }
 
 // New checks cfg and returns an agent that serves nothing until Run.
@@ -135,6 +141,9 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.EtcDir == "" {
 		cfg.EtcDir = "/etc"
 	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = "/.space/state"
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -145,6 +154,7 @@ func New(cfg Config) (*Agent, error) {
 		log:     cfg.Logger,
 		reaper:  cfg.Reaper,
 		users:   newUserDB(cfg.EtcDir),
+		meta:    newMetaStore(filepath.Join(cfg.StateDir, metaStoreFile)),
 		bootID:  hex.EncodeToString(id[:]),
 		procs:   make(map[int]*process),
 		quiesce: make(chan struct{}, 1),
@@ -242,14 +252,17 @@ func (a *Agent) serve(ctx context.Context, ln net.Listener) (quiesced bool, err 
 	select {
 	case <-ctx.Done():
 		_ = srv.Close()
+		a.tunnels.closeAll()
 		<-serveErr
 		return false, nil
 	case err := <-serveErr:
 		return false, fmt.Errorf("serve %s: %w", a.cfg.Listen, err)
 	case <-a.quiesce:
 		// Close, not Shutdown: streaming responses never finish on their own, and a
-		// checkpoint needs every host connection gone now.
+		// checkpoint needs every host connection gone now (port tunnels too: the server
+		// does not close connections it handed over).
 		_ = srv.Close()
+		a.tunnels.closeAll()
 		<-serveErr
 		return true, nil
 	}

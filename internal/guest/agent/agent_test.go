@@ -127,6 +127,7 @@ func startAgent(t *testing.T, mod func(*agent.Config)) *testEnv {
 		Reaper:    testReaper,
 		Logger:    testLogger(),
 		EtcDir:    etc,
+		StateDir:  filepath.Join(dir, "state"),
 		StopGrace: 2 * time.Second,
 		Version:   "test",
 	}

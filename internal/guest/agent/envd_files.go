@@ -168,12 +168,30 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	md, err := uploadMetadata(r.Header)
+	if err == nil {
+		err = validateMetadata(md)
+	}
 	if err != nil {
 		e.writeEnvdError(w, r, err)
 		return
 	}
 	qpath := r.URL.Query().Get("path")
 	var out []envdWriteInfo
+	// A request that fails leaves nothing behind: the files and directories it
+	// created are removed again (files it overwrote keep their new content).
+	var undo []func()
+	fail := func(status int, format string, args ...any) {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+		envdError(w, status, format, args...)
+	}
+	failErr := func(err error) {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+		e.writeEnvdError(w, r, err)
+	}
 	write := func(target string, body io.Reader) error {
 		path, err := resolvePath(acct, target)
 		if err != nil {
@@ -184,9 +202,11 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 				return badRequest("path %s is given more than once", path)
 			}
 		}
-		if err := e.writeUpload(path, body, acct, md); err != nil {
+		u, err := e.writeUpload(path, body, acct, md)
+		if err != nil {
 			return err
 		}
+		undo = append(undo, u)
 		out = append(out, envdWriteInfo{Path: path, Name: filepath.Base(path), Type: "file", Metadata: md})
 		return nil
 	}
@@ -199,7 +219,7 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 				break
 			}
 			if err != nil {
-				envdError(w, http.StatusBadRequest, "read multipart body: %v", err)
+				fail(http.StatusBadRequest, "read multipart body: %v", err)
 				return
 			}
 			if part.FormName() != "file" {
@@ -210,11 +230,11 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 				target = partFilename(part)
 			}
 			if target == "" {
-				envdError(w, http.StatusBadRequest, "a file part has no path: give ?path= or the part's filename")
+				fail(http.StatusBadRequest, "a file part has no path: give ?path= or the part's filename")
 				return
 			}
 			if err := write(target, part); err != nil {
-				e.writeEnvdError(w, r, err)
+				failErr(err)
 				return
 			}
 		}
@@ -239,7 +259,7 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if err := write(qpath, body); err != nil {
-			e.writeEnvdError(w, r, err)
+			failErr(err)
 			return
 		}
 	}
@@ -251,44 +271,69 @@ func (e *envd) handlePostFiles(w http.ResponseWriter, r *http.Request) {
 }
 
 // writeUpload writes body to the file at path (keeping the mode of an existing file,
-// 0644 otherwise), owned by acct, creating missing parents.
-func (e *envd) writeUpload(path string, body io.Reader, acct account, md map[string]string) error {
+// 0644 otherwise), owned by acct, creating missing parents, and sets its metadata
+// when md has some. On failure it removes what it created (the file if it was new,
+// the parents it made); undo does the same after a later failure of the request.
+func (e *envd) writeUpload(path string, body io.Reader, acct account, md map[string]string) (undo func(), err error) {
+	mode := os.FileMode(0o644)
+	existed := false
 	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() == fs.ModeSymlink {
 		if target, err := filepath.EvalSymlinks(path); err == nil {
 			path = target
+		} else {
+			// A link that leads nowhere yet: the write creates its target, as a plain
+			// open would. The link is not ours to remove on failure.
+			existed = true
 		}
 	}
-	mode := os.FileMode(0o644)
 	if fi, err := os.Stat(path); err == nil {
 		if fi.IsDir() {
-			return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeIsDir, msg: path + " is a directory"}
+			return nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeIsDir, msg: path + " is a directory"}
 		}
 		mode = fi.Mode() & (fs.ModePerm | os.ModeSetuid | os.ModeSetgid | os.ModeSticky)
+		existed = true
 	}
-	if err := ensureDirs(filepath.Dir(path), acct); err != nil {
-		return err
+	dirs, err := makeDirs(filepath.Dir(path), acct)
+	if err != nil {
+		return nil, err
 	}
+	cleanup := func() {
+		if !existed {
+			_ = os.Remove(path)
+			_ = e.a.meta.forget(path, false)
+		}
+		removeDirs(dirs)
+	}
+	defer func() {
+		if err != nil {
+			cleanup()
+		}
+	}()
 	// Written in place, as envd does: a watcher of the directory sees the file's own
 	// create and write events, not a temporary file renamed over it.
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	flags := os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+	if !existed {
+		flags |= os.O_EXCL // a file that appears meanwhile is not ours to remove
+	}
+	f, err := os.OpenFile(path, flags, mode)
 	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
+		return nil, fmt.Errorf("write %s: %w", path, err)
 	}
 	if err := chownTo(path, acct); err != nil {
 		f.Close()
-		return err
+		return nil, err
 	}
 	_, err = io.CopyBuffer(writerOnly{f}, body, make([]byte, copyBuf))
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
+		return nil, fmt.Errorf("write %s: %w", path, err)
 	}
 	if len(md) > 0 {
-		if err := writeMetadata(path, md); err != nil {
-			return fmt.Errorf("%s: %w", path, err)
+		if err := e.a.meta.set(path, md); err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
 		}
 	}
-	return nil
+	return cleanup, nil
 }

@@ -9,11 +9,9 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"connectrpc.com/connect"
-	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	filesystempb "github.com/spacedev/space/internal/guest/envdpb/filesystem"
@@ -25,9 +23,6 @@ import (
 type envdFilesystem struct {
 	e *envd
 }
-
-// metadataXattrPrefix is where E2B file metadata lives: user extended attributes.
-const metadataXattrPrefix = "user.e2b."
 
 func (s *envdFilesystem) resolve(h http.Header, p string) (account, string, error) {
 	name, err := basicUser(h)
@@ -45,9 +40,12 @@ func (s *envdFilesystem) resolve(h http.Header, p string) (account, string, erro
 	return acct, abs, nil
 }
 
-// entry describes path (lstat) in envd's form.
+// entry describes path in envd's form: lstat, except that a symbolic link reports
+// its resolved absolute target (its own path when it does not resolve) and the
+// target's type and permission bits, as envd does. Permissions are rendered like Go's
+// fs.FileMode (envd's format: "Lrwxrwxrwx" for a link).
 func (e *envd) entry(path string, names *nameCache) (*filesystempb.EntryInfo, error) {
-	info, err := e.a.entryInfo(path, names)
+	info, fi, err := e.a.entryInfoFI(path, names)
 	if err != nil {
 		return nil, err
 	}
@@ -56,73 +54,40 @@ func (e *envd) entry(path string, names *nameCache) (*filesystempb.EntryInfo, er
 		Path:         info.Path,
 		Size:         info.Size,
 		Mode:         info.Mode,
-		Permissions:  info.Permissions,
+		Permissions:  fi.Mode().String(),
 		Owner:        info.Owner,
 		Group:        info.Group,
 		ModifiedTime: timestamppb.New(info.ModifiedTime),
-		Metadata:     readMetadata(path),
 	}
+	mdPath, mdInfo := path, fi
 	switch info.Type {
 	case wire.FileTypeFile:
 		out.Type = filesystempb.FileType_FILE_TYPE_FILE
 	case wire.FileTypeDir:
 		out.Type = filesystempb.FileType_FILE_TYPE_DIRECTORY
 	case wire.FileTypeSymlink:
-		out.Type = filesystempb.FileType_FILE_TYPE_SYMLINK
-		target := info.SymlinkTarget
-		out.SymlinkTarget = &target
-	}
-	return out, nil
-}
-
-// readMetadata returns the E2B metadata of path (nil when none or unsupported).
-func readMetadata(path string) map[string]string {
-	buf := make([]byte, 4096)
-	n, err := unix.Llistxattr(path, buf)
-	if errors.Is(err, unix.ERANGE) {
-		if sz, err2 := unix.Llistxattr(path, nil); err2 == nil {
-			buf = make([]byte, sz)
-			n, err = unix.Llistxattr(path, buf)
-		}
-	}
-	if err != nil || n == 0 {
-		return nil
-	}
-	var out map[string]string
-	for _, name := range strings.Split(string(buf[:n]), "\x00") {
-		key, ok := strings.CutPrefix(name, metadataXattrPrefix)
-		if !ok || key == "" {
-			continue
-		}
-		val := make([]byte, 4096)
-		m, err := unix.Lgetxattr(path, name, val)
+		target, err := filepath.EvalSymlinks(path)
 		if err != nil {
-			continue
+			target = path
 		}
-		if out == nil {
-			out = map[string]string{}
-		}
-		out[key] = string(val[:m])
-	}
-	return out
-}
-
-// writeMetadata replaces the E2B metadata of path.
-func writeMetadata(path string, md map[string]string) error {
-	for k := range readMetadata(path) {
-		if _, keep := md[k]; !keep {
-			_ = unix.Lremovexattr(path, metadataXattrPrefix+k)
-		}
-	}
-	for k, v := range md {
-		if err := unix.Lsetxattr(path, metadataXattrPrefix+k, []byte(v), 0); err != nil {
-			if errors.Is(err, unix.ENOTSUP) {
-				return badRequest("file metadata is not supported on the file system of %s", path)
+		out.SymlinkTarget = &target
+		out.Type, out.Mode = filesystempb.FileType_FILE_TYPE_UNSPECIFIED, 0
+		if target != path {
+			if ti, err := os.Stat(target); err == nil {
+				switch {
+				case ti.Mode().IsRegular():
+					out.Type = filesystempb.FileType_FILE_TYPE_FILE
+				case ti.IsDir():
+					out.Type = filesystempb.FileType_FILE_TYPE_DIRECTORY
+				}
+				out.Mode = uint32(ti.Mode().Perm())
+				// Uploads through a link write the target, metadata included.
+				mdPath, mdInfo = target, ti
 			}
-			return fmt.Errorf("set metadata %q on %s: %w", k, path, err)
 		}
 	}
-	return nil
+	out.Metadata = e.a.meta.get(mdPath, mdInfo)
+	return out, nil
 }
 
 func (s *envdFilesystem) Stat(ctx context.Context, req *connect.Request[filesystempb.StatRequest]) (*connect.Response[filesystempb.StatResponse], error) {
@@ -173,7 +138,7 @@ func (s *envdFilesystem) Move(ctx context.Context, req *connect.Request[filesyst
 	if err := ensureDirs(filepath.Dir(to), acct); err != nil {
 		return nil, rpcError(err)
 	}
-	if err := os.Rename(from, to); err != nil {
+	if err := s.e.a.rename(from, to); err != nil {
 		return nil, rpcError(err)
 	}
 	entry, err := s.e.entry(to, nil)
@@ -243,6 +208,7 @@ func (s *envdFilesystem) Remove(ctx context.Context, req *connect.Request[filesy
 	if err := os.RemoveAll(path); err != nil {
 		return nil, rpcError(err)
 	}
+	s.e.a.forgetMetadata(path)
 	return connect.NewResponse(&filesystempb.RemoveResponse{}), nil
 }
 

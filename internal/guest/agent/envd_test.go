@@ -41,8 +41,10 @@ type envdEnv struct {
 	fs      filesystempbconnect.FilesystemClient
 }
 
-func startEnvd(t *testing.T) *envdEnv {
-	env := startAgent(t, nil)
+func startEnvd(t *testing.T) *envdEnv { return startEnvdWith(t, nil) }
+
+func startEnvdWith(t *testing.T, mod func(*agent.Config)) *envdEnv {
+	env := startAgent(t, mod)
 	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", env.sock)

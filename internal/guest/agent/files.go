@@ -65,23 +65,31 @@ func chownTo(path string, acct account) error {
 // ensureDirs creates dir and its missing parents, owned by acct. Only what it created
 // is chowned; on failure what it created is removed again.
 func ensureDirs(dir string, acct account) error {
+	_, err := makeDirs(dir, acct)
+	return err
+}
+
+// makeDirs is ensureDirs that returns the directories it created, outermost first
+// (removeDirs undoes it).
+func makeDirs(dir string, acct account) ([]string, error) {
 	var missing []string
 	for d := dir; ; d = filepath.Dir(d) {
 		fi, err := os.Stat(d)
 		if err == nil {
 			if !fi.IsDir() {
-				return fmt.Errorf("mkdir %s: %w", d, syscall.ENOTDIR)
+				return nil, fmt.Errorf("mkdir %s: %w", d, syscall.ENOTDIR)
 			}
 			break
 		}
 		if !errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("mkdir %s: %w", d, err)
+			return nil, fmt.Errorf("mkdir %s: %w", d, err)
 		}
 		missing = append(missing, d)
 		if d == filepath.Dir(d) {
 			break
 		}
 	}
+	var created []string
 	for i := len(missing) - 1; i >= 0; i-- {
 		d := missing[i]
 		err := os.Mkdir(d, 0o755)
@@ -89,17 +97,23 @@ func ensureDirs(dir string, acct account) error {
 			continue // created concurrently
 		}
 		if err == nil {
+			created = append(created, d)
 			err = chownTo(d, acct)
 		}
 		if err != nil {
-			for j := len(missing) - 1; j > i; j-- {
-				_ = os.Remove(missing[j])
-			}
-			_ = os.Remove(d)
-			return fmt.Errorf("mkdir %s: %w", d, err)
+			removeDirs(created)
+			return nil, fmt.Errorf("mkdir %s: %w", d, err)
 		}
 	}
-	return nil
+	return created, nil
+}
+
+// removeDirs removes directories makeDirs created, innermost first, as long as they
+// are empty.
+func removeDirs(created []string) {
+	for i := len(created) - 1; i >= 0; i-- {
+		_ = os.Remove(created[i])
+	}
 }
 
 func parseMode(s string, def os.FileMode) (os.FileMode, error) {
@@ -409,7 +423,7 @@ func (a *Agent) handleMove(w http.ResponseWriter, r *http.Request) error {
 	if err := ensureDirs(filepath.Dir(to), acct); err != nil {
 		return err
 	}
-	if err := os.Rename(from, to); err != nil {
+	if err := a.rename(from, to); err != nil {
 		return err
 	}
 	info, err := a.entryInfo(to, nil)
@@ -441,15 +455,41 @@ func (a *Agent) handleRemove(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	a.forgetMetadata(path)
 	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
 
+// rename renames from to to and carries the file metadata kept in the sidecar store
+// along (extended attributes move with the inode by themselves).
+func (a *Agent) rename(from, to string) error {
+	if err := os.Rename(from, to); err != nil {
+		return err
+	}
+	if err := a.meta.move(from, to); err != nil {
+		a.log.Warn("file metadata not moved", "from", from, "to", to, "err", err)
+	}
+	return nil
+}
+
+// forgetMetadata drops the sidecar metadata of a removed path and what was under it.
+func (a *Agent) forgetMetadata(path string) {
+	if err := a.meta.forget(path, true); err != nil {
+		a.log.Warn("file metadata not dropped", "path", path, "err", err)
+	}
+}
+
 // entryInfo describes path without following a final symbolic link.
 func (a *Agent) entryInfo(path string, names *nameCache) (wire.EntryInfo, error) {
+	info, _, err := a.entryInfoFI(path, names)
+	return info, err
+}
+
+// entryInfoFI is entryInfo that also returns path's lstat.
+func (a *Agent) entryInfoFI(path string, names *nameCache) (wire.EntryInfo, os.FileInfo, error) {
 	fi, err := os.Lstat(path)
 	if err != nil {
-		return wire.EntryInfo{}, err
+		return wire.EntryInfo{}, nil, err
 	}
 	if names == nil {
 		names = newNameCache(a.users)
@@ -479,7 +519,7 @@ func (a *Agent) entryInfo(path string, names *nameCache) (wire.EntryInfo, error)
 		info.Permissions = permissionString(st.Mode)
 	}
 	info.Owner, info.Group = names.names(info.UID, info.GID)
-	return info, nil
+	return info, fi, nil
 }
 
 // permissionString renders st_mode like ls -l does ("drwxr-sr-x", "-rwsr-xr-x").

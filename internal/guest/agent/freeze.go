@@ -1,20 +1,38 @@
 package agent
 
 import (
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
-// Freezing user processes around a checkpoint: nothing the user started may run between
+// Freezing user code around a checkpoint: nothing the user started may run between
 // the moment the sandbox's memory is saved and the moment a restored copy has its new
 // identity (fresh entropy, the host's clock), or two clones could produce the same
-// "random" values. The agent stops every running process's group with SIGSTOP when it
-// quiesces and continues them (SIGCONT) once a new identity is applied. (A cgroup
-// freezer would also catch processes that left their group, but gVisor has none;
-// signals work on every runtime.)
+// "random" values, and a process could take the agent's place on its transport while
+// the agent waits for its identity.
+//
+// As PID 1 of the sandbox (always, in production) the agent stops EVERY process of the
+// sandbox but itself — whatever session, group or parent it has, so a `setsid` or a
+// double-forked daemon is stopped too — scanning /proc until a pass finds nothing left
+// running (a process that forked meanwhile is caught by the next pass). It continues
+// exactly the processes it stopped, so a process the user had stopped stays stopped.
+// (A cgroup freezer would do the same, but gVisor has none; signals work on every
+// runtime.) When the agent is not PID 1 (tests that run it as a plain process) it stops
+// the process groups of the processes it started.
 
-// freeze stops the process group of every running process.
+// Bounds of the freeze scan.
+const (
+	freezePasses = 100
+	freezeSettle = 2 * time.Millisecond
+)
+
+// freeze stops user code.
 func (a *Agent) freeze() {
 	a.freezeMu.Lock()
 	defer a.freezeMu.Unlock()
@@ -22,6 +40,11 @@ func (a *Agent) freeze() {
 		return
 	}
 	a.frozen = true
+	if os.Getpid() == 1 {
+		a.stopped = stopAll()
+		a.log.Info("froze every process of the sandbox", "processes", len(a.stopped))
+		return
+	}
 	n := 0
 	for _, pid := range a.runningPIDs() {
 		if err := unix.Kill(-pid, unix.SIGSTOP); err == nil {
@@ -41,12 +64,93 @@ func (a *Agent) thaw() {
 		return
 	}
 	a.frozen = false
+	if a.stopped != nil {
+		for _, pid := range a.stopped {
+			_ = unix.Kill(pid, unix.SIGCONT)
+		}
+		a.stopped = nil
+		a.log.Info("continued the sandbox's processes")
+		return
+	}
 	for _, pid := range a.runningPIDs() {
 		if unix.Kill(-pid, unix.SIGCONT) != nil {
 			_ = unix.Kill(pid, unix.SIGCONT)
 		}
 	}
 	a.log.Info("continued user processes")
+}
+
+// stopAll stops every process of the PID namespace but the caller (PID 1) and kernel
+// threads, until none is left running, and returns the pids it stopped.
+func stopAll() []int {
+	stopped := map[int]bool{}
+	for range freezePasses {
+		running := 0
+		for _, p := range processes() {
+			if p.kernel || p.state == 'Z' || p.state == 'X' {
+				continue
+			}
+			if p.state == 'T' || p.state == 't' {
+				continue // stopped: by us (a previous pass), or by the user (left so)
+			}
+			running++
+			if unix.Kill(p.pid, unix.SIGSTOP) == nil {
+				stopped[p.pid] = true
+			}
+		}
+		if running == 0 {
+			break
+		}
+		time.Sleep(freezeSettle) // let the signals land, then look again
+	}
+	out := make([]int, 0, len(stopped))
+	for pid := range stopped {
+		out = append(out, pid)
+	}
+	return out
+}
+
+type procInfo struct {
+	pid    int
+	state  byte
+	kernel bool
+}
+
+// pfKthread is PF_KTHREAD in /proc/<pid>/stat's flags.
+const pfKthread = 0x00200000
+
+// processes lists the processes of the PID namespace other than the caller.
+func processes() []procInfo {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	self := os.Getpid()
+	var out []procInfo
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == self {
+			continue
+		}
+		data, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue // gone
+		}
+		// pid (comm) state ppid pgrp session tty tpgid flags ...: comm may hold spaces.
+		s := string(data)
+		i := strings.LastIndexByte(s, ')')
+		if i < 0 || i+2 >= len(s) {
+			continue
+		}
+		f := strings.Fields(s[i+2:])
+		if len(f) < 7 {
+			continue
+		}
+		flags, _ := strconv.ParseUint(f[6], 10, 64)
+		ppid, _ := strconv.Atoi(f[1])
+		out = append(out, procInfo{pid: pid, state: f[0][0], kernel: flags&pfKthread != 0 || pid == 2 || ppid == 2})
+	}
+	return out
 }
 
 // runningPIDs lists the processes that are running (started and not exited).

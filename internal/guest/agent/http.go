@@ -119,6 +119,9 @@ func (a *Agent) routes() http.Handler {
 	mux.HandleFunc("POST /v1/files/move", a.handle(a.handleMove))
 	mux.HandleFunc("DELETE /v1/files", a.handle(a.handleRemove))
 	mux.HandleFunc("GET /v1/files/watch", a.handle(a.handleWatch))
+	// The status tunnel (envdpb.TunnelHeader) lets a caller behind proxies that turn
+	// error statuses into their own errors read the agent's refusal whole.
+	mux.Handle("GET /v1/ports/{port}/connect", tunnelStatus(a.handle(a.handlePortConnect)))
 	a.registerEnvd(mux) // E2B's envd under /envd (envd.go)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/health" {
@@ -134,6 +137,7 @@ func (a *Agent) routes() http.Handler {
 // cannot checkpoint a host socket).
 func (a *Agent) handleQuiesce(w http.ResponseWriter, r *http.Request) {
 	a.freeze()
+	a.tunnels.closeAll() // connections to frozen programs: a checkpoint cannot keep them
 	w.WriteHeader(http.StatusNoContent)
 	_ = http.NewResponseController(w).Flush()
 	if r.URL.Query().Get("transport") == "keep" {

@@ -18,6 +18,12 @@
 //	POST   /v1/processes/{pid}/stdin[?eof=1] body = bytes → 204
 //	POST   /v1/processes/{pid}/signal       Signal → 204
 //	POST   /v1/processes/{pid}/resize       Resize → 204
+//	GET    /v1/ports/{port}/connect         Connection: Upgrade, Upgrade: PortUpgrade →
+//	                                        101, then the connection carries the bytes of a
+//	                                        TCP connection the agent made to 127.0.0.1:port
+//	                                        (::1 when nothing answers there) inside the
+//	                                        sandbox, both ways; 502 ErrCodePortClosed when
+//	                                        nothing listens. Quiesce and shutdown close it.
 //	POST   /v1/quiesce                      → 204, then the agent closes its listener and
 //	                                        every connection until <run dir>/resume holds an
 //	                                        Identity with a newer generation (see ResumeFileName)
@@ -263,7 +269,11 @@ const (
 	ErrCodeProcessNotFound  = "process_not_found"
 	ErrCodeStdinUnavailable = "stdin_unavailable"
 	ErrCodeStdinStalled     = "stdin_stalled" // the process read none of it for a while
+	ErrCodePortClosed       = "port_closed"   // nothing listens on the port (GET /v1/ports/{port}/connect)
 )
+
+// PortUpgrade is the Upgrade protocol token of GET /v1/ports/{port}/connect.
+const PortUpgrade = "space-tcp"
 
 // File types (EntryInfo.Type).
 const (

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/storage"
 )
 
@@ -21,9 +22,11 @@ import (
 // releases, sandbox disks, checkpoints. Copies are real copies (cp -a), not btrfs
 // snapshots, so it needs no root; tests keep their releases small.
 type Disk struct {
-	root string
-	mu   sync.Mutex
-	rels map[string]storage.Release
+	root   string
+	mu     sync.Mutex
+	rels   map[string]storage.Release
+	limits map[string]int64
+	full   string
 }
 
 // NewDisk returns a directory store under root, with the releases recorded there.
@@ -278,6 +281,41 @@ func (d *Disk) CopyTree(ctx context.Context, src, dst string) error {
 		return err
 	}
 	return copyTree(ctx, src, dst)
+}
+
+// SetSandboxLimit records a sandbox's limit (the directory store enforces none).
+func (d *Disk) SetSandboxLimit(_ context.Context, id string, bytes int64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.limits == nil {
+		d.limits = map[string]int64{}
+	}
+	d.limits[id] = bytes
+	return nil
+}
+
+// Limit returns the limit recorded for a sandbox (0 if none).
+func (d *Disk) Limit(id string) int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.limits[id]
+}
+
+// SetFull makes CheckSpace fail with reason ("" lets it pass again).
+func (d *Disk) SetFull(reason string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.full = reason
+}
+
+// CheckSpace fails when SetFull made the store "full".
+func (d *Disk) CheckSpace(int64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.full != "" {
+		return fault.New(fault.InsufficientStorage, "%s", d.full)
+	}
+	return nil
 }
 
 // RemoveAll removes a path.

@@ -1,7 +1,8 @@
-// Package templatetest gives tests a btrfs store and the base template release quickly.
-// The base release is built once per machine and kept as an export in the test cache
-// ($SPACE_TEST_CACHE, default /var/tmp/space-test-cache), where debootstrap's package
-// cache lives too; later tests import it in seconds.
+// Package templatetest gives tests a btrfs store and the builtin template releases
+// (base, code-interpreter-v1) quickly. A builtin release is built once per machine and
+// recipe and kept as an export in the test cache ($SPACE_TEST_CACHE, default
+// /var/tmp/space-test-cache), where debootstrap's package cache lives too; later tests
+// import it in seconds.
 package templatetest
 
 import (
@@ -90,7 +91,13 @@ func Store(t testing.TB) *storage.Store {
 // serialize on a lock in the cache directory, so only one of them builds.
 func Base(t testing.TB, s *storage.Store) storage.Release {
 	t.Helper()
-	cache := cachePath(t)
+	return Builtin(t, s, template.BaseTemplate)
+}
+
+// Builtin is Base for any builtin template (template.Builtins).
+func Builtin(t testing.TB, s *storage.Store, name string) storage.Release {
+	t.Helper()
+	cache := cachePath(t, name)
 	if rel, ok := importCache(t, s, cache); ok {
 		return rel
 	}
@@ -99,7 +106,7 @@ func Base(t testing.TB, s *storage.Store) storage.Release {
 	if rel, ok := importCache(t, s, cache); ok {
 		return rel
 	}
-	return buildLocked(t, s, nil)
+	return buildLocked(t, s, name, nil)
 }
 
 // BuildBase always builds the base template into s with a real debootstrap (reusing the
@@ -108,27 +115,35 @@ func Base(t testing.TB, s *storage.Store) storage.Release {
 // waits for this build instead of starting its own.
 func BuildBase(t testing.TB, s *storage.Store, progress func(string)) storage.Release {
 	t.Helper()
+	return BuildBuiltin(t, s, template.BaseTemplate, progress)
+}
+
+// BuildBuiltin is BuildBase for any builtin template.
+func BuildBuiltin(t testing.TB, s *storage.Store, name string, progress func(string)) storage.Release {
+	t.Helper()
 	unlock := lockCache(t)
 	defer unlock()
-	return buildLocked(t, s, progress)
+	return buildLocked(t, s, name, progress)
 }
 
-func cachePath(t testing.TB) string {
-	return filepath.Join(CacheDir(t), "base-"+template.BaseRecipeID()+".release")
+func cachePath(t testing.TB, name string) string {
+	return filepath.Join(CacheDir(t), name+"-"+template.BuiltinRecipeID(name)+".release")
 }
 
-func buildLocked(t testing.TB, s *storage.Store, progress func(string)) storage.Release {
+func buildLocked(t testing.TB, s *storage.Store, name string, progress func(string)) storage.Release {
 	t.Helper()
 	ctx := context.Background()
 	b := &template.Builder{Store: s, CacheDir: filepath.Join(CacheDir(t), "debootstrap")}
 	if progress == nil {
 		progress = func(line string) { t.Log(line) }
 	}
-	rel, err := b.BuildBase(ctx, progress)
+	start := time.Now()
+	rel, _, err := b.BuildBuiltin(ctx, name, progress)
 	if err != nil {
-		t.Fatalf("templatetest: build base: %v", err)
+		t.Fatalf("templatetest: build %s: %v", name, err)
 	}
-	writeCache(t, s, rel.Digest, cachePath(t))
+	t.Logf("templatetest: built %s in %s: %d MiB", name, time.Since(start).Round(time.Second), rel.SizeBytes>>20)
+	writeCache(t, s, rel.Digest, cachePath(t, name))
 	return rel
 }
 
@@ -155,7 +170,7 @@ func importCache(t testing.TB, s *storage.Store, path string) (storage.Release, 
 // writeCache exports the release to path atomically (temporary file, fsync, rename).
 func writeCache(t testing.TB, s *storage.Store, digest, path string) {
 	t.Helper()
-	f, err := os.CreateTemp(filepath.Dir(path), ".base-*.tmp")
+	f, err := os.CreateTemp(filepath.Dir(path), ".release-*.tmp")
 	if err != nil {
 		t.Fatalf("templatetest: %v", err)
 	}
@@ -165,7 +180,7 @@ func writeCache(t testing.TB, s *storage.Store, digest, path string) {
 		t.Fatalf("templatetest: %v", err)
 	}
 	if err := s.ExportRelease(context.Background(), digest, f); err != nil {
-		t.Fatalf("templatetest: export base: %v", err)
+		t.Fatalf("templatetest: export %s: %v", digest, err)
 	}
 	if err := f.Sync(); err != nil {
 		t.Fatalf("templatetest: %v", err)
