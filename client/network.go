@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"strconv"
+	"time"
 
 	"github.com/spacedev/space/api"
 )
@@ -132,3 +134,52 @@ func (c *Client) netlogOnce(ctx context.Context, sandboxID string, from int64, f
 		}
 	}
 }
+
+// DialPort opens a TCP connection to port inside a sandbox through the API (an HTTP
+// upgrade the API relays to the sandbox's agent, which connects inside the sandbox):
+// what `space port-forward` does for each local connection. It works whatever the
+// sandbox's network policy. Deadlines on the returned connection are not supported.
+func (c *Client) DialPort(ctx context.Context, sandboxID string, port int) (net.Conn, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.BaseURL+"/v1/sandboxes/"+url.PathEscape(sandboxID)+"/ports/"+strconv.Itoa(port), nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Connection", "Upgrade")
+	req.Header.Set("Upgrade", PortUpgrade)
+	if c.APIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.APIKey)
+	}
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		defer resp.Body.Close()
+		return nil, decodeError(resp)
+	}
+	rwc, ok := resp.Body.(io.ReadWriteCloser)
+	if !ok {
+		resp.Body.Close()
+		return nil, fmt.Errorf("port %d: the upgraded connection is not writable", port)
+	}
+	return &portConn{ReadWriteCloser: rwc, port: port}, nil
+}
+
+// PortUpgrade is the Upgrade token of the API's port tunnels.
+const PortUpgrade = "space-tcp"
+
+type portConn struct {
+	io.ReadWriteCloser
+	port int
+}
+
+func (c *portConn) LocalAddr() net.Addr              { return portAddr(0) }
+func (c *portConn) RemoteAddr() net.Addr             { return portAddr(c.port) }
+func (c *portConn) SetDeadline(time.Time) error      { return nil }
+func (c *portConn) SetReadDeadline(time.Time) error  { return nil }
+func (c *portConn) SetWriteDeadline(time.Time) error { return nil }
+
+type portAddr int
+
+func (portAddr) Network() string  { return "space-tunnel" }
+func (a portAddr) String() string { return "sandbox:" + strconv.Itoa(int(a)) }
