@@ -1,6 +1,13 @@
 package e2e
 
 import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -264,4 +271,95 @@ func netlog(t *testing.T, c *client.Client, id string) []api.NetworkEvent {
 		t.Fatalf("netlog: %v", err)
 	}
 	return evs
+}
+
+// TestPortForwardEgressNone: a server started inside a gVisor sandbox without any
+// network is reached through space: the API's HTTP proxy, a raw tunnel, and the CLI's
+// port-forward; a port nobody listens on gives a 502 naming it.
+func TestPortForwardEgressNone(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	if sb.Network != nil {
+		t.Fatalf("sandbox has a network: %+v", sb.Network)
+	}
+	// A server inside the sandbox, in the background.
+	sess, err := s.C.CreateSession(ctx(t, time.Minute), sb.ID, api.CreateSessionRequest{
+		Command: "mkdir -p /tmp/www && echo hello-from-gvisor > /tmp/www/index.html && cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _, _ = s.C.Follow(context.Background(), sess, client.Output{Stdout: io.Discard, Stderr: io.Discard}) }()
+	get := func(path string) (int, string) {
+		req, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes/"+sb.ID+"/ports/8000"+path, nil)
+		req.Header.Set("Authorization", "Bearer "+s.Key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	waitFor(t, time.Minute, "the server in the sandbox", func() bool {
+		code, _ := get("/index.html")
+		return code == 200
+	})
+	if code, body := get("/index.html"); code != 200 || body != "hello-from-gvisor\n" {
+		t.Fatalf("proxy: %d %q", code, body)
+	}
+	if code, body := get("/"); code != 200 || body != "hello-from-gvisor\n" {
+		t.Fatalf("proxy of /: %d %q", code, body)
+	}
+	code, body := func() (int, string) {
+		req, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes/"+sb.ID+"/ports/8001/", nil)
+		req.Header.Set("Authorization", "Bearer "+s.Key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}()
+	if code != http.StatusBadGateway || !strings.Contains(body, "port 8001") {
+		t.Fatalf("closed port: %d %s", code, body)
+	}
+
+	// The CLI: space port-forward ID :8000 prints the local address it listens on.
+	pctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(pctx, s.bin, "port-forward", sb.ID, ":8000")
+	cmd.Env = append(os.Environ(), "SPACE_URL="+s.URL, "SPACE_API_KEY="+s.Key)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cancel(); _ = cmd.Wait() }()
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		t.Fatalf("port-forward printed nothing: %v %s", err, stderr.String())
+	}
+	// "Forwarding from 127.0.0.1:PORT -> 8000"
+	f := strings.Fields(line)
+	if len(f) < 3 {
+		t.Fatalf("port-forward said %q", line)
+	}
+	local := f[2]
+	for i := range 3 { // several connections through one forward
+		resp, err := http.Get("http://" + local + "/index.html")
+		if err != nil {
+			t.Fatalf("request %d through port-forward: %v (%s)", i, err, stderr.String())
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != "hello-from-gvisor\n" {
+			t.Fatalf("request %d through port-forward: %d %q", i, resp.StatusCode, b)
+		}
+	}
 }
