@@ -869,6 +869,11 @@ func (m *Manager) applyLocked(ctx context.Context, sb *sandbox, pol *Policy) err
 	return nil
 }
 
+// BreakNextApply is a test hook: the next policy batch carries a rule the kernel
+// refuses, as a kernel that rejects a batch mid-update would. Tests use it to show that
+// a refused change leaves the previous policy in force and is reported.
+func (m *Manager) BreakNextApply() { m.breakNextApply.Store(true) }
+
 func randomGen(prev uint32) uint32 {
 	for {
 		var b [4]byte

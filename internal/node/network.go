@@ -123,8 +123,10 @@ func (n *Node) teardownNetwork(ctx context.Context, id string) error {
 // when the policy has header rules, installs the egress CA in its trust store. It runs
 // through the agent once the agent serves, before the sandbox is reported running.
 func (n *Node) configureGuestNetwork(ctx context.Context, id string, att *network.Attachment) error {
-	if att == nil || att.Netns == "" {
-		// No namespace (a test's fake manager): nothing in the sandbox uses it.
+	if att == nil || att.Netns == "" || n.info.Caps.Network == "" {
+		// No namespace (a test's fake manager), or a runtime that does not put the
+		// sandbox on it (the fake runtime, whose agents are host processes: a file
+		// written "in the sandbox" would land on the host).
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, guestNetTimeout)

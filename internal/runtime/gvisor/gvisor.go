@@ -230,7 +230,7 @@ func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 		Version: r.version,
 		// The agent cannot hold a host socket across a checkpoint: after a restore it
 		// learns its identity from a resume file in its run directory.
-		Caps: runtime.Caps{AgentResume: runtime.ResumeByFile},
+		Caps: runtime.Caps{AgentResume: runtime.ResumeByFile, Network: runtime.NetworkNamespace},
 		Details: map[string]string{
 			"platform":   r.cfg.Platform,
 			"runsc":      r.cfg.RunscPath,
