@@ -29,6 +29,12 @@ type netConfig struct {
 	netnsDir      string
 }
 
+// enabled says whether sandbox networking is meant to run (--network on, or auto as
+// root): what the E2B gateway tells SDKs.
+func (c *netConfig) enabled() bool {
+	return c.mode == "on" || (c.mode == "auto" && os.Geteuid() == 0)
+}
+
 // serviceNetwork is the api role's view of the network settings.
 func (c *netConfig) serviceNetwork() (service.NetworkConfig, error) {
 	var out service.NetworkConfig

@@ -278,7 +278,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins()})
+				Domain: c.e2bDomain, Network: c.net.enabled(), BuiltinTemplates: template.Builtins()})
 			if err != nil {
 				return err
 			}

@@ -61,10 +61,11 @@ func (g *Gateway) routes() http.Handler {
 	h("POST /sandboxes/{id}/connect", g.connect())
 	h("POST /v2/sandboxes/{id}/connect", g.connect())
 	h("GET /sandboxes/{id}/metrics", g.metrics)
+	h("PUT /sandboxes/{id}/network", g.updateNetwork)
 	h("GET /templates", g.templates)
 	h("GET /templates/aliases/{alias}", g.templateAlias)
 	for _, p := range []string{
-		"POST /sandboxes/{id}/fork", "POST /v2/sandboxes/{id}/fork", "PUT /sandboxes/{id}/network",
+		"POST /sandboxes/{id}/fork", "POST /v2/sandboxes/{id}/fork",
 		"POST /sandboxes/{id}/snapshots", "GET /snapshots", "GET /sandboxes/{id}/logs", "GET /v2/sandboxes/{id}/logs",
 	} {
 		h(p, notImplemented)
@@ -298,7 +299,7 @@ type sandboxJSON struct {
 func (g *Gateway) sandboxJSON(r *http.Request, sb *store.Sandbox) sandboxJSON {
 	id, alias := templateNames(sb.TemplateRef)
 	return sandboxJSON{TemplateID: id, SandboxID: sb.ID, Alias: alias, ClientID: clientID, EnvdVersion: envdpb.Version,
-		EnvdAccessToken: g.accessToken(sb.ID), Domain: g.domain(r)}
+		EnvdAccessToken: g.accessToken(sb.ID), TrafficAccessToken: g.trafficTokenOf(sb), Domain: g.domain(r)}
 }
 
 type lifecycleJSON struct {
@@ -330,10 +331,11 @@ type listedSandbox struct {
 
 type sandboxDetail struct {
 	listedSandbox
-	EnvdAccessToken     string        `json:"envdAccessToken"`
-	Domain              string        `json:"domain"`
-	AllowInternetAccess bool          `json:"allowInternetAccess"`
-	Lifecycle           lifecycleJSON `json:"lifecycle"`
+	EnvdAccessToken     string          `json:"envdAccessToken"`
+	Domain              string          `json:"domain"`
+	AllowInternetAccess bool            `json:"allowInternetAccess"`
+	Network             *e2bNetworkInfo `json:"network,omitempty"`
+	Lifecycle           lifecycleJSON   `json:"lifecycle"`
 }
 
 func listed(sb *store.Sandbox) listedSandbox {
@@ -349,7 +351,7 @@ func (g *Gateway) detail(r *http.Request, sb *store.Sandbox) sandboxDetail {
 		lc.OnTimeout = "pause"
 	}
 	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb.ID), Domain: g.domain(r),
-		AllowInternetAccess: allowInternet(sb), Lifecycle: lc}
+		AllowInternetAccess: allowInternet(sb), Network: networkInfo(sb), Lifecycle: lc}
 }
 
 // newSandbox is E2B's NewSandbox (v1) and NewSandboxV2 body.
@@ -367,6 +369,7 @@ type newSandbox struct {
 	} `json:"autoResume"`
 	MCP          json.RawMessage   `json:"mcp"`
 	VolumeMounts []json.RawMessage `json:"volumeMounts"`
+	Network      *e2bNetwork       `json:"network"`
 }
 
 // create handles POST /sandboxes (v1) and POST /v2/sandboxes: the sandbox is created
@@ -408,6 +411,13 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			}
 			md[autoResumeKey] = strconv.Itoa(timeout)
 		}
+		if md, err = inboundMetadata(body.Network, md); err != nil {
+			return err
+		}
+		netSpec, err := g.egressPolicy(body.AllowInternetAccess, body.Network)
+		if err != nil {
+			return err
+		}
 		tmpl := body.TemplateID
 		if tmpl == "" {
 			tmpl = defaultTemplate
@@ -423,6 +433,7 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			// time to start and still covers a client that gives up waiting.
 			TTL:         (time.Duration(timeout)*time.Second + createAllowance).String(),
 			IdleTimeout: "0", // E2B's timeout is the only clock
+			Network:     netSpec,
 		}, nil)
 		if err != nil {
 			return err
