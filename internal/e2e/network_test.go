@@ -25,7 +25,7 @@ import (
 // namespace of a fake internet (fakenet): sandboxes' egress leaves through that
 // namespace's uplink into the fake internet, and DNS goes to its DNS server. Nothing
 // here reaches the machine's own network.
-func netServer(t *testing.T) (*srv, *fakenet.Net) {
+func netServer(t *testing.T, extra ...string) (*srv, *fakenet.Net) {
 	t.Helper()
 	requireHost(t)
 	dir := t.TempDir()
@@ -36,13 +36,13 @@ func netServer(t *testing.T) (*srv, *fakenet.Net) {
 	t.Cleanup(fn.Close)
 	fn.SetA("allowed.test", 300, fakenet.WebAddr)
 	fn.SetA("other.test", 300, fakenet.Web2Addr)
-	s := start(t, options{args: []string{
+	s := start(t, options{args: append([]string{
 		"--network", "on",
 		"--network-host-netns", fn.HostNS,
 		"--netns-dir", filepath.Join(dir, "netns"),
 		"--egress-interface", fakenet.Uplink,
 		"--dns-upstream", fakenet.DNSAddr.String(),
-	}})
+	}, extra...)})
 	// The server must be gone before the fake internet (its namespaces hold the
 	// sandboxes' veths): cleanups run last-in first-out. Sandboxes outlive a stopped
 	// server, their namespace pins too: unpin what is left.
@@ -361,5 +361,35 @@ func TestPortForwardEgressNone(t *testing.T) {
 		if resp.StatusCode != 200 || string(b) != "hello-from-gvisor\n" {
 			t.Fatalf("request %d through port-forward: %d %q", i, resp.StatusCode, b)
 		}
+	}
+}
+
+// TestE2BSDKNetwork runs E2B's network options with the unmodified E2B JS SDK
+// (e2bsdk/network.mjs) against sandboxes whose egress goes into a fake internet:
+// allowOut/denyOut, allowInternetAccess, rules, updateNetwork, allowPublicTraffic and
+// maskRequestHost.
+func TestE2BSDKNetwork(t *testing.T) {
+	dir := e2bSDKDir(t)
+	addr := freeAddr(t)
+	s, _ := netServer(t, "--e2b-listen", addr)
+	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
+	if code != 0 {
+		t.Fatalf("apikey create --e2b: %s", errOut)
+	}
+	url := "http://" + addr
+	cmd := exec.CommandContext(ctx(t, 5*time.Minute), "node", "--test", "--test-reporter=spec", "network.mjs")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "E2B_API_KEY="+strings.TrimSpace(out), "E2B_API_URL="+url, "E2B_SANDBOX_URL="+url,
+		"E2B_DOMAIN=", "E2B_DEBUG=", "ALLOWED_HOST=allowed.test", "OTHER_ADDR="+fakenet.Web2Addr.String())
+	var log bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &log, &log
+	start := time.Now()
+	err := cmd.Run()
+	t.Logf("E2B SDK network suite took %s", time.Since(start).Round(time.Millisecond))
+	if err != nil {
+		t.Fatalf("E2B SDK network suite failed: %v\n%s", err, log.String())
+	}
+	if testing.Verbose() {
+		t.Log(log.String())
 	}
 }
