@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"os"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/network/fakenet"
 )
@@ -392,4 +394,40 @@ func TestE2BSDKNetwork(t *testing.T) {
 	if testing.Verbose() {
 		t.Log(log.String())
 	}
+}
+
+// TestBenchNetwork runs `space bench --only network` against sandboxes whose egress
+// goes into a fake internet: every row is there with its baseline (figures are not
+// asserted; docs/benchmarks.md has them). SPACE_BENCH_RUNS sets the repetitions.
+func TestBenchNetwork(t *testing.T) {
+	s, fn := netServer(t)
+	runs := "2"
+	if v := os.Getenv("SPACE_BENCH_RUNS"); v != "" {
+		runs = v
+	}
+	out, stderr, code := s.cli(t, "bench", "--runs", runs, "--only", "network", "-o", "json",
+		"--egress-url", "http://"+fakenet.WebAddr.String(), "--egress-host-netns", fn.HostNS)
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s", code, stderr)
+	}
+	var rs []bench.Result
+	if err := json.Unmarshal([]byte(out), &rs); err != nil {
+		t.Fatalf("bench output: %v\n%s", err, out)
+	}
+	metrics := map[string]bench.Result{}
+	for _, r := range rs {
+		metrics[r.Metric] = r
+		if r.Median <= 0 {
+			t.Errorf("result %+v", r)
+		}
+	}
+	for _, m := range []string{"egress: 128 MiB download (curl)", "port proxy: GET of 2 bytes (API, kept alive)",
+		"port-forward: GET of 2 bytes (new tunnel each)", "port proxy: 128 MiB download", "policy change (PATCH → in force)"} {
+		if _, ok := metrics[m]; !ok {
+			t.Errorf("no %q row in %s", m, out)
+		}
+	}
+	var table bytes.Buffer
+	_ = bench.WriteTable(&table, rs)
+	t.Logf("space bench --only network:\n%s", table.String())
 }
