@@ -14,7 +14,9 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/network"
+	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -132,6 +134,17 @@ func (n *Node) configureGuestNetwork(ctx context.Context, id string, att *networ
 	ctx, cancel := context.WithTimeout(ctx, guestNetTimeout)
 	defer cancel()
 	a := n.agent(id)
+	if n.info.Caps.Network == runtime.NetworkTap {
+		// A VM: its NIC on the namespace's tap needs an address and a route (the same
+		// in every VM: the namespace masquerades them, network.OpenTap).
+		code, err := n.runCheck(ctx, id, wire.ProcessSpec{Argv: network.TapGuestConfig(), TimeoutMs: 10000})
+		if err != nil {
+			return fmt.Errorf("configure the VM's network: %w", err)
+		}
+		if code != 0 {
+			return fmt.Errorf("configure the VM's network: ip exited %d (the template needs iproute2's ip and a virtio-net NIC)", code)
+		}
+	}
 	if _, err := a.WriteFile(ctx, guestResolv, strings.NewReader(att.ResolvConf()), agentclient.WriteOptions{Mode: 0o644}); err != nil {
 		return fmt.Errorf("write %s in the sandbox: %w", guestResolv, err)
 	}

@@ -127,7 +127,10 @@ func (n *Node) pauseInstance(ctx context.Context, id string) error {
 // snapshot when one fits (start path "snapshot"), else by booting ("boot").
 func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (string, error) {
 	sb.TemplateDigest = digest
-	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot {
+	// A VM's snapshot holds its devices: a base snapshot (made without a NIC) does not
+	// restore into a VM with one, so networked VMs boot.
+	vmNet := sb.Spec.Network != nil && n.info.Caps.Network == runtime.NetworkTap
+	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot && !vmNet {
 		root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
 		if err == nil {
 			err = n.limitDisk(ctx, sb)
@@ -151,7 +154,9 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 	if err := n.boot(ctx, sb, root); err != nil {
 		return "", err
 	}
-	n.ensureBaseSnapshotLater(digest, sb.Spec)
+	if !vmNet {
+		n.ensureBaseSnapshotLater(digest, sb.Spec)
+	}
 	return "boot", nil
 }
 

@@ -93,9 +93,16 @@ func (e *netEnv) attach(t *testing.T, spec *runtime.Spec) *network.Attachment {
 	return att
 }
 
-// configureGuest points the sandbox's resolver at the node's, as the node does.
-func configureGuest(t *testing.T, ctx context.Context, c *agentclient.Client, att *network.Attachment) {
+// configureGuest gives a VM its address on the tap and points the sandbox's resolver at
+// the node's, as the node does.
+func (s *suite) configureGuest(t *testing.T, ctx context.Context, c *agentclient.Client, att *network.Attachment) {
 	t.Helper()
+	if s.info.Caps.Network == runtime.NetworkTap {
+		stdout, stderr, exit := run(t, ctx, c, wire.ProcessSpec{Argv: network.TapGuestConfig()})
+		if exit.ExitCode == nil || *exit.ExitCode != 0 {
+			t.Fatalf("guest network config: %+v %q %q", exit, stdout, stderr)
+		}
+	}
 	if _, err := c.WriteFile(ctx, "/etc/resolv.conf", strings.NewReader(att.ResolvConf()), agentclient.WriteOptions{Mode: 0o644}); err != nil {
 		t.Fatalf("write resolv.conf: %v", err)
 	}
@@ -135,14 +142,14 @@ func (s *suite) testNetwork(t *testing.T, e *netEnv) runtime.Spec {
 	if _, err := c.WaitReady(ctx); err != nil {
 		t.Fatalf("agent not ready: %v\n%s", err, s.diagnose(spec))
 	}
-	configureGuest(t, ctx, c, att)
+	s.configureGuest(t, ctx, c, att)
 	web2 := "http://" + fakenet.Web2Addr.String() + "/conformance-denied"
 	verdicts, addr := probe(t, ctx, c, "http://allowed.test/conformance", web2)
 	if strings.Join(verdicts, " ") != "ok fail" {
 		t.Errorf("allowed, denied: %v", verdicts)
 	}
-	if addr != att.Address.Addr().String() {
-		t.Errorf("the sandbox's source address is %q, want its namespace's %s", addr, att.Address.Addr())
+	if want := s.guestAddr(att); addr != want {
+		t.Errorf("the sandbox's source address is %q, want %s", addr, want)
 	}
 	if n := e.fn.Hits("http " + fakenet.Web2Addr.String() + ":80"); n != 0 {
 		t.Errorf("the denied host was reached %d times", n)
@@ -160,7 +167,7 @@ func (s *suite) testNetworkClone(t *testing.T, e *netEnv, src runtime.Spec) {
 	}
 	c := s.client(src.ID)
 	s.quiesce(t, src, c)
-	dir := filepath.Join(t.TempDir(), "checkpoint")
+	dir := t.TempDir()
 	if err := snap.Checkpoint(s.ctx(t, readyTimeout), src.ID, dir); err != nil {
 		t.Fatalf("checkpoint: %v", err)
 	}
@@ -186,14 +193,24 @@ func (s *suite) testNetworkClone(t *testing.T, e *netEnv, src runtime.Spec) {
 		rc := s.client(spec.ID)
 		s.resume(t, spec, rc, identity(int64(10+i), name))
 		ctx := s.ctx(t, readyTimeout)
-		configureGuest(t, ctx, rc, att)
+		s.configureGuest(t, ctx, rc, att)
 		verdicts, addr := probe(t, ctx, rc, "http://allowed.test/conformance-"+name, "http://"+fakenet.Web2Addr.String()+"/denied-"+name)
 		if strings.Join(verdicts, " ") != "ok fail" {
 			t.Errorf("%s: allowed, denied: %v", name, verdicts)
 		}
-		if addr != att.Address.Addr().String() {
-			t.Errorf("%s: source address %q, want %s", name, addr, att.Address.Addr())
+		if want := s.guestAddr(att); addr != want {
+			t.Errorf("%s: source address %q, want %s", name, addr, want)
 		}
 		s.destroy(t, spec)
 	}
+}
+
+// guestAddr is the address the sandbox sees as its own: the namespace's (gVisor takes
+// its interface), or the fixed guest address behind a VM's tap (the namespace
+// masquerades it to its own).
+func (s *suite) guestAddr(att *network.Attachment) string {
+	if s.info.Caps.Network == runtime.NetworkTap {
+		return network.TapGuest.Addr().String()
+	}
+	return att.Address.Addr().String()
 }
