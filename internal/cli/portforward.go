@@ -139,4 +139,3 @@ func (a *app) forward(ctx context.Context, c *client.Client, id string, l net.Li
 		}()
 	}
 }
-

@@ -291,7 +291,9 @@ func TestPortForwardEgressNone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	go func() { _, _ = s.C.Follow(context.Background(), sess, client.Output{Stdout: io.Discard, Stderr: io.Discard}) }()
+	go func() {
+		_, _ = s.C.Follow(context.Background(), sess, client.Output{Stdout: io.Discard, Stderr: io.Discard})
+	}()
 	get := func(path string) (int, string) {
 		req, _ := http.NewRequest("GET", s.URL+"/v1/sandboxes/"+sb.ID+"/ports/8000"+path, nil)
 		req.Header.Set("Authorization", "Bearer "+s.Key)

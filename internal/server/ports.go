@@ -160,4 +160,3 @@ func headerHas(h http.Header, name, token string) bool {
 	}
 	return false
 }
-

@@ -117,5 +117,5 @@ func (c *tunnelConn) SetWriteDeadline(time.Time) error { return nil }
 
 type tunnelAddr struct{ port int }
 
-func (tunnelAddr) Network() string   { return "space-tunnel" }
+func (tunnelAddr) Network() string  { return "space-tunnel" }
 func (a tunnelAddr) String() string { return "sandbox:" + strconv.Itoa(a.port) }
