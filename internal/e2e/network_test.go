@@ -21,6 +21,7 @@ import (
 	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/network/fakenet"
+	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
 // netServer starts space serve with sandbox networking on, its "host" being the host
@@ -432,4 +433,50 @@ func TestBenchNetwork(t *testing.T) {
 	var table bytes.Buffer
 	_ = bench.WriteTable(&table, rs)
 	t.Logf("space bench --only network:\n%s", table.String())
+}
+
+// TestNetworkQEMU runs a networked sandbox on the qemu runtime (a tap in the sandbox's
+// namespace; TCG here): egress follows the policy, a change applies to the running VM,
+// and after suspend and wake the VM still has its network and its policy.
+func TestNetworkQEMU(t *testing.T) {
+	requireHost(t)
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
+	}
+	if _, err := qemu.DefaultKernel(); err != nil {
+		t.Skipf("no guest kernel: %v (apt-get install linux-image-cloud-amd64)", err)
+	}
+	s, fn := netServer(t, "--runtime", "qemu", "--default-memory", "256")
+	sb := s.create(t, api.CreateSandboxRequest{Network: &api.Network{
+		Egress: true, AllowOut: []string{"allowed.test"}, DenyOut: []string{"0.0.0.0/0"},
+	}})
+	if sb.Runtime != "qemu" {
+		t.Fatalf("runtime %q", sb.Runtime)
+	}
+	expect(t, "qemu", fetch(t, s, sb.ID, allowedURL, deniedURL), map[string]bool{allowedURL: true, deniedURL: false})
+	if fn.Hits("http "+fakenet.Web2Addr.String()+":80") != 0 {
+		t.Fatal("a denied destination was reached")
+	}
+	if _, err := s.C.PatchNetwork(ctx(t, time.Minute), sb.ID, map[string]any{"allow_out": []string{fakenet.Web2Addr.String()}}); err != nil {
+		t.Fatal(err)
+	}
+	expect(t, "qemu after the change", fetch(t, s, sb.ID, allowedURL, deniedURL), map[string]bool{allowedURL: false, deniedURL: true})
+	for _, v := range []string{api.OpSuspend, api.OpWake} {
+		if _, err := s.C.LifecycleAndWait(ctx(t, 5*time.Minute), sb.ID, v); err != nil {
+			t.Fatalf("%s: %v", v, err)
+		}
+	}
+	expect(t, "qemu after suspend and wake", fetch(t, s, sb.ID, allowedURL, deniedURL), map[string]bool{allowedURL: false, deniedURL: true})
+	// Delete (the harness's cleanup stops only gVisor sandboxes): the VM, its tap and
+	// the namespace go.
+	op, err := s.C.DeleteSandbox(ctx(t, time.Minute), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.C.WaitOperation(ctx(t, 2*time.Minute), op.ID); err != nil {
+		t.Fatal(err)
+	}
+	if p := netnsPin(t, s, sb.ID); p != "" {
+		t.Errorf("the deleted sandbox's namespace pin %s is still there", p)
+	}
 }
