@@ -20,8 +20,9 @@ import (
 func TestCrashWalkKeepsMemory(t *testing.T) {
 	dir := t.TempDir()
 	crashLog, arm := filepath.Join(dir, "crash.log"), filepath.Join(dir, "crash.arm")
-	s := start(t, options{failpoints: true, args: []string{"--base-snapshots=false"},
-		env: []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}})
+	// Between walks the server logs the points it passes, armed by nothing.
+	logEnv := []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}
+	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"}, Env: logEnv})
 	points := func() []string {
 		f, err := os.Open(crashLog)
 		if err != nil {
@@ -92,6 +93,9 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 		}
 		walked := points()
 		t.Logf("%s passes %s", sc.name, strings.Join(walked, " "))
+		if len(walked) == 0 {
+			t.Fatalf("%s: the server logged no crash points", sc.name)
+		}
 		for _, p := range walked {
 			// Only where memory is at stake: the snapshot, the restore, the source's
 			// way back.
@@ -101,8 +105,8 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			}
 			s.Kill()
 			_ = os.Remove(arm)
-			s.opts.env = []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
-				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)}
+			s.SetEnv([]string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
+				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)})
 			s.Restart()
 			id, pid := setup()
 			for _, v := range sc.pre {
@@ -112,19 +116,11 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 				t.Fatal(err)
 			}
 			ops := act(id)
-			s.mu.Lock()
-			done := s.done
-			s.mu.Unlock()
-			select {
-			case <-done:
-			case <-time.After(2 * time.Minute):
+			if !s.WaitExit(2 * time.Minute) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
-			s.mu.Lock()
-			s.cmd = nil
-			s.mu.Unlock()
 			_ = os.Remove(arm)
-			s.opts.env = nil
+			s.SetEnv(logEnv)
 			s.Restart()
 			for _, op := range ops {
 				got, err := s.C.WaitOperation(ctx(t, 3*time.Minute), op)

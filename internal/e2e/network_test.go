@@ -39,13 +39,14 @@ func netServer(t *testing.T, extra ...string) (*srv, *fakenet.Net) {
 	t.Cleanup(fn.Close)
 	fn.SetA("allowed.test", 300, fakenet.WebAddr)
 	fn.SetA("other.test", 300, fakenet.Web2Addr)
-	s := start(t, options{args: append([]string{
+	s := start(t, options{Args: append([]string{
 		"--network", "on",
 		"--network-host-netns", fn.HostNS,
 		"--netns-dir", filepath.Join(dir, "netns"),
 		"--egress-interface", fakenet.Uplink,
 		"--dns-upstream", fakenet.DNSAddr.String(),
 	}, extra...)})
+	netnsDirs.Store(s.DataDir, filepath.Join(dir, "netns"))
 	// The server must be gone before the fake internet (its namespaces hold the
 	// sandboxes' veths): cleanups run last-in first-out. Sandboxes outlive a stopped
 	// server, their namespace pins too: unpin what is left.
@@ -61,11 +62,15 @@ func netServer(t *testing.T, extra ...string) (*srv, *fakenet.Net) {
 	return s, fn
 }
 
+// netnsDirs maps a netServer's data dir to its --netns-dir.
+var netnsDirs sync.Map
+
 // netnsPin is the namespace pin of a sandbox of a netServer.
 func netnsPin(t *testing.T, s *srv, id string) string {
 	t.Helper()
-	i := slices.Index(s.opts.args, "--netns-dir")
-	pins, _ := filepath.Glob(filepath.Join(s.opts.args[i+1], "*-"+id))
+	dir, _ := netnsDirs.Load(s.DataDir)
+	d, _ := dir.(string)
+	pins, _ := filepath.Glob(filepath.Join(d, "*-"+id))
 	if len(pins) != 1 {
 		return ""
 	}
@@ -334,7 +339,7 @@ func TestPortForwardEgressNone(t *testing.T) {
 	// The CLI: space port-forward ID :8000 prints the local address it listens on.
 	pctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(pctx, s.bin, "port-forward", sb.ID, ":8000")
+	cmd := exec.CommandContext(pctx, s.Bin, "port-forward", sb.ID, ":8000")
 	cmd.Env = append(os.Environ(), "SPACE_URL="+s.URL, "SPACE_API_KEY="+s.Key)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
