@@ -91,6 +91,9 @@ type Sandbox struct {
 	// DiskBytes is the disk space the sandbox uses exclusively (not shared with its
 	// template or clones), as last measured.
 	DiskBytes int64 `json:"disk_bytes"`
+	// Network is the sandbox's network policy (absent: no network). Secrets are not
+	// shown: header values read "[redacted]", the egress proxy's password is omitted.
+	Network *Network `json:"network,omitempty"`
 	// Operation is the operation that created the sandbox (set on create responses).
 	Operation *Operation `json:"operation,omitempty"`
 }
@@ -117,6 +120,9 @@ type CreateSandboxRequest struct {
 	IdleTimeout string `json:"idle_timeout,omitempty"`
 	// FreshBoot skips the warm pool and the base snapshot: the sandbox boots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
+	// Network is the sandbox's network policy. Absent: the server's default (no network
+	// unless the operator configured another, see docs/networking.md).
+	Network *Network `json:"network,omitempty"`
 }
 
 // CloneRequest is the body of POST /v1/sandboxes/{id}/clone.
@@ -563,6 +569,21 @@ type EgressProxy struct {
 	Password string `json:"password,omitempty"`
 }
 
+// NetworkState is the body of GET and PATCH /v1/sandboxes/{id}/network.
+type NetworkState struct {
+	// Network is the policy the sandbox has (secrets redacted as in Sandbox.Network).
+	Network Network `json:"network"`
+	// Applied is true when the policy is in force on the sandbox's node now; false
+	// while the sandbox has no network set up there (it is pending, or its node is
+	// restarting): the stored policy is applied before it next runs.
+	Applied bool `json:"applied"`
+	// Address is the sandbox's IPv4 address on its node's sandbox network (never
+	// routable from outside the node).
+	Address string `json:"address,omitempty"`
+	// Policy describes the policy in force as the node compiled it (no secrets).
+	Policy string `json:"policy,omitempty"`
+}
+
 // NetworkEvent is one entry of a sandbox's egress audit log: a DNS query or a
 // connection attempt, allowed or denied, or the end of an allowed connection.
 type NetworkEvent struct {
@@ -593,6 +614,45 @@ type NetworkEvent struct {
 	Count int `json:"count,omitempty"`
 }
 
+// RedactedValue replaces secrets (header values of network rules) in responses.
+const RedactedValue = "[redacted]"
+
+// Redacted returns a copy of n without its secrets: header values read RedactedValue
+// and the egress proxy's password is dropped. Nil stays nil.
+func (n *Network) Redacted() *Network {
+	if n == nil {
+		return nil
+	}
+	out := *n
+	out.AllowOut = append([]string(nil), n.AllowOut...)
+	out.DenyOut = append([]string(nil), n.DenyOut...)
+	if n.Rules != nil {
+		out.Rules = make(map[string][]NetworkRule, len(n.Rules))
+		for d, rules := range n.Rules {
+			rs := make([]NetworkRule, len(rules))
+			for i, r := range rules {
+				if r.Transform != nil {
+					t := &NetworkTransform{}
+					if r.Transform.Headers != nil {
+						t.Headers = make(map[string]string, len(r.Transform.Headers))
+						for k := range r.Transform.Headers {
+							t.Headers[k] = RedactedValue
+						}
+					}
+					rs[i].Transform = t
+				}
+			}
+			out.Rules[d] = rs
+		}
+	}
+	if n.EgressProxy != nil {
+		p := *n.EgressProxy
+		p.Password = ""
+		out.EgressProxy = &p
+	}
+	return &out
+}
+
 // Network event kinds and verdicts.
 const (
 	NetEventDNS     = "dns"
@@ -600,4 +660,7 @@ const (
 	NetEventClose   = "close"
 	NetAllowed      = "allowed"
 	NetDenied       = "denied"
+	// EventNetwork is the SSE event of GET /v1/sandboxes/{id}/netlog: its data is a
+	// NetworkEvent and its id the offset to resume from (the event's offset + 1).
+	EventNetwork = "network"
 )

@@ -32,6 +32,7 @@ import (
 	"github.com/spacedev/space/internal/e2b"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
 	"github.com/spacedev/space/internal/rest"
@@ -90,6 +91,7 @@ type serveConfig struct {
 	e2bSignedTTL   time.Duration
 	metricsListen  string
 	quota          store.Quota
+	net            netConfig
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -188,6 +190,15 @@ that have none of their own (-1: unlimited).`,
 	} {
 		f.Var(quotaFlag{c.quota, q.name}, "quota-"+strings.ReplaceAll(q.name, "_", "-"), "default quota: "+q.help+"; -1 unlimited")
 	}
+	f.StringVar(&c.net.mode, "network", envOr("SPACE_NETWORK", "auto"), "sandbox networking: auto (on when running as root), on (fail if it cannot start) or off (env SPACE_NETWORK)")
+	f.StringVar(&c.net.uplink, "egress-interface", "", "interface sandbox egress leaves by (default: the default route's)")
+	f.StringVar(&c.net.allow, "network-allow", "", "comma-separated CIDRs sandboxes may be allowed to reach although they are private, link-local or otherwise always denied (e.g. an internal package mirror)")
+	f.StringVar(&c.net.pool, "network-pool", "", "IPv4 network sandbox addresses come from, a /30 each (default "+network.DefaultPool.String()+"; must not overlap the host's networks)")
+	f.StringVar(&c.net.dnsUpstreams, "dns-upstream", "", "comma-separated DNS servers (ip or ip:port) the sandboxes' resolver asks (default: the host's /etc/resolv.conf)")
+	f.StringVar(&c.net.defaultEgress, "default-egress", "none", "network of sandboxes created without a network policy: none (no network), closed (a network namespace with egress off, changeable later) or open (egress to anything not always denied)")
+	f.StringVar(&c.net.netnsDir, "netns-dir", "", "where sandbox network namespaces are pinned (default /run/netns, where `ip netns` finds them)")
+	f.StringVar(&c.net.hostNetns, "network-host-netns", "", "network namespace that plays the host for sandbox networking (tests: a fake internet); default: space's own")
+	_ = f.MarkHidden("network-host-netns")
 	return cmd
 }
 
@@ -280,8 +291,12 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err := bootstrapAdminKey(ctx, st, dataDir, os.Stdout, log); err != nil {
 			return err
 		}
+		netCfg, err := c.net.serviceNetwork()
+		if err != nil {
+			return err
+		}
 		svc := service.New(service.Config{
-			Store: st, Signer: signer, Logger: log.With("component", "api"),
+			Store: st, Signer: signer, Logger: log.With("component", "api"), Network: netCfg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
 			DefaultDiskMB: c.defaultDisk, MaxDiskMB: c.maxDisk,
@@ -294,7 +309,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mux.Handle("/", a.Handler())
 		if c.e2bListen != "" {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
-				Domain: c.e2bDomain, BuiltinTemplates: template.Builtins(), MaxSignedURLTTL: c.e2bSignedTTL})
+				Domain: c.e2bDomain, Network: c.net.enabled(), BuiltinTemplates: template.Builtins(), MaxSignedURLTTL: c.e2bSignedTTL})
 			if err != nil {
 				return err
 			}
@@ -313,12 +328,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 		run("controller", ctl.Run)
 	}
 	if c.has("node") {
-		n, dp, err := newNode(ctx, c, dataDir, st, signer, ln, log, opMetrics)
+		n, dp, netMgr, err := newNode(ctx, c, dataDir, st, signer, ln, log, opMetrics)
 		if err != nil {
 			return err
 		}
 		dpMux := http.NewServeMux()
 		dp.Register(dpMux)
+		n.RegisterRoutes(dpMux)
 		mux.Handle("/v1/dp/", dataplane.CORS(dpMux))
 		mux.Handle("/internal/", dpMux)
 		if !c.has("api") {
@@ -332,7 +348,15 @@ func serve(ctx context.Context, c *serveConfig) error {
 				rest.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
 			})
 		}
-		run("node", n.Run)
+		run("node", func(ctx context.Context) error {
+			err := n.Run(ctx)
+			if netMgr != nil {
+				// After the node's in-flight work: resolvers and proxies stop, the
+				// namespaces and rules stay for the next start.
+				netMgr.Close()
+			}
+			return err
+		})
 		run("data plane", dp.Run)
 	}
 
@@ -473,10 +497,10 @@ func agentBinary() (string, error) {
 }
 
 func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Store, signer *token.Signer, ln net.Listener,
-	log *slog.Logger, metrics *node.OperationMetrics) (*node.Node, *dataplane.DataPlane, error) {
+	log *slog.Logger, metrics *node.OperationMetrics) (*node.Node, *dataplane.DataPlane, *network.Manager, error) {
 	agent, err := agentBinary()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	var (
 		disk    node.Disk
@@ -486,35 +510,43 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	)
 	if c.runtime == "fake" {
 		if rt, disk, err = testRuntime(dataDir, agent, log); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		why = "requested with --runtime fake (a test build)"
 	} else {
 		reserve, err := storage.ParseDiskReserve(c.diskReserve)
 		if err != nil {
-			return nil, nil, fmt.Errorf("--disk-reserve: %w", err)
+			return nil, nil, nil, fmt.Errorf("--disk-reserve: %w", err)
 		}
 		store, err := storage.Open(ctx, storage.Config{DataDir: dataDir, ImageSizeBytes: c.storeSize, DiskReserve: reserve,
 			Logger: log.With("component", "storage")})
 		if err != nil {
-			return nil, nil, fmt.Errorf("open btrfs store: %w", err)
+			return nil, nil, nil, fmt.Errorf("open btrfs store: %w", err)
 		}
 		if rt, why, err = selectRuntime(c, dataDir, log); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		disk = store
 		builder = &template.Builder{Store: store, Logger: log.With("component", "template"), Mirror: c.mirror,
 			CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources}
 	}
 	log.Info("runtime selected", "reason", why)
+	netMgr, err := c.net.startNetwork(ctx, dataDir, log)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	var nm node.NetworkManager
+	if netMgr != nil {
+		nm = netMgr
+	}
 	id, err := node.LoadOrCreateID(dataDir)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	name := c.nodeName
 	if name == "" {
 		if name, err = os.Hostname(); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 	adv := c.advertiseURL
@@ -540,14 +572,19 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		AgentReadyTimeout: c.agentReadyWait,
 		NoBaseSnapshots:   !c.baseSnapshots,
 		RuntimeReason:     why,
+		Network:           nm,
+		Signer:            signer,
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
 	})
 	if err != nil {
-		return nil, nil, err
+		if netMgr != nil {
+			netMgr.Close()
+		}
+		return nil, nil, nil, err
 	}
 	dp := dataplane.New(dataplane.Config{Store: st, Signer: signer, Logger: log.With("component", "dataplane"), Node: n, NodeID: id})
-	return n, dp, nil
+	return n, dp, netMgr, nil
 }
 
 // selectRuntime picks the sandbox runtime and logs why: --runtime auto prefers

@@ -31,6 +31,12 @@ type Config struct {
 	Template string
 	// Progress receives one line per finished scenario.
 	Progress io.Writer
+	// EgressURL is a server sandboxes may reach that serves /bytes/{n} (the network
+	// scenario's egress rows; empty skips them).
+	EgressURL string
+	// EgressNetns is the network namespace the host-side egress baseline downloads
+	// from (the server's --network-host-netns, when it has one).
+	EgressNetns string
 }
 
 // Result is one row of the report.
@@ -66,6 +72,7 @@ var scenarios = []scenario{
 	{"suspend", suspendWake},
 	{"clone", clones},
 	{"density", density},
+	{"network", networkBench},
 }
 
 // Names lists the scenarios.

@@ -52,6 +52,8 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().IntVar(&cfg.Runs, "runs", 10, "repetitions of each measurement")
 	cmd.Flags().StringSliceVar(&cfg.Only, "only", nil, "run only these scenarios (comma-separated)")
 	cmd.Flags().StringVar(&cfg.Template, "template", "base", "template for the sandboxes")
+	cmd.Flags().StringVar(&cfg.EgressURL, "egress-url", "", "network scenario: a server sandboxes may reach that serves /bytes/{n}, for the egress rows (the bench reaches no other host)")
+	cmd.Flags().StringVar(&cfg.EgressNetns, "egress-host-netns", "", "network scenario: the namespace the host-side egress baseline downloads from (the server's --network-host-netns)")
 	cmd.Flags().BoolVar(&save, "save", true, "save the results to <data-dir>/bench/last.json, where the web console plots them")
 	return cmd
 }

@@ -63,6 +63,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.templateCmd(),
 		a.benchCmd(),
 		a.poolCmd(),
+		a.portForwardCmd(),
 	)
 	for _, c := range a.dataPlaneCmds() {
 		root.AddCommand(c)

@@ -13,7 +13,8 @@ import (
 
 func (a *app) sandboxCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes"}
-	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm(), a.cloneCmd())
+	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm(), a.cloneCmd(),
+		a.networkCmd(), a.netlogCmd())
 	cmd.AddCommand(a.lifecycleCmds()...)
 	return cmd
 }
@@ -23,6 +24,7 @@ func (a *app) sandboxCreate() *cobra.Command {
 	var env, meta []string
 	var wait bool
 	var idem string
+	var nf netFlags
 	cmd := &cobra.Command{
 		Use:   "create",
 		Short: "Create a sandbox and print its id",
@@ -33,7 +35,9 @@ request is recorded; with --wait it waits until the sandbox runs (or failed).
 The first sandbox from the builtin "base" template builds that template (Debian
 bookworm via debootstrap, about a minute); later ones start in well under a second.`,
 		Example: `  space sandbox create --wait
-  id=$(space sandbox create --template base --memory 1024 --env FOO=bar --metadata owner=alice --ttl 2h --wait)`,
+  id=$(space sandbox create --template base --memory 1024 --env FOO=bar --metadata owner=alice --ttl 2h --wait)
+  space sandbox create --egress --allow-out pypi.org --allow-out '*.pythonhosted.org' --deny-out 0.0.0.0/0 --wait
+  space sandbox create --network-closed --wait     # no egress now; open it later with "space sandbox network"`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.checkOutput(); err != nil {
@@ -44,6 +48,9 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 				return err
 			}
 			if req.Metadata, err = parseKV("metadata", meta); err != nil {
+				return err
+			}
+			if req.Network, err = a.createNetwork(&nf); err != nil {
 				return err
 			}
 			c, err := a.client()
@@ -88,6 +95,7 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 	f.StringVar(&req.IdleTimeout, "idle-timeout", "", "suspend the sandbox after this long without activity (default: the server's, 6h; 0 = never)")
 	f.BoolVarP(&wait, "wait", "w", false, "wait until the sandbox is running")
 	f.StringVar(&idem, "idempotency-key", "", "retry-safe key: a retried create with the same key returns the same sandbox")
+	nf.register(f, true)
 	return cmd
 }
 

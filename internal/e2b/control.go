@@ -62,13 +62,13 @@ func (g *Gateway) routes() http.Handler {
 	h("POST /sandboxes/{id}/connect", g.connect())
 	h("POST /v2/sandboxes/{id}/connect", g.connect())
 	h("GET /sandboxes/{id}/metrics", g.metrics)
+	h("PUT /sandboxes/{id}/network", g.updateNetwork)
 	h("GET /templates", g.templates)
 	h("GET /templates/aliases/{alias}", g.templateAlias)
 	// Not implemented: 501, after the sandbox named (if any) is found like everywhere
 	// else, so that another tenant's sandbox answers 404 here too.
 	h("POST /sandboxes/{id}/fork", g.notImplemented)
 	h("POST /v2/sandboxes/{id}/fork", g.notImplemented)
-	h("PUT /sandboxes/{id}/network", g.notImplemented)
 	h("POST /sandboxes/{id}/snapshots", g.notImplemented)
 	h("GET /snapshots", g.notImplemented)
 	h("GET /sandboxes/{id}/logs", g.notImplemented)
@@ -310,7 +310,7 @@ type sandboxJSON struct {
 func (g *Gateway) sandboxJSON(r *http.Request, sb *store.Sandbox) sandboxJSON {
 	id, alias := templateNames(sb.TemplateRef)
 	return sandboxJSON{TemplateID: id, SandboxID: sb.ID, Alias: alias, ClientID: clientID, EnvdVersion: envdpb.Version,
-		EnvdAccessToken: g.accessToken(sb), Domain: g.domain(r)}
+		EnvdAccessToken: g.accessToken(sb), TrafficAccessToken: g.trafficTokenOf(sb), Domain: g.domain(r)}
 }
 
 type lifecycleJSON struct {
@@ -342,10 +342,11 @@ type listedSandbox struct {
 
 type sandboxDetail struct {
 	listedSandbox
-	EnvdAccessToken     string        `json:"envdAccessToken"`
-	Domain              string        `json:"domain"`
-	AllowInternetAccess bool          `json:"allowInternetAccess"`
-	Lifecycle           lifecycleJSON `json:"lifecycle"`
+	EnvdAccessToken     string          `json:"envdAccessToken"`
+	Domain              string          `json:"domain"`
+	AllowInternetAccess bool            `json:"allowInternetAccess"`
+	Network             *e2bNetworkInfo `json:"network,omitempty"`
+	Lifecycle           lifecycleJSON   `json:"lifecycle"`
 }
 
 func listed(sb *store.Sandbox) listedSandbox {
@@ -361,7 +362,7 @@ func (g *Gateway) detail(r *http.Request, sb *store.Sandbox) sandboxDetail {
 		lc.OnTimeout = "pause"
 	}
 	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb), Domain: g.domain(r),
-		AllowInternetAccess: sb.Spec.Network, Lifecycle: lc}
+		AllowInternetAccess: allowInternet(sb), Network: networkInfo(sb), Lifecycle: lc}
 }
 
 // newSandbox is E2B's NewSandbox (v1) and NewSandboxV2 body.
@@ -379,6 +380,7 @@ type newSandbox struct {
 	} `json:"autoResume"`
 	MCP          json.RawMessage   `json:"mcp"`
 	VolumeMounts []json.RawMessage `json:"volumeMounts"`
+	Network      *e2bNetwork       `json:"network"`
 }
 
 // create handles POST /sandboxes (v1) and POST /v2/sandboxes: the sandbox is created
@@ -420,6 +422,13 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			}
 			md[autoResumeKey] = strconv.Itoa(timeout)
 		}
+		if md, err = inboundMetadata(body.Network, md); err != nil {
+			return err
+		}
+		netSpec, err := g.egressPolicy(body.AllowInternetAccess, body.Network)
+		if err != nil {
+			return err
+		}
 		tmpl := body.TemplateID
 		if tmpl == "" {
 			tmpl = defaultTemplate
@@ -435,6 +444,7 @@ func (g *Gateway) create(v2 bool) apiHandler {
 			// time to start and still covers a client that gives up waiting.
 			TTL:         (time.Duration(timeout)*time.Second + createAllowance).String(),
 			IdleTimeout: "0", // E2B's timeout is the only clock
+			Network:     netSpec,
 		}, nil)
 		if err != nil {
 			return err

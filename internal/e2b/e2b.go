@@ -53,6 +53,7 @@ type Platform interface {
 	Running(ctx context.Context, p *service.Principal, id string, noWake bool) (*service.Target, error)
 	Agent(t *service.Target) *agentclient.Client
 	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error
+	UpdateNetwork(ctx context.Context, p *service.Principal, id string, body []byte, merge bool) (api.NetworkState, error)
 }
 
 var (
@@ -84,6 +85,10 @@ type Config struct {
 	MaxSignedURLTTL time.Duration
 	// BuiltinTemplates are listed although they may not be built yet (base).
 	BuiltinTemplates []string
+	// Network says sandbox networking is on: E2B's egress options (and its default of
+	// open egress) become network policies. Off, sandboxes have no network and
+	// egress options are refused.
+	Network bool
 }
 
 // Gateway is the E2B-compatible HTTP front end.

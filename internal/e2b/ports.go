@@ -96,12 +96,22 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 		notFound502(w, id)
 		return
 	}
+	// allowPublicTraffic false: the traffic access token is required (network.go).
+	if !g.trafficAllowed(r, sb) {
+		writeError(w, http.StatusForbidden, "the sandbox's traffic is private: send the traffic access token in the "+trafficTokenHeader+" header")
+		return
+	}
+	host := r.Host
+	if m := maskedHost(sb, port); m != "" {
+		host = m // maskRequestHost
+	}
 	var proxyErr error
 	proxy := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme = "http"
 			pr.Out.URL.Host = net.JoinHostPort(sb.ID, strconv.Itoa(port))
-			pr.Out.Host = r.Host // the server sees the name the client used
+			pr.Out.Host = host // the name the client used, or the sandbox's mask
+			pr.Out.Header.Del(trafficTokenHeader)
 			pr.SetXForwarded()
 			// Credentials of the sandbox plane are not the program's business.
 			pr.Out.Header.Del("X-Access-Token")

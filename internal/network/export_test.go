@@ -2,4 +2,4 @@ package network
 
 // BreakNextApply makes the manager's next policy batch carry a rule the kernel
 // refuses, so that tests can watch a refused batch leave the previous policy in force.
-func BreakNextApply(m *Manager) { m.breakNextApply.Store(true) }
+func BreakNextApply(m *Manager) { m.BreakNextApply() }

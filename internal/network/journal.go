@@ -129,6 +129,10 @@ func (j *Journal) Closed() bool {
 	return j.closed
 }
 
+// Close ends the journal: followers return once they have read what it holds. The
+// Manager closes a sandbox's journal when it tears its network down.
+func (j *Journal) Close() { j.close() }
+
 func (j *Journal) close() {
 	j.mu.Lock()
 	j.closed = true

@@ -222,3 +222,67 @@ func TestDialSandboxInbound(t *testing.T) {
 		t.Fatalf("DialSandbox(unknown) = %v", err)
 	}
 }
+
+// TestAdoptKeepsRuntimeOwnedInterface: a runtime with its own network stack (gVisor's
+// netstack) takes the address off the sandbox end when it starts. A restarted manager
+// must find the sandbox from its host end alone, and Adopt (the sandbox may be running)
+// must leave the interface as the runtime left it, while Setup (before the next start
+// or restore) gives it its address and route back.
+func TestAdoptKeepsRuntimeOwnedInterface(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	open := &api.Network{Egress: true}
+	s := e.sandbox("own1", open)
+	// What runsc does: the addresses move into its netstack.
+	_, err := execInNS(s, "ip", "addr", "flush", "dev", "eth0")
+	mustOK(t, "flush eth0", err)
+	index := func() string {
+		out, err := execInNS(s, "ip", "-o", "link", "show", "eth0")
+		mustOK(t, "ip link", err)
+		return strings.Fields(out)[0]
+	}
+	before := index()
+
+	e.m.Close()
+	m2, err := network.New(ctx, e.cfg)
+	mustOK(t, "new manager", err)
+	defer m2.Close()
+	// Another new sandbox never gets own1's address, although eth0 shows none.
+	other, err := m2.Setup(ctx, "own2", open)
+	mustOK(t, "setup own2", err)
+	defer m2.Teardown(ctx, "own2")
+	if other.Address == s.att.Address {
+		t.Fatalf("own2 got own1's address %v", other.Address)
+	}
+	att, err := m2.Adopt(ctx, "own1", open)
+	mustOK(t, "adopt own1", err)
+	if att.Address != s.att.Address || att.Gateway != s.att.Gateway {
+		t.Fatalf("adopted attachment %+v, want address %v", att, s.att.Address)
+	}
+	if index() != before {
+		t.Fatal("Adopt re-created the sandbox end")
+	}
+	if out, _ := execInNS(s, "ip", "-4", "-o", "addr", "show", "dev", "eth0"); strings.Contains(out, "inet ") {
+		t.Fatalf("Adopt gave the runtime-owned interface an address back:\n%s", out)
+	}
+	// Before the next start: Setup restores address and default route, same interface.
+	att, err = m2.Setup(ctx, "own1", open)
+	mustOK(t, "setup own1", err)
+	if att.Address != s.att.Address || index() != before {
+		t.Fatalf("Setup changed the sandbox's address or interface: %+v", att)
+	}
+	s.e = &env{t: t, fn: e.fn, m: m2, dir: e.dir, cfg: e.cfg}
+	mustOK(t, "egress after Setup", s.tcpEcho(web+echoPort))
+	mustOK(t, "teardown", m2.Teardown(ctx, "own1"))
+}
+
+// execInNS runs a command inside the sandbox's namespace.
+func execInNS(s *sbx, name string, args ...string) (string, error) {
+	var out string
+	err := s.ns.Do(func() error {
+		var err error
+		out, err = execCommand(name, args...)
+		return err
+	})
+	return out, err
+}

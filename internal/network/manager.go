@@ -99,7 +99,7 @@ func (c *Config) defaults() error {
 		return fmt.Errorf("network: invalid prefix %q", c.Prefix)
 	}
 	if !c.Pool.IsValid() {
-		c.Pool = netip.MustParsePrefix("10.201.0.0/16")
+		c.Pool = DefaultPool
 	}
 	if !c.Pool.Addr().Is4() || c.Pool.Bits() > 29 || c.Pool.Masked() != c.Pool {
 		return fmt.Errorf("network: pool %s: want an IPv4 network of /29 or larger", c.Pool)
@@ -333,9 +333,26 @@ func (m *Manager) Compile(spec *api.Network) (*Policy, error) {
 
 // Setup creates (or finds again) the sandbox's namespace, veth and address, starts its
 // resolver and proxy, and applies the policy of spec (nil: no network). It is
-// idempotent: calling it again with the same id adopts what exists, so a restarted
-// node calls it for every sandbox it keeps. A failure undoes what this call made.
+// idempotent: calling it again with the same id adopts what exists. Call it before a
+// runtime starts or restores the sandbox: it also gives the sandbox end back its
+// address and default route, which a runtime with its own network stack (gVisor's
+// netstack) takes off the interface when it starts. A failure undoes what this call
+// made.
 func (m *Manager) Setup(ctx context.Context, id string, spec *api.Network) (*Attachment, error) {
+	return m.setup(ctx, id, spec, true)
+}
+
+// Adopt is Setup for a sandbox that may be running: it finds the namespace and veth
+// again (repairing what is missing), restarts the resolver and proxy and applies the
+// policy, but leaves the addresses of the sandbox end as they are (a running gVisor
+// sandbox owns its interface; an address given back to the kernel there would make
+// the host answer for the sandbox). A restarted node calls it for every sandbox it
+// keeps.
+func (m *Manager) Adopt(ctx context.Context, id string, spec *api.Network) (*Attachment, error) {
+	return m.setup(ctx, id, spec, false)
+}
+
+func (m *Manager) setup(ctx context.Context, id string, spec *api.Network, prepare bool) (*Attachment, error) {
 	if !idRE.MatchString(id) {
 		return nil, fault.New(fault.Invalid, "network: invalid sandbox id %q", id)
 	}
@@ -363,7 +380,7 @@ func (m *Manager) Setup(ctx context.Context, id string, spec *api.Network) (*Att
 	}
 	// build again for a known sandbox too: it repairs what went missing (a deleted
 	// veth, stopped services) and is cheap when everything is there.
-	if err := m.build(ctx, sb); err != nil {
+	if err := m.build(ctx, sb, prepare); err != nil {
 		if !fresh {
 			return nil, err
 		}
@@ -580,8 +597,9 @@ func (m *Manager) nft() (*nftables.Conn, error) {
 const sandboxIf = "eth0"
 
 // build makes (or finds) the namespace, the veth pair and the addresses, and starts the
-// sandbox's resolver and proxy listeners.
-func (m *Manager) build(ctx context.Context, sb *sandbox) error {
+// sandbox's resolver and proxy listeners. With prepare, the sandbox end is given its
+// address and default route again if it lost them (see Setup).
+func (m *Manager) build(ctx context.Context, sb *sandbox, prepare bool) error {
 	if !isPinnedNS(sb.nsPath) {
 		if err := removePinnedNS(sb.nsPath); err != nil { // a stale file from a crash
 			return err
@@ -606,10 +624,14 @@ func (m *Manager) build(ctx context.Context, sb *sandbox) error {
 	}
 	defer sh.Close()
 
-	// Adopt: the sandbox end carries the address; the host end must exist too.
-	if a, mac, ok := m.findSandboxAddr(sh); ok {
-		if _, err := hh.LinkByName(sb.hostIf); err == nil && m.reserve(a, sb.id) {
-			sb.addr, sb.gw, sb.mac = a, a.Prev(), mac
+	// Adopt: both ends exist and the host end carries the gateway address (the sandbox
+	// end may have lost its address to a runtime's own network stack).
+	if a, mac, ok := m.findPair(hh, sh, sb); ok && m.reserve(a, sb.id) {
+		sb.addr, sb.gw, sb.mac = a, a.Prev(), mac
+		if prepare {
+			if err := m.restoreSandboxEnd(sh, sb); err != nil {
+				return err
+			}
 		}
 	}
 	if !sb.addr.IsValid() {
@@ -626,6 +648,64 @@ func (m *Manager) build(ctx context.Context, sb *sandbox) error {
 		}
 	}
 	return m.startServices(ctx, sb)
+}
+
+// findPair finds the sandbox's veth pair: the host end with its gateway address in the
+// pool, the sandbox end (eth0) in the sandbox namespace. It returns the sandbox's
+// address (the gateway's successor in its /30) and the sandbox end's MAC.
+func (m *Manager) findPair(hh, sh *netlink.Handle, sb *sandbox) (netip.Addr, string, bool) {
+	gw, ok := m.findHostAddr(hh, sb.hostIf)
+	if !ok {
+		return netip.Addr{}, "", false
+	}
+	l, err := sh.LinkByName(sandboxIf)
+	if err != nil {
+		return netip.Addr{}, "", false
+	}
+	return gw.Next(), l.Attrs().HardwareAddr.String(), true
+}
+
+// findHostAddr returns the pool address (a sandbox's gateway) of host interface name.
+func (m *Manager) findHostAddr(hh *netlink.Handle, name string) (netip.Addr, bool) {
+	l, err := hh.LinkByName(name)
+	if err != nil {
+		return netip.Addr{}, false
+	}
+	addrs, err := hh.AddrList(l, netlink.FAMILY_V4)
+	if err != nil {
+		return netip.Addr{}, false
+	}
+	for _, a := range addrs {
+		ip, ok := netip.AddrFromSlice(a.IP)
+		if ip = ip.Unmap(); ok && m.cfg.Pool.Contains(ip) {
+			return ip, true
+		}
+	}
+	return netip.Addr{}, false
+}
+
+// restoreSandboxEnd gives the sandbox end its address, link state and default route
+// again where they are missing.
+func (m *Manager) restoreSandboxEnd(sh *netlink.Handle, sb *sandbox) error {
+	peer, err := sh.LinkByName(sandboxIf)
+	if err != nil {
+		return fmt.Errorf("network: sandbox end: %w", err)
+	}
+	if a, _, ok := m.findSandboxAddr(sh); !ok || a != sb.addr {
+		if err := sh.AddrReplace(peer, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(sb.addr, 30))}); err != nil {
+			return fmt.Errorf("network: sandbox address: %w", err)
+		}
+	}
+	if lo, err := sh.LinkByName("lo"); err == nil {
+		_ = sh.LinkSetUp(lo)
+	}
+	if err := sh.LinkSetUp(peer); err != nil {
+		return fmt.Errorf("network: up sandbox end: %w", err)
+	}
+	if err := sh.RouteReplace(&netlink.Route{LinkIndex: peer.Attrs().Index, Gw: sb.gw.AsSlice()}); err != nil {
+		return fmt.Errorf("network: default route: %w", err)
+	}
+	return nil
 }
 
 // findSandboxAddr returns the pool address of eth0 in the sandbox namespace, if any.
@@ -789,6 +869,11 @@ func (m *Manager) applyLocked(ctx context.Context, sb *sandbox, pol *Policy) err
 	return nil
 }
 
+// BreakNextApply is a test hook: the next policy batch carries a rule the kernel
+// refuses, as a kernel that rejects a batch mid-update would. Tests use it to show that
+// a refused change leaves the previous policy in force and is reported.
+func (m *Manager) BreakNextApply() { m.breakNextApply.Store(true) }
+
 func randomGen(prev uint32) uint32 {
 	for {
 		var b [4]byte
@@ -849,6 +934,11 @@ func (m *Manager) scan() error {
 	if err != nil {
 		return fmt.Errorf("network: scan %s: %w", m.cfg.NetnsDir, err)
 	}
+	hh, err := m.host.netlink()
+	if err != nil {
+		return fmt.Errorf("network: netlink: %w", err)
+	}
+	defer hh.Close()
 	for _, e := range ents {
 		id, ok := strings.CutPrefix(e.Name(), m.cfg.Prefix)
 		if !ok || !idRE.MatchString(id) {
@@ -856,6 +946,12 @@ func (m *Manager) scan() error {
 		}
 		p := filepath.Join(m.cfg.NetnsDir, e.Name())
 		if !isPinnedNS(p) {
+			continue
+		}
+		// The host end keeps the gateway address whatever the runtime did to the
+		// sandbox end; the sandbox end's address is the fallback.
+		if gw, ok := m.findHostAddr(hh, m.newSandbox(id).hostIf); ok {
+			m.reserve(gw.Next(), id)
 			continue
 		}
 		ns, err := OpenNS(p)

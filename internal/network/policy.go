@@ -117,7 +117,7 @@ func Compile(spec *api.Network, forbidden *netipx.IPSet) (*Policy, error) {
 		return nil, err
 	}
 	if spec.EgressProxy != nil {
-		if p.Proxy, err = compileProxy(spec.EgressProxy); err != nil {
+		if p.Proxy, err = compileProxy(spec.EgressProxy, forbidden); err != nil {
 			return nil, err
 		}
 	}
@@ -468,7 +468,7 @@ func (p *Policy) domainPatternAllowed(pat string) bool {
 	return true
 }
 
-func compileProxy(ep *api.EgressProxy) (*ProxySpec, error) {
+func compileProxy(ep *api.EgressProxy, forbidden *netipx.IPSet) (*ProxySpec, error) {
 	host, port, err := net.SplitHostPort(strings.TrimSpace(ep.Address))
 	if err != nil {
 		return nil, invalid("network.egress_proxy.address", "want host:port: %v", err)
@@ -481,7 +481,16 @@ func compileProxy(ep *api.EgressProxy) (*ProxySpec, error) {
 		if a.Zone() != "" {
 			return nil, invalid("network.egress_proxy.address", "zones are not allowed")
 		}
-		host = a.Unmap().String()
+		a = a.Unmap()
+		if a.Is6() {
+			return nil, invalid("network.egress_proxy.address", "%s: IPv6 egress is not supported", a)
+		}
+		// The proxy's address is dialed from the node: it must not be a way into what
+		// sandboxes may never reach (the node's private network, metadata, loopback).
+		if forbidden != nil && forbidden.Contains(a) {
+			return nil, invalid("network.egress_proxy.address", "%s is in an always-denied range (loopback, link-local, metadata, private or shared address space)", a)
+		}
+		host = a.String()
 	} else if host, err = NormalizeDomain(host); err != nil {
 		return nil, invalid("network.egress_proxy.address", "%v", err)
 	}

@@ -50,6 +50,10 @@ func TestCompileRejects(t *testing.T) {
 		{"proxy bad host", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "bad_host:1080"}}, "network.egress_proxy.address"},
 		{"proxy password without user", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "1.2.3.4:1080", Password: "p"}}, "network.egress_proxy.username"},
 		{"proxy user without password", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "1.2.3.4:1080", Username: "u"}}, "network.egress_proxy.password"},
+		{"proxy on loopback", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "127.0.0.1:1080"}}, "network.egress_proxy.address"},
+		{"proxy on a private address", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "10.0.0.5:1080"}}, "network.egress_proxy.address"},
+		{"proxy on metadata", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "169.254.169.254:80"}}, "network.egress_proxy.address"},
+		{"proxy on IPv6", api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "[2001:4860::1]:1080"}}, "network.egress_proxy.address"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := Compile(&c.spec, fb)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/network/fakenet"
 )
@@ -230,11 +231,15 @@ func TestSOCKS5Upstream(t *testing.T) {
 	mustFail(t, "connection opened through the previous upstream", err)
 	before := e.fn.Hits("tcp " + web + echoPort)
 	mustFail(t, "wrong SOCKS5 password", s.tcpEcho(web+echoPort))
-	// An unreachable upstream, and one on a private address.
-	for _, addr := range []string{"198.18.3.81:1080", fakenet.PrivateAddr.String() + ":1080"} {
-		s.update(&api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: addr, Username: "u", Password: "p"}})
-		mustFail(t, "SOCKS5 upstream "+addr, s.tcpEcho(web+echoPort))
+	// An unreachable upstream fails closed; one on a private address is refused
+	// before anything changes (the node would dial it from its own network).
+	s.update(&api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: "198.18.3.81:1080", Username: "u", Password: "p"}})
+	mustFail(t, "SOCKS5 upstream 198.18.3.81:1080", s.tcpEcho(web+echoPort))
+	err = e.m.Update(context.Background(), s.id, &api.Network{Egress: true, EgressProxy: &api.EgressProxy{Address: fakenet.PrivateAddr.String() + ":1080", Username: "u", Password: "p"}})
+	if !fault.Is(err, fault.Invalid) || !strings.Contains(err.Error(), "network.egress_proxy.address") {
+		t.Fatalf("a SOCKS5 upstream on a private address: %v", err)
 	}
+	mustFail(t, "SOCKS5 upstream still 198.18.3.81:1080", s.tcpEcho(web+echoPort))
 	if n := e.fn.Hits("tcp " + web + echoPort); n != before {
 		t.Fatalf("the destination was reached directly (%d → %d)", before, n)
 	}

@@ -112,6 +112,7 @@ func (n *Node) identity(sb *store.Sandbox) wire.Identity {
 		}
 	}
 	maps.Copy(env, sb.Spec.Env)
+	networkEnv(sb, env)
 	n.preload(env)
 	return wire.Identity{
 		Generation: time.Now().UnixNano(),

@@ -23,10 +23,12 @@ import (
 
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/template"
+	"github.com/spacedev/space/internal/token"
 )
 
 // TemplateBuilder builds templates: the builtin templates (template.Builtins) and build
@@ -89,6 +91,12 @@ type Config struct {
 	// RuntimeReason says why this runtime was chosen; it is published with the node's
 	// runtime details (the web console shows it).
 	RuntimeReason string
+	// Network sets up sandboxes' networks (*network.Manager); nil: this node runs no
+	// sandbox that has a network policy.
+	Network NetworkManager
+	// Signer verifies the api role's node tokens on the node's internal routes
+	// (RegisterRoutes).
+	Signer *token.Signer
 }
 
 // Node is a running node role.
@@ -97,6 +105,7 @@ type Node struct {
 	st    *store.Store
 	rt    runtime.Runtime
 	disk  Disk
+	net   NetworkManager
 	log   *slog.Logger
 	epoch int64
 	info  runtime.Info
@@ -115,6 +124,7 @@ type Node struct {
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
+	netLocks  netLocks
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
@@ -145,7 +155,7 @@ func New(cfg Config) (*Node, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	return &Node{
-		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, log: cfg.Logger,
+		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
@@ -356,12 +366,17 @@ func (n *Node) worker(id string, ch chan struct{}) {
 
 func (n *Node) stateDir(id string) string { return filepath.Join(n.cfg.DataDir, "runtime", id) }
 
-func (n *Node) spec(sb *store.Sandbox, root string) runtime.Spec {
-	return runtime.Spec{
+// spec is the runtime spec of a sandbox; att is its network (nil: none).
+func (n *Node) spec(sb *store.Sandbox, root string, att *network.Attachment) runtime.Spec {
+	s := runtime.Spec{
 		ID: sb.ID, RootFS: root, StateDir: n.stateDir(sb.ID), AgentPath: n.cfg.AgentPath,
-		CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, Network: sb.Spec.Network, AgentEnv: n.cfg.AgentEnv,
+		CPU: sb.Spec.CPU, MemoryMB: sb.Spec.MemoryMB, AgentEnv: n.cfg.AgentEnv,
 		PidsLimit: n.cfg.PidsLimit,
 	}
+	if att != nil && att.Netns != "" {
+		s.Network, s.NetNS = true, att.Netns
+	}
+	return s
 }
 
 // recover adopts the sandboxes that survived a restart and reclaims everything that
@@ -378,7 +393,7 @@ func (n *Node) recover(ctx context.Context) error {
 			continue // anything else is adopted (or not) by its worker's plan
 		}
 		root, _ := n.diskPath(sb.ID)
-		if err := n.rt.Adopt(ctx, n.spec(sb, root)); err != nil {
+		if err := n.rt.Adopt(ctx, n.spec(sb, root, nil)); err != nil {
 			n.log.Warn("could not adopt sandbox; its worker will recover it", "sandbox", sb.ID, "err", err)
 			continue
 		}
@@ -416,6 +431,7 @@ func (n *Node) recover(ctx context.Context) error {
 			}
 		}
 	}
+	n.recoverNetworks(ctx, list)
 	if err := n.failInterruptedBuilds(ctx); err != nil {
 		n.log.Warn("fail interrupted builds", "err", err)
 	}

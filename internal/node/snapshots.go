@@ -104,6 +104,9 @@ func (n *Node) buildBaseSnapshot(ctx context.Context, digest string, spec store.
 		return err
 	}
 	defer func() { _ = n.disk.RemoveAll(context.WithoutCancel(ctx), tmp) }()
+	// Made without a network, whatever the sandbox that asked for it has: gVisor
+	// reconfigures its netstack from the namespace a restore runs in.
+	spec.Network = nil
 	sb := &store.Sandbox{ID: "bs" + ids.Secret(18), TemplateDigest: digest, Spec: spec}
 	defer func() { n.cleanupLocal(context.WithoutCancel(ctx), sb.ID) }()
 	root, err := n.createDisk(ctx, sb.ID, digest)

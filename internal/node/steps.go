@@ -127,7 +127,10 @@ func (n *Node) pauseInstance(ctx context.Context, id string) error {
 // snapshot when one fits (start path "snapshot"), else by booting ("boot").
 func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (string, error) {
 	sb.TemplateDigest = digest
-	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot {
+	// A VM's snapshot holds its devices: a base snapshot (made without a NIC) does not
+	// restore into a VM with one, so networked VMs boot.
+	vmNet := sb.Spec.Network != nil && n.info.Caps.Network == runtime.NetworkTap
+	if snap, dir, ok := n.baseSnapshotFor(digest, sb.Spec); ok && !sb.Spec.FreshBoot && !vmNet {
 		root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
 		if err == nil {
 			err = n.limitDisk(ctx, sb)
@@ -151,7 +154,9 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 	if err := n.boot(ctx, sb, root); err != nil {
 		return "", err
 	}
-	n.ensureBaseSnapshotLater(digest, sb.Spec)
+	if !vmNet {
+		n.ensureBaseSnapshotLater(digest, sb.Spec)
+	}
 	return "boot", nil
 }
 
@@ -165,7 +170,11 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	if err := n.rt.Create(ctx, n.spec(sb, root)); err != nil {
+	att, err := n.attachNetwork(ctx, sb)
+	if err != nil {
+		return err
+	}
+	if err := n.rt.Create(ctx, n.spec(sb, root, att)); err != nil {
 		return fmt.Errorf("start %s instance: %w", n.info.Name, err)
 	}
 	crash.Point("boot.instance")
@@ -176,6 +185,9 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 		return fmt.Errorf("give sandbox its identity: %w", err)
 	}
 	crash.Point("boot.identity")
+	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
+		return err
+	}
 	if err := n.runTemplateStart(ctx, sb); err != nil {
 		return err
 	}
@@ -382,7 +394,11 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 	if err := os.MkdirAll(state, 0o700); err != nil {
 		return err
 	}
-	if err := snap.Restore(ctx, n.spec(sb, root), dir); err != nil {
+	att, err := n.attachNetwork(ctx, sb)
+	if err != nil {
+		return err
+	}
+	if err := snap.Restore(ctx, n.spec(sb, root, att), dir); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
 	crash.Point("restore.instance")
@@ -391,6 +407,10 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 		return err
 	}
 	crash.Point("restore.resumed")
+	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
+		_ = n.rt.Destroy(ctx, sb.ID)
+		return err
+	}
 	n.setReady(sb.ID, true)
 	return nil
 }
@@ -444,6 +464,9 @@ func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 	if err := os.RemoveAll(n.stateDir(id)); err != nil {
 		errs = append(errs, err)
 	}
+	if err := n.teardownNetwork(ctx, id); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -453,7 +476,7 @@ func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 // the next plan sees its loss.
 func (n *Node) adopt(ctx context.Context, sb *store.Sandbox, target string) error {
 	root, _ := n.diskPath(sb.ID)
-	err := n.rt.Adopt(ctx, n.spec(sb, root))
+	err := n.rt.Adopt(ctx, n.spec(sb, root, nil))
 	if err == nil {
 		err = n.reviveInstance(ctx, sb, target)
 	}

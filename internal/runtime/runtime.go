@@ -108,7 +108,25 @@ type Caps struct {
 	// Preload is a library every process in the sandbox needs preloaded (LD_PRELOAD),
 	// at this path inside the sandbox; empty for none.
 	Preload string `json:"preload,omitempty"`
+	// Network is how the runtime puts a sandbox on the network namespace the node
+	// prepared (Spec.NetNS); empty: it does not (the node then configures nothing
+	// inside the sandbox).
+	Network NetworkMode `json:"network,omitempty"`
 }
+
+// NetworkMode is how a runtime attaches a sandbox to its network namespace.
+type NetworkMode string
+
+// Network modes.
+const (
+	// NetworkNamespace: the sandbox's own network stack takes over the namespace's
+	// interface with its address and routes (gVisor's netstack). The node sets the
+	// guest's resolver.
+	NetworkNamespace NetworkMode = "netns"
+	// NetworkTap: the VM gets a tap device in the namespace; the guest's address,
+	// route and resolver are configured through the agent.
+	NetworkTap NetworkMode = "tap"
+)
 
 // Runtime is implemented by every isolation technology.
 type Runtime interface {

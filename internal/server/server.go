@@ -8,6 +8,7 @@ import (
 	"context"
 	"log/slog"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -35,6 +36,8 @@ type API struct {
 	log       *slog.Logger
 	reg       *prometheus.Registry
 	metrics   *apiMetrics
+	portsOnce sync.Once
+	ports     *http.Transport
 }
 
 // NewAPI returns the control-plane API.
@@ -92,6 +95,8 @@ func (a *API) Handler() http.Handler {
 	authed("GET /v1/nodes", a.listNodes)
 	a.registerTenants(authed)
 	a.registerTemplates(authed)
+	a.registerNetwork(authed)
+	a.registerPorts(authed)
 	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)

@@ -251,7 +251,7 @@ func (e *tenancy) resolve(method, path string, missing map[string]string) (targe
 	var params map[string]string
 	switch {
 	case strings.HasPrefix(path, "/v1/sandboxes/{id}"):
-		params = map[string]string{"{id}": e.sandbox, "{pid}": itoa(e.pid)}
+		params = map[string]string{"{id}": e.sandbox, "{pid}": itoa(e.pid), "{port}": "8080", "{path}": "index.html"}
 	case strings.HasPrefix(path, "/v1/operations/{id}"):
 		params = map[string]string{"{id}": e.op}
 	case strings.HasPrefix(path, "/v1/apikeys/{id}"):

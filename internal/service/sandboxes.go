@@ -199,11 +199,16 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 			return nil, fault.New(fault.Unprocessable, "runtime %q is not offered by any live node; runtimes on offer: %s", req.Runtime, on)
 		}
 	}
+	netSpec, err := s.networkForCreate(req.Network)
+	if err != nil {
+		return nil, err
+	}
 	sb := &store.Sandbox{
-		ID:           ids.Sandbox(),
-		Tenant:       p.Tenant,
-		TemplateRef:  ref.String(),
-		Spec:         store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, DiskMB: req.DiskMB, Env: req.Env, Runtime: req.Runtime, FreshBoot: req.FreshBoot},
+		ID:          ids.Sandbox(),
+		Tenant:      p.Tenant,
+		TemplateRef: ref.String(),
+		Spec: store.SandboxSpec{CPU: req.CPU, MemoryMB: req.MemoryMB, DiskMB: req.DiskMB, Env: req.Env, Runtime: req.Runtime,
+			FreshBoot: req.FreshBoot, Network: netSpec},
 		Metadata:     req.Metadata,
 		DesiredState: api.StateRunning,
 		State:        api.StatePending,
@@ -380,7 +385,9 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 // digest its members must have), or "" when the template's tag does not resolve yet.
 func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, string) {
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
-	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot {
+	// Warm-pool members run without a network: a sandbox with one cannot be claimed
+	// from the pool (its network must exist before its instance starts).
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil {
 		return "", ""
 	}
 	d, _, err := s.st.ResolveTenantTag(ctx, sb.Tenant, ref.Name, ref.Tag)

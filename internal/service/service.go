@@ -69,6 +69,8 @@ type Config struct {
 	// DefaultQuota holds the quotas of tenants that have none set (store.Unlimited
 	// for none); missing names are unlimited.
 	DefaultQuota store.Quota
+	// Network is the operator's network configuration (default policy, validation).
+	Network NetworkConfig
 }
 
 // Service is the domain layer over the store.

@@ -205,6 +205,7 @@ func (s *Space) StartNode() {
 		Store: s.Store, Runtime: s.Runtime, Storage: s.Disk, AgentPath: s.agentPath, Logger: s.Log,
 		Resync: time.Second, Heartbeat: 500 * time.Millisecond, AgentReadyTimeout: 20 * time.Second,
 		ShutdownGrace: 5 * time.Second, NoBaseSnapshots: true, DefaultCPU: 1, DefaultMemoryMB: 512,
+		Signer: s.Signer,
 	}
 	if s.opts.Node != nil {
 		s.opts.Node(&cfg)
@@ -217,6 +218,7 @@ func (s *Space) StartNode() {
 	dp := dataplane.New(dataplane.Config{Store: s.Store, Signer: s.Signer, Logger: s.Log, Node: n, NodeID: s.NodeID})
 	mux := http.NewServeMux()
 	dp.Register(mux)
+	n.RegisterRoutes(mux)
 	s.dp.Store(mux)
 	ctx, cancel := context.WithCancel(s.ctx)
 	s.nodeStop = cancel

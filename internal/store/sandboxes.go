@@ -21,7 +21,10 @@ type SandboxSpec struct {
 	DiskMB   int               `json:"disk_mb,omitempty"`
 	Env      map[string]string `json:"env,omitempty"`
 	Runtime  string            `json:"runtime,omitempty"`
-	Network  bool              `json:"network,omitempty"`
+	// Network is the sandbox's network policy; nil: no network at all (no network
+	// namespace). A sandbox created with one keeps its namespace for life, also when a
+	// later policy turns egress off.
+	Network *api.Network `json:"network_policy,omitempty"`
 	// FreshBoot skips warm pools and base snapshots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
 }
@@ -99,6 +102,7 @@ func (s *Sandbox) API() api.Sandbox {
 		StatusAt:       s.StatusChangedAt,
 		CloneOf:        s.CloneOf,
 		DiskBytes:      s.DiskExclusiveBytes,
+		Network:        s.Spec.Network.Redacted(),
 	}
 }
 

@@ -133,7 +133,10 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 // launch starts the process and waits for /healthz.
 func (s *Server) launch() {
 	s.t.Helper()
-	args := []string{"serve", "--data-dir", s.DataDir, "--listen", s.Addr, "--store-size", "17179869184"}
+	// Sandbox networking stays off unless a test turns it on (with a fake internet as
+	// the host: internal/e2e/network_test.go): the machine's own namespace is never
+	// touched.
+	args := []string{"serve", "--data-dir", s.DataDir, "--listen", s.Addr, "--store-size", "17179869184", "--network", "off"}
 	if s.DBURL != "" {
 		args = append(args, "--database-url", s.DBURL)
 	}

@@ -428,6 +428,24 @@ func (n *Net) serveHTTP(ap netip.AddrPort, useTLS bool) error {
 			}
 		}
 	})
+	mux.HandleFunc("/bytes/{n}", func(w http.ResponseWriter, r *http.Request) {
+		// n bytes of zeros (at most 1 GiB): throughput benchmarks.
+		size, err := strconv.ParseInt(r.PathValue("n"), 10, 64)
+		if err != nil || size < 0 || size > 1<<30 {
+			http.Error(w, "bad size", http.StatusBadRequest)
+			return
+		}
+		n.record(server, r)
+		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
+		buf := make([]byte, 64<<10)
+		for size > 0 {
+			k := min(size, int64(len(buf)))
+			if _, err := w.Write(buf[:k]); err != nil {
+				return
+			}
+			size -= k
+		}
+	})
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		n.record(server, r)
 		w.Header().Set("Content-Type", "application/json")

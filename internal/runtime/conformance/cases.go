@@ -3,7 +3,6 @@ package conformance
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -19,22 +18,6 @@ import (
 )
 
 func decodeJSON(data []byte, v any) error { return json.Unmarshal(data, v) }
-
-// testNetworkUnsupported: networking is not implemented by any runtime yet; asking for
-// it must fail cleanly (ErrUnsupported) and leave nothing behind.
-func (s *suite) testNetworkUnsupported(t *testing.T) {
-	spec := s.spec(t, "net")
-	spec.Network = true
-	err := s.rt.Create(s.ctx(t, opTimeout), spec)
-	if err == nil {
-		s.track(spec)
-		t.Fatal("Create with Network succeeded")
-	}
-	if !errors.Is(err, runtime.ErrUnsupported) {
-		t.Errorf("Create with Network: %v, want ErrUnsupported", err)
-	}
-	s.assertNothingLeft(t, spec)
-}
 
 func (s *suite) testHealth(t *testing.T, c *agentclient.Client) {
 	h, err := c.Health(s.ctx(t, opTimeout))

@@ -94,6 +94,13 @@ func Run(t *testing.T, f Factory) {
 	defer s.report()
 
 	t.Run("NetworkUnsupported", s.testNetworkUnsupported)
+	if info.Caps.Network != "" {
+		t.Run("Network", func(t *testing.T) {
+			e := s.netEnv(t)
+			src := s.testNetwork(t, e)
+			t.Run("Clone", func(t *testing.T) { s.testNetworkClone(t, e, src) })
+		})
+	}
 	main := s.create(t, "main")
 	c := s.client(main.ID)
 	start := time.Now()

@@ -230,7 +230,7 @@ func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 		Version: r.version,
 		// The agent cannot hold a host socket across a checkpoint: after a restore it
 		// learns its identity from a resume file in its run directory.
-		Caps: runtime.Caps{AgentResume: runtime.ResumeByFile},
+		Caps: runtime.Caps{AgentResume: runtime.ResumeByFile, Network: runtime.NetworkNamespace},
 		Details: map[string]string{
 			"platform":   r.cfg.Platform,
 			"runsc":      r.cfg.RunscPath,
@@ -263,11 +263,6 @@ func (r *Runtime) usernsInfo() string {
 func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := validateSpec(spec); err != nil {
 		return fmt.Errorf("gvisor create: %w", err)
-	}
-	if spec.Network {
-		// runsc's netstack needs a network namespace prepared for the sandbox (it refuses
-		// the host's), and runtime.Spec cannot name one yet.
-		return fmt.Errorf("gvisor create %s: network: %w", spec.ID, runtime.ErrUnsupported)
 	}
 	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
@@ -338,6 +333,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, s
 // options that name them.
 func (r *Runtime) prepareMounts(spec runtime.Spec) (bundleOptions, error) {
 	opts := bundleOptions{
+		NetNS:       spec.NetNS,
 		CgroupsPath: r.cgroupsPath(spec.ID),
 		GuestPids:   r.guestPids,
 		RootPath:    spec.RootFS,
@@ -420,7 +416,15 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 		return fmt.Errorf("open runsc log: %w", err)
 	}
 	defer logf.Close()
-	args := []string{"--network=none", "--overlay2=none", "--host-uds=create"}
+	// Without a network, runsc's netstack has only loopback; with one, it takes over
+	// the interface of the namespace the node prepared (linux.namespaces names it):
+	// the sandbox's packets leave through the veth into the node's rules, never
+	// through the host's own stack.
+	network := "--network=none"
+	if spec.NetNS != "" {
+		network = "--network=sandbox"
+	}
+	args := []string{network, "--overlay2=none", "--host-uds=create"}
 	if r.guestPids {
 		args = append(args, "--in-sandbox-cgroup=v2")
 	}
@@ -654,6 +658,19 @@ func validateSpec(spec runtime.Spec) error {
 	}
 	if spec.CPU < 0 || spec.MemoryMB < 0 {
 		return fmt.Errorf("negative cpu (%d) or memory (%d)", spec.CPU, spec.MemoryMB)
+	}
+	if spec.Network != (spec.NetNS != "") {
+		// runsc's netstack needs a namespace prepared for the sandbox (it refuses the
+		// host's); a namespace without Network would be a mistake of the caller.
+		return fmt.Errorf("network %v with network namespace %q: want both or neither: %w", spec.Network, spec.NetNS, runtime.ErrUnsupported)
+	}
+	if spec.NetNS != "" {
+		if !filepath.IsAbs(spec.NetNS) {
+			return fmt.Errorf("network namespace path %q is not absolute", spec.NetNS)
+		}
+		if _, err := os.Stat(spec.NetNS); err != nil {
+			return fmt.Errorf("network namespace: %w", err)
+		}
 	}
 	if spec.PidsLimit != 0 && spec.PidsLimit < MinPidsLimit {
 		return fmt.Errorf("pids limit %d below gVisor's minimum %d (the Sentry, the gofer and the platform need host tasks of their own)", spec.PidsLimit, MinPidsLimit)

@@ -40,7 +40,12 @@ const (
 	fdConsole = 6 // the console log, append-only (fdset 2)
 	fdQMP     = 7 // listening QMP socket (StateDir/qmp.sock)
 	fdAgent   = 8 // listening socket of the agent's serial port (StateDir/agent.sock)
+	fdTap     = 9 // the VM's tap device in the sandbox's network namespace (networked VMs)
 )
+
+// guestMAC is every networked VM's MAC address: it is part of the snapshot, so clones
+// share it (each on the tap of its own namespace).
+const guestMAC = "52:54:00:73:70:01"
 
 // Paths of the kernel and the initramfs inside the jail (bind mounts of the host's files).
 const (
@@ -64,6 +69,9 @@ type machine struct {
 	Append   string `json:"append"`
 	// QEMU is the emulator's version: streams do not load across versions.
 	QEMU string `json:"qemu"`
+	// Network gives the VM a virtio-net NIC on a tap device in the sandbox's network
+	// namespace (network.OpenTap): a restore needs a namespace too.
+	Network bool `json:"network,omitempty"`
 }
 
 // tcgCacheMB sizes TCG's translated-code cache (MiB). Measured on a 256 MiB guest:
@@ -148,6 +156,13 @@ func (m machine) args(name string, incoming bool) []string {
 		"-chardev", "socket,id=qmp,server=on,wait=off,fd="+fd(fdQMP),
 		"-mon", "chardev=qmp,mode=control",
 	)
+	if m.Network {
+		// The tap was made by the node in the sandbox's namespace; QEMU only gets its
+		// descriptor (it stays in its own empty namespace).
+		a = append(a,
+			"-netdev", "tap,id=net0,fd="+fd(fdTap),
+			"-device", "virtio-net-device,netdev=net0,mac="+guestMAC)
+	}
 	if incoming {
 		a = append(a, "-incoming", "defer", "-S")
 	}

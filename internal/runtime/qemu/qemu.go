@@ -11,8 +11,8 @@
 // lazily after a node restart or a restore.
 //
 // Each QEMU is jailed (jail.go): its own session (it outlives the node process), mount
-// namespace holding only what it reads, PID, IPC, UTS and network namespace (empty:
-// sandboxes have no network yet), an unprivileged uid and gid of its own leased from a
+// namespace holding only what it reads, PID, IPC, UTS and network namespace (empty: a
+// networked VM's NIC is a tap in the sandbox's namespace whose descriptor QEMU gets), an unprivileged uid and gid of its own leased from a
 // range (uids.go), no capabilities, no_new_privs, QEMU's seccomp sandbox, and a cgroup of
 // its own with cpu, memory and pids limits (cgroup.go). Every instance-specific file is
 // opened by the node and passed to QEMU as an inherited descriptor, so the command line
@@ -49,6 +49,7 @@ import (
 	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
 
+	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/initramfs"
 	"github.com/spacedev/space/internal/runtime/instances"
@@ -313,7 +314,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		Name:    "qemu",
 		Disk:    runtime.DiskExt4,
 		Version: r.version,
-		Caps:    runtime.Caps{AgentResume: runtime.ResumeByAPI},
+		Caps:    runtime.Caps{AgentResume: runtime.ResumeByAPI, Network: runtime.NetworkTap},
 		Details: map[string]string{
 			"machine":      "microvm",
 			"accel":        r.accel,
@@ -398,6 +399,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	m := machine{
 		MemoryMB: spec.MemoryMB, CPU: spec.CPU, Accel: r.accel,
 		Kernel: r.cfg.KernelPath, Initrd: initrd, Append: cmdline, QEMU: r.version,
+		Network: spec.NetNS != "",
 	}
 	if err := r.launch(ctx, spec, m, ""); err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
@@ -526,6 +528,18 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, rec r
 		return 0, 0, err
 	}
 	files = append(files, specR, specW)
+	extra := []*os.File{specR, disk, diskRO, console, qmpL, agentL}
+	if m.Network {
+		if spec.NetNS == "" {
+			return 0, 0, fmt.Errorf("the machine has a network interface but the sandbox has no network namespace: %w", runtime.ErrUnsupported)
+		}
+		tap, err := network.OpenTap(spec.NetNS)
+		if err != nil {
+			return 0, 0, err
+		}
+		files = append(files, tap)
+		extra = append(extra, tap) // fdTap
+	}
 
 	// Not CommandContext: the VM must outlive ctx and the node process.
 	cmd := exec.Command("/proc/self/exe")
@@ -533,8 +547,8 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, rec r
 	cmd.Dir = "/"
 	cmd.Env = []string{}
 	cmd.Stdout, cmd.Stderr = logf, logf
-	// fdJailSpec, fdDisk, fdDiskRO, fdConsole, fdQMP, fdAgent
-	cmd.ExtraFiles = []*os.File{specR, disk, diskRO, console, qmpL, agentL}
+	// fdJailSpec, fdDisk, fdDiskRO, fdConsole, fdQMP, fdAgent[, fdTap]
+	cmd.ExtraFiles = extra
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Setsid:     true,
 		Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
@@ -927,10 +941,18 @@ func (r *Runtime) checkSpec(spec runtime.Spec) (runtime.Spec, error) {
 	if !validID(spec.ID) {
 		return spec, fmt.Errorf("invalid id %q (want lowercase alphanumerics)", spec.ID)
 	}
-	if spec.Network {
-		// Networking needs a tap device in a per-sandbox network namespace (NAT, egress
-		// rules); user-mode networking would bypass those rules.
-		return spec, fmt.Errorf("network: %w", runtime.ErrUnsupported)
+	if spec.Network != (spec.NetNS != "") {
+		// Networking is a tap device in the namespace the node prepared (its rules, NAT
+		// and resolver); user-mode networking would bypass those rules.
+		return spec, fmt.Errorf("network %v with network namespace %q: want both or neither: %w", spec.Network, spec.NetNS, runtime.ErrUnsupported)
+	}
+	if spec.NetNS != "" {
+		if !filepath.IsAbs(spec.NetNS) {
+			return spec, fmt.Errorf("network namespace path %q is not absolute", spec.NetNS)
+		}
+		if _, err := os.Stat(spec.NetNS); err != nil {
+			return spec, fmt.Errorf("network namespace: %w", err)
+		}
 	}
 	for name, p := range map[string]string{"root fs": spec.RootFS, "state dir": spec.StateDir, "agent": spec.AgentPath} {
 		if !filepath.IsAbs(p) {

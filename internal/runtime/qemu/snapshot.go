@@ -188,6 +188,10 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) er
 	if m.QEMU != r.version {
 		return fmt.Errorf("qemu restore %s: checkpoint made by QEMU %s, this is %s", spec.ID, m.QEMU, r.version)
 	}
+	if m.Network != (spec.NetNS != "") {
+		return fmt.Errorf("qemu restore %s: the checkpoint's machine has network %v, the sandbox %s: %w", spec.ID, m.Network,
+			map[bool]string{true: "has a network namespace", false: "has none"}[spec.NetNS != ""], runtime.ErrUnsupported)
+	}
 	if m.Accel != r.accel {
 		return fmt.Errorf("qemu restore %s: checkpoint made under %s, this host uses %s", spec.ID, m.Accel, r.accel)
 	}
