@@ -62,6 +62,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.templateCmd(),
 		a.benchCmd(),
 		a.poolCmd(),
+		a.snapshotCmd(),
 	)
 	for _, c := range a.dataPlaneCmds() {
 		root.AddCommand(c)

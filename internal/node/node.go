@@ -115,6 +115,9 @@ type Node struct {
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
+	// snapKick wakes the named snapshot loop (named.go).
+	snapKick chan struct{}
+
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
@@ -149,6 +152,7 @@ func New(cfg Config) (*Node, error) {
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
+		snapKick: make(chan struct{}, 1),
 	}, nil
 }
 
@@ -224,6 +228,10 @@ func (n *Node) Run(ctx context.Context) error {
 				n.resync(gctx)
 				return
 			}
+			if strings.HasPrefix(id, store.SnapshotPayload) {
+				n.kickSnapshots()
+				return
+			}
 			n.kick(id)
 		}, store.NodeChannel(n.cfg.ID))
 	})
@@ -235,6 +243,8 @@ func (n *Node) Run(ctx context.Context) error {
 		})
 	})
 	g.Go(func() error { return n.heartbeat(gctx) })
+	g.Go(func() error { return n.runSnapshots(gctx) })
+	g.Go(func() error { return n.runSamples(gctx) })
 	runErr := g.Wait()
 	if ctx.Err() != nil && errors.Is(runErr, context.Canceled) {
 		runErr = nil

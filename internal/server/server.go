@@ -89,6 +89,7 @@ func (a *API) Handler() http.Handler {
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
 	a.registerTemplates(authed)
+	a.registerSnapshots(authed)
 	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)

@@ -276,6 +276,9 @@ func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (
 }
 
 func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
+	if req.Snapshot != "" {
+		return s.createFromSnapshot(ctx, p, req, idem) // snapshots.go
+	}
 	sb, err := s.newSandbox(ctx, p, req)
 	if err != nil {
 		return nil, err

@@ -24,6 +24,9 @@ type SandboxSpec struct {
 	Network  bool              `json:"network,omitempty"`
 	// FreshBoot skips warm pools and base snapshots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
+	// Snapshot is the named snapshot the sandbox is created from (restored instead of
+	// made from its template).
+	Snapshot string `json:"snapshot,omitempty"`
 }
 
 // Sandbox is a row of the sandboxes table.
@@ -95,6 +98,7 @@ func (s *Sandbox) API() api.Sandbox {
 		StatusReason:   s.StatusReason,
 		StatusAt:       s.StatusChangedAt,
 		CloneOf:        s.CloneOf,
+		Snapshot:       s.Spec.Snapshot,
 		DiskBytes:      s.DiskExclusiveBytes,
 	}
 }
