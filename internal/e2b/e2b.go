@@ -43,6 +43,13 @@ type Platform interface {
 	Running(ctx context.Context, p *service.Principal, id string, noWake bool) (*service.Target, error)
 	Agent(t *service.Target) *agentclient.Client
 	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error
+	// Fork, snapshots and metrics (snapshots.go, metrics.go).
+	Clone(ctx context.Context, p *service.Principal, id string, req api.CloneRequest) (api.CloneResponse, error)
+	CreateSnapshot(ctx context.Context, p *service.Principal, sandboxID string, req api.CreateSnapshotRequest) (*store.Snapshot, *store.Operation, error)
+	Snapshot(ctx context.Context, p *service.Principal, ref string) (*store.Snapshot, error)
+	Snapshots(ctx context.Context, p *service.Principal, f service.SnapshotFilter) ([]*store.Snapshot, error)
+	DeleteSnapshot(ctx context.Context, p *service.Principal, ref string) (*store.Snapshot, error)
+	Metrics(ctx context.Context, p *service.Principal, id string, start, end time.Time) (*store.Sandbox, []api.MetricSample, error)
 }
 
 var (

@@ -316,7 +316,8 @@ func TestAuthAndBadRequests(t *testing.T) {
 	// Unauthenticated and unknown routes.
 	want(t, "health", g.do("GET", "/health", nil, "X-API-KEY", ""), http.StatusOK, "OK")
 	want(t, "no route", g.do("GET", "/nowhere", nil), http.StatusNotFound, "no route")
-	want(t, "fork", g.do("POST", "/sandboxes/abc/fork", nil), http.StatusNotImplemented, "not supported")
+	want(t, "not supported", g.do("GET", "/sandboxes/abc/logs", nil), http.StatusNotImplemented, "not supported")
+	want(t, "fork of nothing", g.do("POST", "/sandboxes/abc/fork", nil), http.StatusNotFound)
 	want(t, "fork needs a key too", g.do("POST", "/sandboxes/abc/fork", nil, "X-API-KEY", ""), http.StatusUnauthorized)
 	want(t, "sandbox id without port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc"), http.StatusBadRequest, "E2b-Sandbox-Port")
 	want(t, "bad port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc", "E2b-Sandbox-Port", "70000"), http.StatusBadRequest, "70000")
@@ -623,7 +624,8 @@ func TestSandboxLifecycle(t *testing.T) {
 		http.StatusBadGateway, "not found")
 	want(t, "health of a paused sandbox", g.envd("GET", a.SandboxID, "/health", nil), http.StatusBadGateway)
 	want(t, "other port of a paused sandbox", g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway, "not found")
-	want(t, "metrics of a paused sandbox", g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics", nil), http.StatusOK, "[]")
+	// The history stays (no new sample while paused).
+	want(t, "metrics of a paused sandbox", g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics?start="+future, nil), http.StatusOK, "[]")
 	if got, _ := g.list("/v2/sandboxes?state=paused"); !slices.Equal(got, []string{a.SandboxID}) {
 		t.Fatalf("paused list %v", got)
 	}

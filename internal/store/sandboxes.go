@@ -61,7 +61,7 @@ type Sandbox struct {
 	ClaimedAt          *time.Time
 	DiskExclusiveBytes int64
 	IdentityGeneration int64
-	// ExpireAction is what happens at ExpiresAt: "delete" or "suspend".
+	// ExpireAction is what happens at ExpiresAt: "delete", "suspend" or "stop".
 	ExpireAction string
 	// Transition is what the node is in the middle of ("" when resting).
 	Transition lifecycle.Transition
@@ -426,7 +426,7 @@ func (s *Store) PendingSandboxes(ctx context.Context, limit int) ([]*Sandbox, er
 func (s *Store) ExpiredSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
 		WHERE expires_at <= $1 AND deleted_at IS NULL AND desired_state <> 'deleted'
-		AND NOT (expire_action = 'suspend' AND desired_state IN ('suspended','stopped'))
+		AND NOT (expire_action IN ('suspend','stop') AND desired_state IN ('suspended','stopped'))
 		ORDER BY expires_at LIMIT $2`, now, limit)
 	if err != nil {
 		return nil, err
