@@ -195,7 +195,6 @@ func (n *Node) snapshotReady(ctx context.Context, sn *store.Snapshot, dir string
 		n.log.Warn("record snapshot ready; retried at the next reconcile", "snapshot", sn.ID, "err", err)
 		return
 	}
-	crash.Point("snapshot.ready")
 	if !ok {
 		// Deleted while it was taken: the snapshot loop removes it (kicked now).
 		n.kickSnapshots()
