@@ -46,8 +46,11 @@ func TestOtherTenantsSnapshotsAreNotFound(t *testing.T) {
 		s.WaitOp(op.ID, api.OpSucceeded)
 	}
 	checks := map[string]func(p *service.Principal, ref string) error{
-		"get":    func(p *service.Principal, ref string) error { _, err := s.Service.Snapshot(ctx(t), p, ref); return err },
-		"delete": func(p *service.Principal, ref string) error { _, err := s.Service.DeleteSnapshot(ctx(t), p, ref); return err },
+		"get": func(p *service.Principal, ref string) error { _, err := s.Service.Snapshot(ctx(t), p, ref); return err },
+		"delete": func(p *service.Principal, ref string) error {
+			_, err := s.Service.DeleteSnapshot(ctx(t), p, ref)
+			return err
+		},
 		"create from": func(p *service.Principal, ref string) error {
 			_, err := s.Service.Create(ctx(t), p, api.CreateSandboxRequest{Snapshot: ref}, nil)
 			return err
