@@ -63,7 +63,8 @@ type Sandbox struct {
 	DesiredState   string `json:"desired_state"`
 	CPU            int    `json:"cpu"`
 	MemoryMB       int    `json:"memory_mb"`
-	// DiskMB is the disk limit (what the sandbox may write, snapshots included).
+	// DiskMB is the disk limit: what the sandbox may write to its disk (its suspend
+	// snapshots are kept beside it, within disk_mb + memory_mb + 64 MiB).
 	DiskMB    int               `json:"disk_mb,omitempty"`
 	Env       map[string]string `json:"env,omitempty"`
 	Metadata  map[string]string `json:"metadata,omitempty"`
@@ -101,9 +102,9 @@ type CreateSandboxRequest struct {
 	Template string `json:"template,omitempty"`
 	CPU      int    `json:"cpu,omitempty"`
 	MemoryMB int    `json:"memory_mb,omitempty"`
-	// DiskMB bounds what the sandbox may write to its disk, its suspend snapshots
-	// included (default: the template's, else the server's). Writes past it fail with
-	// ENOSPC or EDQUOT inside the sandbox.
+	// DiskMB bounds what the sandbox may write to its disk (default: the template's,
+	// else the server's). Writes past it fail with ENOSPC or EDQUOT inside the sandbox.
+	// Its suspend snapshots are kept beside it, within disk_mb + memory_mb + 64 MiB.
 	DiskMB   int               `json:"disk_mb,omitempty"`
 	Env      map[string]string `json:"env,omitempty"`
 	Metadata map[string]string `json:"metadata,omitempty"`

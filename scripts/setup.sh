@@ -21,6 +21,7 @@ pkgs=(
   nftables         # nft(8): inspecting the egress rules (the code itself uses netlink)
   # the code interpreter server's unit test runs it on the host (internal/guest/codeinterp)
   python3-jupyter-client python3-ipykernel python3-matplotlib python3-numpy
+  docker-registry  # the CNCF distribution registry: the artifact tests run their own (internal/artifact)
 )
 missing=()
 for p in "${pkgs[@]}"; do
@@ -32,6 +33,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -q
   # Debian's postgresql-15 creates and starts a default cluster; space runs its own.
   apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# Debian's docker-registry starts a registry on :5000 as a service; space's tests start
+# their own on loopback and need only the binary, so the service is not left running.
+if [ "${#missing[@]}" -gt 0 ] && [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null \
+   && [ -d /run/systemd/system ]; then
+  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
 fi
 
 # Go 1.26+ (not packaged for bookworm): /usr/local/go or PATH.

@@ -140,7 +140,7 @@ On first start space creates an admin API key, prints it once and writes it to
 	f.IntVar(&c.defaultMemory, "default-memory", service.DefaultMemoryMB, "memory (MiB) of a sandbox that asks for none")
 	f.IntVar(&c.maxCPU, "max-cpu", service.DefaultMaxCPU, "largest cpu a sandbox may ask for")
 	f.IntVar(&c.maxMemory, "max-memory", service.DefaultMaxMemoryMB, "largest memory (MiB) a sandbox may ask for")
-	f.IntVar(&c.defaultDisk, "default-disk", service.DefaultDiskMB, "disk limit (MiB, snapshots included) of a sandbox that asks for none")
+	f.IntVar(&c.defaultDisk, "default-disk", service.DefaultDiskMB, "disk limit (MiB) of a sandbox that asks for none")
 	f.IntVar(&c.maxDisk, "max-disk", service.DefaultMaxDiskMB, "largest disk limit (MiB) a sandbox may ask for")
 	f.StringVar(&c.diskReserve, "disk-reserve", "10%", "free disk the node keeps: creates, wakes and snapshots that would go below it are refused (507); a percentage or a fraction")
 	f.IntVar(&c.pidsLimit, "pids-limit", 0, "host tasks each sandbox may have (0: the runtime's default: gVisor 8448, of which 2048 for the sandbox's own processes; QEMU 64 VMM threads)")

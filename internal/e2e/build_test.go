@@ -22,7 +22,7 @@ func TestFirstBuild(t *testing.T) {
 		t.Skip("builds the base template with debootstrap (about a minute)")
 	}
 	requireHost(t)
-	s := startWith(t, options{noBase: true}, func(dataDir string) {
+	s := startWith(t, options{NoBase: true}, func(dataDir string) {
 		// Share debootstrap's package cache with the other tests' builds.
 		cache := filepath.Join(templatetest.CacheDir(t), "debootstrap")
 		if err := os.MkdirAll(filepath.Join(dataDir, "cache"), 0o755); err != nil {

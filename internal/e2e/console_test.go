@@ -170,7 +170,7 @@ func TestConsole(t *testing.T) {
 	b.waitText("main form .alert", "Build refused: name \"with:colon\" must not contain ':' or '@'")
 
 	// Benchmarks: what `space bench` saved is plotted.
-	if err := bench.SaveLast(s.dataDir, bench.Report{FinishedAt: time.Now(), Template: "base", Runs: 20, Results: []bench.Result{
+	if err := bench.SaveLast(s.DataDir, bench.Report{FinishedAt: time.Now(), Template: "base", Runs: 20, Results: []bench.Result{
 		{Scenario: "cold-create", Metric: "POST → exit of true", Unit: "ms", Runs: 20, Median: 391, P95: 438, Baseline: "runsc run true", BaselineMedian: 139, BaselineP95: 150, Ratio: 2.82},
 		{Scenario: "exec", Metric: "round trip of true", Unit: "ms", Runs: 20, Median: 31.5, P95: 44.4, Baseline: "runsc exec true", BaselineMedian: 27.5, BaselineP95: 30, Ratio: 1.15},
 		{Scenario: "throughput", Metric: "1 GiB stdout via SSE", Unit: "MiB/s", Runs: 5, Median: 29.4, P95: 35.5},

@@ -99,8 +99,8 @@ func assertGone(t *testing.T, s *srv, id string) {
 		t.Errorf("runsc still lists %s", id)
 	}
 	for _, p := range []string{
-		filepath.Join(s.dataDir, "store", "sandboxes", id),
-		filepath.Join(s.dataDir, "runtime", id),
+		filepath.Join(s.DataDir, "store", "sandboxes", id),
+		filepath.Join(s.DataDir, "runtime", id),
 	} {
 		if _, err := os.Stat(p); !os.IsNotExist(err) {
 			t.Errorf("%s still exists (%v)", p, err)
@@ -218,7 +218,7 @@ func TestIdempotentCreate(t *testing.T) {
 // TestAPIKeys covers key management through the CLI and the admin check.
 func TestAPIKeys(t *testing.T) {
 	s := start(t, options{})
-	if fi, err := os.Stat(filepath.Join(s.dataDir, "admin.key")); err != nil || fi.Mode().Perm() != 0o600 {
+	if fi, err := os.Stat(filepath.Join(s.DataDir, "admin.key")); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("admin.key: %v %v", fi.Mode(), err)
 	}
 	if !strings.Contains(s.Log(), "Created the admin API key") || !strings.Contains(s.Log(), s.Key) {

@@ -20,8 +20,8 @@ import (
 func TestCrashWalkKeepsMemory(t *testing.T) {
 	dir := t.TempDir()
 	crashLog, arm := filepath.Join(dir, "crash.log"), filepath.Join(dir, "crash.arm")
-	s := start(t, options{failpoints: true, args: []string{"--base-snapshots=false"},
-		env: []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}})
+	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"},
+		Env: []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}})
 	points := func() []string {
 		f, err := os.Open(crashLog)
 		if err != nil {
@@ -101,8 +101,8 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			}
 			s.Kill()
 			_ = os.Remove(arm)
-			s.opts.env = []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
-				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)}
+			s.SetEnv([]string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
+				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)})
 			s.Restart()
 			id, pid := setup()
 			for _, v := range sc.pre {
@@ -112,19 +112,11 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 				t.Fatal(err)
 			}
 			ops := act(id)
-			s.mu.Lock()
-			done := s.done
-			s.mu.Unlock()
-			select {
-			case <-done:
-			case <-time.After(2 * time.Minute):
+			if !s.WaitExit(2 * time.Minute) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
-			s.mu.Lock()
-			s.cmd = nil
-			s.mu.Unlock()
 			_ = os.Remove(arm)
-			s.opts.env = nil
+			s.SetEnv(nil)
 			s.Restart()
 			for _, op := range ops {
 				got, err := s.C.WaitOperation(ctx(t, 3*time.Minute), op)

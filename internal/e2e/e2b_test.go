@@ -38,7 +38,7 @@ func e2bSDKDir(t *testing.T) string {
 // are builtin templates besides base to have ready.
 func e2bServer(t *testing.T, builtins ...string) (s *srv, e2bURL, key string) {
 	addr := freeAddr(t)
-	s = start(t, options{args: []string{"--e2b-listen", addr}, builtins: builtins})
+	s = start(t, options{Args: []string{"--e2b-listen", addr}, Builtins: builtins})
 	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
 	if code != 0 {
 		t.Fatalf("apikey create --e2b: %s", errOut)

@@ -43,20 +43,13 @@ func (s *srv) agentRSSKB(t testing.TB, id string) int {
 	return n
 }
 
-func (s *srv) pid() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cmd == nil {
-		return 0
-	}
-	return s.cmd.Process.Pid
-}
+func (s *srv) pid() int { return s.Pid() }
 
 // TestBackPressure runs processes that write as fast as they can with a stalled reader
 // and with no reader: agent and server memory stay bounded, the sandbox stays
 // responsive, and the slow reader is told about the bytes it lost.
 func TestBackPressure(t *testing.T) {
-	s := start(t, options{args: []string{"--journal-bytes", "1048576"}})
+	s := start(t, options{Args: []string{"--journal-bytes", "1048576"}})
 	sb := s.create(t, api.CreateSandboxRequest{MemoryMB: 1024})
 	c := ctx(t, 4*time.Minute)
 
@@ -350,8 +343,8 @@ func TestCLIDataPlane(t *testing.T) {
 	}
 
 	// exec -it on a real terminal: type into bash, see the echo, get its exit code.
-	cmd := execCommand(s.bin, "exec", "-it", sb.ID, "--", "bash", "--norc", "-i")
-	cmd.Env = append(os.Environ(), "SPACE_URL="+s.URL, "SPACE_DATA_DIR="+s.dataDir, "SPACE_API_KEY=")
+	cmd := execCommand(s.Bin, "exec", "-it", sb.ID, "--", "bash", "--norc", "-i")
+	cmd.Env = append(os.Environ(), "SPACE_URL="+s.URL, "SPACE_DATA_DIR="+s.DataDir, "SPACE_API_KEY=")
 	ptmx, err := pty.StartWithSize(cmd, &pty.Winsize{Rows: 40, Cols: 120})
 	if err != nil {
 		t.Fatal(err)

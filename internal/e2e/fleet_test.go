@@ -15,8 +15,8 @@ import (
 func TestSplitRoles(t *testing.T) {
 	requireHost(t)
 	db := testenv.Postgres(t)
-	node := start(t, options{dbURL: db, args: []string{"--roles", "node"}})
-	apiSrv := start(t, options{dbURL: db, noBase: true, args: []string{"--roles", "api,controller"}})
+	node := start(t, options{DBURL: db, Args: []string{"--roles", "node"}})
+	apiSrv := start(t, options{DBURL: db, NoBase: true, Args: []string{"--roles", "api,controller"}})
 	if apiSrv.Key == "" || node.Key != "" {
 		t.Fatalf("only the api process creates the admin key (api %q, node %q)", apiSrv.Key, node.Key)
 	}

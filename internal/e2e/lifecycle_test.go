@@ -362,7 +362,7 @@ func TestWarmPool(t *testing.T) {
 	waitFor(t, 3*time.Minute, "the pool to refill", func() bool { return ready() == 5 })
 
 	// Move base:latest to another release: the pool drains its old members.
-	st, err := store.Open(c, store.Config{URL: s.dbURL, Logger: discard()})
+	st, err := store.Open(c, store.Config{URL: s.DBURL, Logger: discard()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -459,7 +459,7 @@ func TestCrashDuringLifecycle(t *testing.T) {
 		op, _ := s.C.DeleteSandbox(c, id)
 		s.C.WaitOperation(c, op.ID)
 	}
-	orphan := filepath.Join(s.dataDir, "store", "sandboxes", "orphanfromcrash")
+	orphan := filepath.Join(s.DataDir, "store", "sandboxes", "orphanfromcrash")
 	os.MkdirAll(orphan, 0o755)
 	s.Stop()
 	s.Restart()
@@ -470,7 +470,7 @@ func TestCrashDuringLifecycle(t *testing.T) {
 	for _, id := range all {
 		assertGone(t, s, id)
 	}
-	ents, _ := os.ReadDir(filepath.Join(s.dataDir, "store", "sandboxes"))
+	ents, _ := os.ReadDir(filepath.Join(s.DataDir, "store", "sandboxes"))
 	if len(ents) != 0 {
 		var names []string
 		for _, e := range ents {

@@ -23,7 +23,7 @@ func TestQEMUNode(t *testing.T) {
 	if _, err := qemu.DefaultKernel(); err != nil {
 		t.Skipf("no guest kernel: %v (apt-get install linux-image-cloud-amd64)", err)
 	}
-	s := start(t, options{args: []string{"--runtime", "qemu", "--default-memory", "256"}})
+	s := start(t, options{Args: []string{"--runtime", "qemu", "--default-memory", "256"}})
 	c := ctx(t, 8*time.Minute)
 	var nodes []api.Node
 	waitFor(t, time.Minute, "the node to register", func() bool {

@@ -89,7 +89,7 @@ func TestKillDuringCreate(t *testing.T) {
 	}
 	// Kill once the runtime instance is being set up.
 	waitFor(t, time.Minute, "the runtime instance to be started", func() bool {
-		_, err := os.Stat(filepath.Join(s.dataDir, "runtime", sb.ID, "config.json"))
+		_, err := os.Stat(filepath.Join(s.DataDir, "runtime", sb.ID, "config.json"))
 		return err == nil
 	})
 	s.Kill()
@@ -122,14 +122,14 @@ func TestKillDuringCreate(t *testing.T) {
 // TestEmbeddedPostgres runs the server on its own private PostgreSQL: first start
 // creates it, SIGTERM stops it, and a restart finds the data again.
 func TestEmbeddedPostgres(t *testing.T) {
-	s := start(t, options{embedded: true})
+	s := start(t, options{Embedded: true})
 	sb := s.create(t, api.CreateSandboxRequest{Metadata: map[string]string{"keep": "me"}})
-	sock, err := filepath.Glob(filepath.Join(s.dataDir, "postgres", "run", ".s.PGSQL.*"))
+	sock, err := filepath.Glob(filepath.Join(s.DataDir, "postgres", "run", ".s.PGSQL.*"))
 	if err != nil || len(sock) == 0 {
 		t.Fatalf("no unix socket for the private PostgreSQL: %v", err)
 	}
 	s.Stop()
-	if _, err := os.Stat(filepath.Join(s.dataDir, "postgres", "data", "postmaster.pid")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); !os.IsNotExist(err) {
 		t.Fatalf("PostgreSQL still running after SIGTERM (postmaster.pid: %v)", err)
 	}
 	s.Restart()

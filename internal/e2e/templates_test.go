@@ -324,7 +324,7 @@ func (s *srv) template(t testing.TB, name string) (int, *templateInfo) {
 // storeEntries lists a directory of the server's btrfs store.
 func (s *srv) storeEntries(t testing.TB, dir string) []string {
 	t.Helper()
-	ents, err := os.ReadDir(filepath.Join(s.dataDir, "store", dir))
+	ents, err := os.ReadDir(filepath.Join(s.DataDir, "store", dir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,7 +338,7 @@ func (s *srv) storeEntries(t testing.TB, dir string) []string {
 // buildOps counts the template build operations in the database.
 func (s *srv) buildOps(t testing.TB) int {
 	t.Helper()
-	conn, err := pgx.Connect(ctx(t, time.Minute), s.dbURL)
+	conn, err := pgx.Connect(ctx(t, time.Minute), s.DBURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -395,7 +395,7 @@ func TestTemplates(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	s := start(t, options{noBase: true, args: []string{"--template-sources", "dir:" + allowed + ",registry:" + regHost + "/test"}})
+	s := start(t, options{NoBase: true, Args: []string{"--template-sources", "dir:" + allowed + ",registry:" + regHost + "/test"}})
 	t.Logf("setup took %s", time.Since(began).Round(time.Millisecond))
 
 	// Build hello:v1 with the CLI, streaming the log.
@@ -619,7 +619,7 @@ config:
 	}
 	hex1 := strings.TrimPrefix(digest1, "sha256:")
 	waitFor(t, 30*time.Second, "the node to remove the deleted release's files", func() bool {
-		_, err := os.Stat(filepath.Join(s.dataDir, "store", "templates", hex1))
+		_, err := os.Stat(filepath.Join(s.DataDir, "store", "templates", hex1))
 		return os.IsNotExist(err)
 	})
 	if code, _ := s.apiCall(t, "POST", "/v1/sandboxes", "application/json", []byte(`{"template": "hello@`+digest1+`"}`), nil); code != 404 {
@@ -699,7 +699,7 @@ func TestTemplateBuildInterrupted(t *testing.T) {
 	work := t.TempDir()
 	archive := filepath.Join(work, "hello.tar")
 	writeArchive(t, archive, helloImage(t))
-	s := start(t, options{noBase: true, args: []string{"--template-sources", "dir:" + work}})
+	s := start(t, options{NoBase: true, Args: []string{"--template-sources", "dir:" + work}})
 	code, body, op := s.postBuild(t, "application/yaml", "name: slow\nfrom: {archive: "+archive+"}\nsteps: [{run: tool sleep 300s}]\n")
 	if code != http.StatusAccepted {
 		t.Fatalf("build: %d %s", code, body)

@@ -2,6 +2,8 @@ package node
 
 import (
 	"context"
+	"errors"
+	"io/fs"
 	"os"
 
 	"github.com/spacedev/space/internal/fault"
@@ -46,6 +48,9 @@ type Disk interface {
 	// SetSandboxLimit bounds what a sandbox may write (its disk and snapshots); a
 	// fault.Unavailable error means the store enforces no limits (docs/operations.md).
 	SetSandboxLimit(ctx context.Context, id string, bytes int64) error
+	// SetRootfsLimit bounds what a sandbox may write to its root filesystem (its
+	// disk_mb); fs.ErrNotExist for sandboxes on a disk image.
+	SetRootfsLimit(ctx context.Context, id string, bytes int64) error
 	// CheckSpace fails with fault.InsufficientStorage when need bytes more would take
 	// the store's free space below the operator's reserve.
 	CheckSpace(need int64) error
@@ -79,8 +84,9 @@ func (n *Node) createDisk(ctx context.Context, id, digest string) (string, error
 	return n.disk.CreateSandboxRoot(ctx, id, digest)
 }
 
-// limitDisk bounds what a sandbox may write: its disk limit, plus room for a suspend
-// snapshot of its memory (snapshots count toward the same limit), plus a margin for the
+// limitDisk bounds what a sandbox may write: its root filesystem to its disk limit
+// (disk_mb; on VM runtimes the disk image's size does that), and its whole volume to the
+// disk limit plus room for a suspend snapshot of its memory plus a margin for the
 // runtime's own files. Stores without quotas enforce nothing (logged once).
 func (n *Node) limitDisk(ctx context.Context, sb *store.Sandbox) error {
 	if sb.Spec.DiskMB <= 0 {
@@ -88,6 +94,13 @@ func (n *Node) limitDisk(ctx context.Context, sb *store.Sandbox) error {
 	}
 	bytes := (int64(sb.Spec.DiskMB) + int64(sb.Spec.MemoryMB) + diskMarginMB) << 20
 	err := n.disk.SetSandboxLimit(ctx, sb.ID, bytes)
+	if err == nil {
+		// The sandbox's own writes stop at disk_mb; the volume's limit above leaves room
+		// for its checkpoints.
+		if err = n.disk.SetRootfsLimit(ctx, sb.ID, int64(sb.Spec.DiskMB)<<20); errors.Is(err, fs.ErrNotExist) {
+			err = nil
+		}
+	}
 	if fault.Is(err, fault.Unavailable) {
 		n.quotaOnce.Do(func() { n.log.Warn("sandbox disk limits are not enforced by this store", "why", err) })
 		return nil

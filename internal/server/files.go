@@ -1,9 +1,7 @@
 package server
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -12,13 +10,16 @@ import (
 	"strings"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 )
 
-// File endpoints stream through to the sandbox's agent (via its node): bodies are never
-// buffered, so files of any size move in both directions with constant memory. Guest
+// File endpoints go to the sandbox's agent (via its node): file contents are never
+// buffered, so files of any size move in both directions with constant memory; the
+// agent's small JSON answers (stat, list, mkdir, move, write) are decoded with bounds by
+// the agent client and written by the API itself. Guest
 // paths are passed to the agent, which resolves them inside the sandbox; no host path
 // is ever derived from them.
 
@@ -103,8 +104,34 @@ func (a *API) fileHandler(agentPath string, params ...string) rest.HandlerFunc {
 	}
 }
 
-// fileJSONHandler validates a JSON body of type T and relays it.
-func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) rest.HandlerFunc {
+// fileCall runs one typed agent call for a file endpoint whose answer is small JSON: the
+// agent client bounds and decodes the agent's reply (a hostile agent's oversized or
+// malformed answer becomes a 502), and the API writes its own JSON.
+func fileCall(a *API, params []string, call func(r *http.Request, c *agentclient.Client, q url.Values) (status int, v any, err error)) rest.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) error {
+		t, err := a.running(r)
+		if err != nil {
+			return err
+		}
+		q, err := fileQuery(r, params...)
+		if err != nil {
+			return err
+		}
+		status, v, err := call(r, a.svc.Agent(t), q)
+		if err != nil {
+			return err
+		}
+		if v == nil {
+			w.WriteHeader(status)
+			return nil
+		}
+		rest.WriteJSON(w, status, v)
+		return nil
+	}
+}
+
+// fileJSONCall is fileCall for endpoints with a JSON body of type T, validated by check.
+func fileJSONCall[T any](a *API, check func(*T) error, call func(r *http.Request, c *agentclient.Client, req *T) (int, any, error)) rest.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) error {
 		t, err := a.running(r)
 		if err != nil {
@@ -117,26 +144,60 @@ func fileJSONHandler[T any](a *API, agentPath string, check func(*T) error) rest
 		if err := check(&req); err != nil {
 			return err
 		}
-		b, _ := json.Marshal(req)
-		r.Body = io.NopCloser(bytes.NewReader(b))
-		r.ContentLength = int64(len(b))
-		return a.proxyToAgent(w, r, t, agentPath, url.Values{})
+		status, v, err := call(r, a.svc.Agent(t), &req)
+		if err != nil {
+			return err
+		}
+		rest.WriteJSON(w, status, v)
+		return nil
 	}
 }
 
+// fileInfo is the API's form of an agent's entry (the same fields).
+func fileInfo(e wire.EntryInfo) api.FileInfo { return api.FileInfo(e) }
+
 func (a *API) registerFiles(authed func(string, rest.HandlerFunc)) {
+	// The file's contents stream through unchanged (any size, constant memory).
 	authed("GET /v1/sandboxes/{id}/files", a.fileHandler("/v1/files/content", "path", "user", "offset", "length"))
-	authed("PUT /v1/sandboxes/{id}/files", a.fileHandler("/v1/files/content", "path", "user", "mode", "append"))
-	authed("DELETE /v1/sandboxes/{id}/files", a.fileHandler("/v1/files", "path", "user", "recursive"))
-	authed("GET /v1/sandboxes/{id}/files/stat", a.fileHandler("/v1/files/stat", "path", "user"))
-	authed("GET /v1/sandboxes/{id}/files/list", a.fileHandler("/v1/files/list", "path", "user", "depth"))
-	authed("POST /v1/sandboxes/{id}/files/mkdir", fileJSONHandler(a, "/v1/files/mkdir", func(m *api.MkdirRequest) error {
+	authed("PUT /v1/sandboxes/{id}/files", fileCall(a, []string{"path", "user", "mode", "append"},
+		func(r *http.Request, c *agentclient.Client, q url.Values) (int, any, error) {
+			opts := agentclient.WriteOptions{User: q.Get("user"), Append: q.Get("append") == "1"}
+			if m := q.Get("mode"); m != "" {
+				mode, _ := strconv.ParseUint(m, 8, 32) // validated by fileQuery
+				opts.Mode = uint32(mode)
+			}
+			info, err := c.WriteFile(r.Context(), q.Get("path"), r.Body, opts)
+			return http.StatusOK, fileInfo(info), err
+		}))
+	authed("DELETE /v1/sandboxes/{id}/files", fileCall(a, []string{"path", "user", "recursive"},
+		func(r *http.Request, c *agentclient.Client, q url.Values) (int, any, error) {
+			return http.StatusNoContent, nil, c.Remove(r.Context(), q.Get("path"), q.Get("user"), q.Get("recursive") == "1")
+		}))
+	authed("GET /v1/sandboxes/{id}/files/stat", fileCall(a, []string{"path", "user"},
+		func(r *http.Request, c *agentclient.Client, q url.Values) (int, any, error) {
+			info, err := c.Stat(r.Context(), q.Get("path"), q.Get("user"))
+			return http.StatusOK, fileInfo(info), err
+		}))
+	authed("GET /v1/sandboxes/{id}/files/list", fileCall(a, []string{"path", "user", "depth"},
+		func(r *http.Request, c *agentclient.Client, q url.Values) (int, any, error) {
+			depth, _ := strconv.Atoi(q.Get("depth")) // validated by fileQuery
+			entries, err := c.List(r.Context(), q.Get("path"), q.Get("user"), depth)
+			out := make([]api.FileInfo, 0, len(entries))
+			for _, e := range entries {
+				out = append(out, fileInfo(e))
+			}
+			return http.StatusOK, out, err
+		}))
+	authed("POST /v1/sandboxes/{id}/files/mkdir", fileJSONCall(a, func(m *api.MkdirRequest) error {
 		if err := checkPath("path", m.Path); err != nil {
 			return err
 		}
 		return service.ValidUser(m.User)
+	}, func(r *http.Request, c *agentclient.Client, m *api.MkdirRequest) (int, any, error) {
+		info, err := c.Mkdir(r.Context(), wire.MkdirRequest(*m))
+		return http.StatusCreated, fileInfo(info), err
 	}))
-	authed("POST /v1/sandboxes/{id}/files/move", fileJSONHandler(a, "/v1/files/move", func(m *api.MoveRequest) error {
+	authed("POST /v1/sandboxes/{id}/files/move", fileJSONCall(a, func(m *api.MoveRequest) error {
 		if err := checkPath("from", m.From); err != nil {
 			return err
 		}
@@ -144,6 +205,9 @@ func (a *API) registerFiles(authed func(string, rest.HandlerFunc)) {
 			return err
 		}
 		return service.ValidUser(m.User)
+	}, func(r *http.Request, c *agentclient.Client, m *api.MoveRequest) (int, any, error) {
+		info, err := c.Move(r.Context(), wire.MoveRequest(*m))
+		return http.StatusOK, fileInfo(info), err
 	}))
 	authed("GET /v1/sandboxes/{id}/files/watch", a.watchFiles)
 }

@@ -53,7 +53,7 @@ type Config struct {
 	DefaultMemoryMB int
 	MaxCPU          int
 	MaxMemoryMB     int
-	// DefaultDiskMB and MaxDiskMB bound what a sandbox may write (snapshots included).
+	// DefaultDiskMB and MaxDiskMB bound what a sandbox may write to its disk.
 	DefaultDiskMB int
 	MaxDiskMB     int
 	// IdleTimeout is the idle timeout of sandboxes that ask for none.

@@ -263,6 +263,45 @@ func (s *Store) SetSandboxLimit(ctx context.Context, id string, bytes int64) err
 	return nil
 }
 
+// SetRootfsLimit bounds what sandbox id may write to its root filesystem (a subvolume
+// made by CreateSandboxRoot): its own quota group, 0/<rootfs>, counts the data the
+// sandbox wrote or overwrote, not what it shares with its release. This is the
+// sandbox's disk size (disk_mb); SetSandboxLimit bounds the whole sandbox volume,
+// checkpoints included, above it. A sandbox on a disk image (VM runtimes) has no root
+// filesystem here (the error wraps fs.ErrNotExist): the image's size bounds its disk.
+// bytes 0 removes the limit. Errors as SetSandboxLimit's.
+func (s *Store) SetRootfsLimit(ctx context.Context, id string, bytes int64) error {
+	root, err := s.SandboxRoot(id)
+	if err != nil {
+		return fault.Wrap(fault.Invalid, err)
+	}
+	if bytes < 0 {
+		return fault.New(fault.Invalid, "disk limit %d is negative", bytes)
+	}
+	if !s.quota.on {
+		return fault.New(fault.Unavailable, "per-sandbox disk limits are off in this store: %s", s.quota.reason)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if _, err := os.Lstat(root); err != nil {
+		return fmt.Errorf("storage: sandbox %s: %w", id, err)
+	}
+	vol, err := subvolumeIDOf(root)
+	if err != nil {
+		return fmt.Errorf("storage: sandbox %s: %w", id, err)
+	}
+	limit := uint64(bytes)
+	if bytes == 0 {
+		limit = qgroupLimitClear
+	}
+	if err := s.limit(vol, limit); err != nil {
+		return fmt.Errorf("storage: sandbox %s rootfs: %w", id, err)
+	}
+	s.log.DebugContext(ctx, "storage: sandbox rootfs limit set", "id", id, "qgroup", qgroupName(vol), "bytes", bytes)
+	return nil
+}
+
 // limit sets qgroup g's limit. Quota ioctls go through the store root: one on a
 // directory inside a sandbox at its limit would be charged to the sandbox, and fail.
 func (s *Store) limit(g, maxExcl uint64) error {

@@ -313,3 +313,29 @@ func TestReleaseBuildLimit(t *testing.T) {
 		t.Errorf("negative build limit: %v", err)
 	}
 }
+
+// TestRootfsLimit bounds a sandbox's root filesystem below its volume's limit: writes
+// to the rootfs stop at the rootfs limit while the volume (checkpoints) has room left.
+func TestRootfsLimit(t *testing.T) {
+	s := quotaStore(t)
+	ctx := context.Background()
+	rel := newRelease(t, s, "small", func(root string) { randomFile(t, filepath.Join(root, "f"), mib) })
+	root, err := s.CreateSandboxRoot(ctx, "rl", rel.Digest)
+	must(t, err)
+	must(t, s.SetSandboxLimit(ctx, "rl", 64*mib))
+	must(t, s.SetRootfsLimit(ctx, "rl", 16*mib))
+	written, err := fill(t, filepath.Join(root, "flood"), 0, 0, 256*mib)
+	if !isQuotaErr(err) || written > 17*mib {
+		t.Fatalf("rootfs flood wrote %d MiB and ended with %v, want EDQUOT at 16 MiB", written/mib, err)
+	}
+	// The volume still takes a checkpoint beside the full rootfs.
+	dir, err := s.CheckpointDir("rl")
+	must(t, err)
+	must(t, os.MkdirAll(dir, 0o700))
+	if n, err := fill(t, filepath.Join(dir, "mem"), 0, 0, 32*mib); err != nil {
+		t.Fatalf("checkpoint beside a full rootfs: wrote %d MiB: %v", n/mib, err)
+	}
+	if err := s.SetRootfsLimit(ctx, "nope", mib); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("rootfs limit of a missing sandbox: %v", err)
+	}
+}

@@ -221,7 +221,7 @@ chroot "$root" apt-get -q -y -o APT::Sandbox::User=root -o Dpkg::Use-Pty=0 \
 	}
 	progress(fmt.Sprintf("I: installing %d packages with apt-get: %s", len(packages), strings.Join(packages, " ")))
 	args := append([]string{"-c", script, "apt-install", rootfs, cache}, packages...)
-	if err := b.run(ctx, progress, "/bin/sh", args...); err != nil {
+	if err := b.runInTarget(ctx, progress, rootfs, "/bin/sh", args...); err != nil {
 		return fmt.Errorf("template: apt-get install: %w", err)
 	}
 	return nil
@@ -290,7 +290,7 @@ func customizeCodeInterpreter(b *Builder, ctx context.Context, rootfs, chroot st
 	if err := root.Chmod(rel, 0o755); err != nil {
 		return err
 	}
-	if err := b.run(ctx, nil, chroot, "--userspec="+baseUID+":"+baseUID, rootfs, "/usr/bin/env", "HOME="+baseHome,
+	if err := b.runInTarget(ctx, nil, rootfs, chroot, "--userspec="+baseUID+":"+baseUID, rootfs, "/usr/bin/env", "HOME="+baseHome,
 		"MPLBACKEND=Agg", "/usr/bin/python3", "-c", "import matplotlib.pyplot, pandas"); err != nil {
 		return fmt.Errorf("warm matplotlib's cache: %w", err)
 	}

@@ -22,11 +22,12 @@ import (
 // releases, sandbox disks, checkpoints. Copies are real copies (cp -a), not btrfs
 // snapshots, so it needs no root; tests keep their releases small.
 type Disk struct {
-	root   string
-	mu     sync.Mutex
-	rels   map[string]storage.Release
-	limits map[string]int64
-	full   string
+	root         string
+	mu           sync.Mutex
+	rels         map[string]storage.Release
+	rootfsLimits map[string]int64
+	limits       map[string]int64
+	full         string
 }
 
 // NewDisk returns a directory store under root, with the releases recorded there.
@@ -281,6 +282,17 @@ func (d *Disk) CopyTree(ctx context.Context, src, dst string) error {
 		return err
 	}
 	return copyTree(ctx, src, dst)
+}
+
+// SetRootfsLimit records a sandbox's root filesystem limit (enforced by none).
+func (d *Disk) SetRootfsLimit(_ context.Context, id string, bytes int64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.rootfsLimits == nil {
+		d.rootfsLimits = map[string]int64{}
+	}
+	d.rootfsLimits[id] = bytes
+	return nil
 }
 
 // SetSandboxLimit records a sandbox's limit (the directory store enforces none).

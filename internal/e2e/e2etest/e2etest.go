@@ -1,0 +1,396 @@
+// Package e2etest is the harness of space's end-to-end tests: it starts the real space
+// binary (`space serve`, all roles in one process unless told otherwise) on a fresh data
+// directory against a real PostgreSQL and a real btrfs store with gVisor sandboxes,
+// gives a Go client for it, kills and restarts it, and keeps its log. The end-to-end
+// tests (internal/e2e) and the adversarial suite (internal/adversary) use it. A test
+// binary that uses it calls testenv.Main from its TestMain.
+package e2etest
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/storage"
+	"github.com/spacedev/space/internal/template/templatetest"
+	"github.com/spacedev/space/internal/testenv"
+)
+
+// Options configure a test server.
+type Options struct {
+	// Embedded runs the server's own private PostgreSQL instead of a test database.
+	Embedded bool
+	// NoBase leaves the store without the base template (the server builds it).
+	NoBase bool
+	// Builtins are other builtin templates to put in the store (code-interpreter-v1).
+	Builtins []string
+	// Args are extra arguments of `space serve`.
+	Args []string
+	// Failpoints runs a -tags failpoints build (crash points act on Env).
+	Failpoints bool
+	// Env is extra environment of the server process (kept across restarts unless
+	// changed with SetEnv).
+	Env []string
+	// DBURL shares a database with another server (a fleet).
+	DBURL string
+}
+
+// Server is a space serve process under test.
+type Server struct {
+	t       testing.TB
+	Bin     string // the space binary
+	DataDir string // --data-dir
+	DBURL   string // its database ("" when embedded)
+	Addr    string // host:port it listens on
+	URL     string
+	Key     string // the admin key
+	C       *client.Client
+
+	mu   sync.Mutex
+	opts Options
+	cmd  *exec.Cmd
+	log  *lockedWriter
+	done chan struct{}
+}
+
+// RequireHost skips the test unless it runs as root with runsc and a store the base
+// template can be put into.
+func RequireHost(t testing.TB) {
+	testenv.RequireRoot(t)
+	testenv.RequireBinary(t, gvisor.DefaultRunscPath, "scripts/setup.sh builds it")
+	templatetest.RequireStore(t)
+}
+
+// FreeAddr returns a loopback address with a port free at the time of the call.
+func FreeAddr(t testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// Start starts space serve on a fresh data directory. Everything it made is undone
+// when t ends (the server stopped, its sandboxes destroyed, its mounts removed).
+func Start(t testing.TB, o Options) *Server { return StartWith(t, o, nil) }
+
+// StartWith is Start with a hook that prepares the data directory first.
+func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
+	RequireHost(t)
+	bin, _ := testenv.Binaries(t)
+	if o.Failpoints {
+		bin, _ = testenv.FailpointBinaries(t)
+	}
+	dataDir := t.TempDir()
+	s := &Server{t: t, Bin: bin, DataDir: dataDir, Addr: FreeAddr(t), opts: o}
+	if o.DBURL != "" {
+		s.DBURL = o.DBURL
+	} else if !o.Embedded {
+		s.DBURL = testenv.Postgres(t)
+	}
+	t.Cleanup(s.cleanup)
+	if prepare != nil {
+		prepare(dataDir)
+	}
+	if !o.NoBase {
+		st, err := storage.Open(context.Background(), storage.Config{DataDir: dataDir, ImageSizeBytes: 16 << 30})
+		if err != nil {
+			t.Fatal(err)
+		}
+		templatetest.Base(t, st)
+		for _, name := range o.Builtins {
+			templatetest.Builtin(t, st, name)
+		}
+		st.Close()
+	}
+	s.URL = "http://" + s.Addr
+	s.launch()
+	if b, err := os.ReadFile(filepath.Join(dataDir, "admin.key")); err == nil {
+		s.Key = strings.TrimSpace(string(b))
+	}
+	s.C = client.New(s.URL, s.Key)
+	return s
+}
+
+// launch starts the process and waits for /healthz.
+func (s *Server) launch() {
+	s.t.Helper()
+	args := []string{"serve", "--data-dir", s.DataDir, "--listen", s.Addr, "--store-size", "17179869184"}
+	if s.DBURL != "" {
+		args = append(args, "--database-url", s.DBURL)
+	}
+	s.mu.Lock()
+	o := s.opts
+	s.mu.Unlock()
+	args = append(args, o.Args...)
+	cmd := exec.Command(s.Bin, args...)
+	cmd.Env = append(os.Environ(), o.Env...)
+	w := &lockedWriter{b: &bytes.Buffer{}}
+	cmd.Stdout, cmd.Stderr = w, w
+	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
+		cmd.Stderr = os.Stderr
+	}
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	s.mu.Lock()
+	s.cmd, s.log, s.done = cmd, w, done
+	s.mu.Unlock()
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		resp, err := http.Get(s.URL + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		select {
+		case <-done:
+			s.t.Fatalf("space serve exited during start-up:\n%s", w.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("space serve did not become healthy:\n%s", w.String())
+		}
+	}
+}
+
+type lockedWriter struct {
+	mu sync.Mutex
+	b  *bytes.Buffer
+}
+
+func (w *lockedWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *lockedWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// Log returns the output of the server's current (or last) process so far.
+func (s *Server) Log() string {
+	s.mu.Lock()
+	w := s.log
+	s.mu.Unlock()
+	if w == nil {
+		return ""
+	}
+	return w.String()
+}
+
+// SetEnv replaces the extra environment of the server's next (re)start.
+func (s *Server) SetEnv(env []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.opts.Env = env
+}
+
+// Pid returns the pid of the running server process (0 when none runs).
+func (s *Server) Pid() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return 0
+	}
+	return s.cmd.Process.Pid
+}
+
+// WaitExit waits up to d for the server process to exit by itself (e.g. at a crash
+// point) and forgets it, so that Restart can start another. It reports whether the
+// process exited in time; when it did not, the process is left running.
+func (s *Server) WaitExit(d time.Duration) bool {
+	s.mu.Lock()
+	done := s.done
+	s.mu.Unlock()
+	if done == nil {
+		return true
+	}
+	select {
+	case <-done:
+	case <-time.After(d):
+		return false
+	}
+	s.mu.Lock()
+	s.cmd = nil
+	s.mu.Unlock()
+	return true
+}
+
+func (s *Server) signal(sig syscall.Signal) {
+	s.mu.Lock()
+	cmd, done := s.cmd, s.done
+	s.cmd = nil
+	s.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	_ = cmd.Process.Signal(sig)
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		s.t.Errorf("space serve did not stop after %v", sig)
+	}
+}
+
+// Kill kills the server with SIGKILL (its sandboxes and, when embedded, its
+// PostgreSQL keep running).
+func (s *Server) Kill() { s.signal(syscall.SIGKILL) }
+
+// Stop stops the server with SIGTERM.
+func (s *Server) Stop() { s.signal(syscall.SIGTERM) }
+
+// Restart starts the server again on the same data directory.
+func (s *Server) Restart() { s.launch() }
+
+// RunscRoot is where the server's runsc keeps its state.
+func (s *Server) RunscRoot() string {
+	sum := sha256.Sum256([]byte(s.DataDir))
+	return filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6]))
+}
+
+// RunscIDs lists the runsc containers of this server.
+func (s *Server) RunscIDs() []string {
+	out, err := exec.Command(gvisor.DefaultRunscPath, "--root", s.RunscRoot(), "list", "-format=json").Output()
+	if err != nil {
+		return nil
+	}
+	var list []struct {
+		ID string `json:"id"`
+	}
+	_ = json.Unmarshal(out, &list)
+	var ids []string
+	for _, c := range list {
+		ids = append(ids, c.ID)
+	}
+	return ids
+}
+
+func (s *Server) cleanup() {
+	s.Stop()
+	// The gVisor runtime's Destroy also removes what it mounts for a sandbox (run dir,
+	// log, id-mapped views), which killing the runsc container would leave behind.
+	if len(s.RunscIDs()) > 0 {
+		if rt, err := gvisor.New(gvisor.Config{RootDir: s.RunscRoot()}); err == nil {
+			dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			if list, err := rt.List(dctx); err == nil {
+				for _, in := range list {
+					_ = rt.Destroy(dctx, in.ID)
+				}
+			}
+			cancel()
+			rt.Close()
+		}
+	}
+	// runsc pins an empty network namespace for its gofers in its root dir (a mount).
+	_ = syscall.Unmount(filepath.Join(s.RunscRoot(), "null-netns"), syscall.MNT_DETACH)
+	if s.opts.Embedded {
+		// A killed server may leave its PostgreSQL running: stop it.
+		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
+			var pid int
+			fmt.Sscanf(string(b), "%d", &pid)
+			if pid > 0 {
+				_ = syscall.Kill(pid, syscall.SIGQUIT)
+			}
+		}
+	}
+	_ = os.RemoveAll(s.RunscRoot())
+	_ = os.RemoveAll(strings.Replace(s.RunscRoot(), "/runsc-", "/qemu-", 1))
+	store := filepath.Join(s.DataDir, "store")
+	for i := 0; i < 50; i++ {
+		if err := syscall.Unmount(store, 0); err == nil || err == syscall.EINVAL || err == syscall.ENOENT {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if s.t.Failed() {
+		s.t.Logf("space serve log:\n%s", s.Log())
+	}
+}
+
+// Ctx returns a context bounded by a deadline for one test step, cancelled when t ends.
+func Ctx(t testing.TB, d time.Duration) context.Context {
+	c, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return c
+}
+
+// Create makes a sandbox and waits until it runs.
+func (s *Server) Create(t testing.TB, req api.CreateSandboxRequest) *api.Sandbox {
+	t.Helper()
+	sb, err := s.C.CreateAndWait(Ctx(t, 3*time.Minute), req)
+	if err != nil {
+		t.Fatalf("create sandbox: %v\n%s", err, s.Log())
+	}
+	return sb
+}
+
+// Exec runs argv in sandbox id (as root) and returns stdout, stderr and the exit code.
+func (s *Server) Exec(t testing.TB, id string, argv ...string) (string, string, int) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code, err := s.C.Exec(Ctx(t, 2*time.Minute), id, api.CreateSessionRequest{Argv: argv}, client.Output{Stdout: &out, Stderr: &errb})
+	if err != nil {
+		t.Fatalf("exec %v: %v", argv, err)
+	}
+	return out.String(), errb.String(), code
+}
+
+// WaitFor polls cond until it holds or the deadline passes (then the test fails).
+func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// CLI runs the space CLI against the server.
+func (s *Server) CLI(t testing.TB, args ...string) (string, string, int) {
+	t.Helper()
+	cmd := exec.CommandContext(Ctx(t, 3*time.Minute), s.Bin, args...)
+	cmd.Env = append(os.Environ(), "SPACE_URL="+s.URL, "SPACE_DATA_DIR="+s.DataDir, "SPACE_API_KEY=")
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatalf("run space %v: %v", args, err)
+	}
+	return out.String(), errb.String(), code
+}
+
+// Discard is a logger that drops everything.
+func Discard() *slog.Logger { return slog.New(slog.DiscardHandler) }
