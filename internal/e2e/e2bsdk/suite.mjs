@@ -405,10 +405,13 @@ test('setTimeout moves endAt; metrics', async () => {
     const m = await sbx.getMetrics({ start })
     return m.length >= 2 ? m : false
   }, 30_000)
+  // The SDK's SandboxInfo has no disk size: read it from the API's sandbox detail.
+  const detail = await (await fetch(`${process.env.E2B_API_URL}/sandboxes/${sbx.sandboxId}`, { headers: { 'X-API-KEY': process.env.E2B_API_KEY } })).json()
+  assert.ok(detail.diskSizeMB > 0)
   for (const m of metrics) {
     assert.equal(m.cpuCount, info.cpuCount, JSON.stringify(m))
     assert.equal(m.memTotal, info.memoryMB * MiB, JSON.stringify(m))
-    assert.equal(m.diskTotal, info.diskSizeMB * MiB, JSON.stringify(m))
+    assert.equal(m.diskTotal, detail.diskSizeMB * MiB, JSON.stringify(m))
     assert.ok(m.memUsed > 0 && m.memUsed <= m.memTotal && m.cpuUsedPct >= 0 && m.cpuUsedPct <= 100, JSON.stringify(m))
   }
   assert.ok(metrics[0].timestamp < metrics.at(-1).timestamp)
