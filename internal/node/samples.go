@@ -70,6 +70,7 @@ func (n *Node) sampleMetrics(ctx context.Context) {
 		}
 		return
 	}
+	start := time.Now()
 	var (
 		mu  sync.Mutex
 		out []store.MetricSample
@@ -100,8 +101,13 @@ func (n *Node) sampleMetrics(ctx context.Context) {
 		}()
 	}
 	wg.Wait()
+	sampled := time.Since(start)
 	if err := n.st.InsertMetrics(ctx, out); err != nil && ctx.Err() == nil {
 		n.log.Warn("store metrics", "err", err)
+	}
+	if len(out) > 0 {
+		n.log.Debug("sampled sandboxes", "count", len(out), "sample", sampled.Round(time.Microsecond),
+			"total", time.Since(start).Round(time.Microsecond))
 	}
 }
 
