@@ -20,8 +20,9 @@ import (
 func TestCrashWalkKeepsMemory(t *testing.T) {
 	dir := t.TempDir()
 	crashLog, arm := filepath.Join(dir, "crash.log"), filepath.Join(dir, "crash.arm")
-	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"},
-		Env: []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}})
+	// Between walks the server logs the points it passes, armed by nothing.
+	logEnv := []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}
+	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"}, Env: logEnv})
 	points := func() []string {
 		f, err := os.Open(crashLog)
 		if err != nil {
@@ -92,6 +93,9 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 		}
 		walked := points()
 		t.Logf("%s passes %s", sc.name, strings.Join(walked, " "))
+		if len(walked) == 0 {
+			t.Fatalf("%s: the server logged no crash points", sc.name)
+		}
 		for _, p := range walked {
 			// Only where memory is at stake: the snapshot, the restore, the source's
 			// way back.
@@ -116,7 +120,7 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
 			_ = os.Remove(arm)
-			s.SetEnv(nil)
+			s.SetEnv(logEnv)
 			s.Restart()
 			for _, op := range ops {
 				got, err := s.C.WaitOperation(ctx(t, 3*time.Minute), op)

@@ -235,7 +235,7 @@ func TestPlanTable(t *testing.T) {
 		{"stop", Facts{State: S, Desired: St, Generation: 2, ObservedGeneration: 1, Checkpoint: true, Disk: true}, Action{Step: Stop}},
 		{"stop of running that lost instance", Facts{State: R, Desired: St, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Stop}},
 		{"start", Facts{State: St, Desired: R, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Start}},
-		{"stopped cannot suspend", Facts{State: St, Desired: S, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Settle, State: St, Error: "the sandbox stopped before its memory could be saved; its disk is kept (start or wake it)"}},
+		{"stopped cannot suspend", Facts{State: St, Desired: S, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Settle, State: St, Error: "its memory was lost: the sandbox stopped before its memory could be saved; its disk is kept (start or wake it)"}},
 		{"failed attempt waits", Facts{State: P, Desired: R, Generation: 2, ObservedGeneration: 2, Instance: InstancePaused, Disk: true}, Action{Step: Nothing}},
 		{"failed sandbox waits", Facts{State: api.StateFailed, Desired: R, Generation: 2, ObservedGeneration: 1}, Action{Step: Nothing}},
 	}

@@ -182,7 +182,7 @@ func Plan(f Facts) Action {
 		// E.g. a crash during a suspend lost the memory: the sandbox is stopped now and
 		// cannot become suspended. Settle the intent as failed; the state is what it is.
 		return Action{Step: Settle, State: api.StateStopped,
-			Error: "the sandbox stopped before its memory could be saved; its disk is kept (start or wake it)"}
+			Error: "its memory was lost: the sandbox stopped before its memory could be saved; its disk is kept (start or wake it)"}
 	default:
 		return Action{Step: Settle, State: f.State, Error: "cannot go from " + f.State + " to " + f.Desired}
 	}

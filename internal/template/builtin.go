@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -25,7 +26,8 @@ import (
 //     minbase) with bash, coreutils, procps, iproute2, ca-certificates, curl, git,
 //     sudo, python3 (also as python) with pip, Node.js with npm, build-essential; a
 //     user "user" (uid 1000, home /home/user) who may sudo without a password.
-//   - code-interpreter-v1: base plus Jupyter's Python kernel and the usual data
+//   - code-interpreter-v1: base (a snapshot of the base release, built first if this
+//     store has none of the current recipe) plus Jupyter's Python kernel and the usual data
 //     packages (numpy, pandas, matplotlib, scipy, seaborn, requests, bs4, openpyxl,
 //     pillow), and space's code interpreter server (package codeinterp) started with
 //     the sandbox on port 49999: what E2B's code interpreter SDKs talk to.
@@ -41,7 +43,7 @@ const (
 
 // builtinRecipeVersion is bumped whenever the customization below changes what it
 // puts in the tree (package lists are part of the recipe id by themselves).
-const builtinRecipeVersion = "2"
+const builtinRecipeVersion = "4"
 
 var (
 	// bootstrapPackages go in with debootstrap; the rest with apt-get in the new tree:
@@ -61,7 +63,10 @@ var (
 
 // builtin is a builtin template's recipe.
 type builtin struct {
-	name     string
+	name string
+	// parent is the builtin template this one starts from (a snapshot of its release);
+	// empty starts from debootstrap.
+	parent   string
 	packages []string
 	config   Config
 	// extra customizes the tree after the common customization (chroot is the path of
@@ -76,7 +81,8 @@ func builtinRecipe(name string) (builtin, bool) {
 	case CodeInterpreterTemplate:
 		return builtin{
 			name:     name,
-			packages: append(slices.Clone(basePackages), codeInterpreterPackages...),
+			parent:   BaseTemplate,
+			packages: codeInterpreterPackages,
 			config: Config{
 				User: baseUser, Workdir: baseHome, Env: map[string]string{},
 				Start: []string{"/usr/bin/python3", codeinterp.Path},
@@ -94,6 +100,13 @@ func builtinRecipe(name string) (builtin, bool) {
 // Builtins lists the builtin templates.
 func Builtins() []string { return []string{BaseTemplate, CodeInterpreterTemplate} }
 
+// BuiltinParent names the builtin template that builtin name starts from ("" for one
+// that starts from debootstrap).
+func BuiltinParent(name string) string {
+	r, _ := builtinRecipe(name)
+	return r.parent
+}
+
 // IsBuiltin reports whether name is a builtin template.
 func IsBuiltin(name string) bool { return slices.Contains(Builtins(), name) }
 
@@ -107,6 +120,9 @@ func BuiltinRecipeID(name string) string {
 	}
 	parts := []string{builtinRecipeVersion, r.name, baseSuite, baseVariant, strings.Join(bootstrapPackages, ","),
 		strings.Join(r.packages, ","), baseUser, baseUID, baseHome}
+	if r.parent != "" {
+		parts = append(parts, "from", BuiltinRecipeID(r.parent))
+	}
 	if r.name == CodeInterpreterTemplate {
 		sum := sha256.Sum256(codeinterp.Server)
 		parts = append(parts, hex.EncodeToString(sum[:]))
@@ -143,15 +159,47 @@ func (b *Builder) BuildBuiltin(ctx context.Context, name string, progress func(s
 	log := b.logger()
 	start := time.Now()
 	log.InfoContext(ctx, "template: building builtin", "template", name, "suite", baseSuite, "dir", rootfs)
-	if err := b.debootstrap(ctx, rootfs, baseSuite, bootstrapPackages, progress); err != nil {
-		return storage.Release{}, Config{}, err
-	}
-	if err := b.aptInstall(ctx, rootfs, r.packages, progress); err != nil {
-		return storage.Release{}, Config{}, err
-	}
-	chroot, err := b.customizeBase(ctx, rootfs)
-	if err != nil {
-		return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+	var chroot string
+	if r.parent != "" {
+		parent, err := b.builtinParent(ctx, r.parent, progress)
+		if err != nil {
+			return storage.Release{}, Config{}, err
+		}
+		progress(fmt.Sprintf("I: starting from %s (%s)", r.parent, parent.Digest))
+		parentRoot, err := b.Store.ReleaseRoot(parent.Digest)
+		if err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
+		// Replace the build's empty subvolume with a writable snapshot of the parent.
+		if err := b.Store.DeleteSubvolume(ctx, rootfs); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
+		if err := b.Store.Snapshot(ctx, parentRoot, rootfs, false); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
+		// The parent dropped its package indexes: fetch them again, and drop them after.
+		if err := b.aptInstall(ctx, rootfs, r.packages, true, progress); err != nil {
+			return storage.Release{}, Config{}, err
+		}
+		if err := tidyDebian(rootfs); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
+		if chroot, err = exec.LookPath("chroot"); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: chroot not found: %w", err)
+		}
+	} else {
+		if err := b.debootstrap(ctx, rootfs, baseSuite, bootstrapPackages, progress); err != nil {
+			return storage.Release{}, Config{}, err
+		}
+		if err := writeNoDocs(rootfs); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
+		if err := b.aptInstall(ctx, rootfs, r.packages, false, progress); err != nil {
+			return storage.Release{}, Config{}, err
+		}
+		if chroot, err = b.customizeBase(ctx, rootfs); err != nil {
+			return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
+		}
 	}
 	if r.extra != nil {
 		progress("customizing " + name)
@@ -159,7 +207,7 @@ func (b *Builder) BuildBuiltin(ctx context.Context, name string, progress func(s
 			return storage.Release{}, Config{}, fmt.Errorf("template: %s: %w", name, err)
 		}
 	}
-	if err := writeConfigFile(rootfs, name, r.config); err != nil {
+	if err := writeConfigFile(rootfs, name, BuiltinRecipeID(name), r.config); err != nil {
 		return storage.Release{}, Config{}, fmt.Errorf("template: %w", err)
 	}
 	cfg, err := json.Marshal(r.config)
@@ -188,7 +236,7 @@ func (b *Builder) BuildBase(ctx context.Context, progress func(string)) (storage
 // from starting (policy-rc.d), and the builder's package cache bind-mounted as apt's
 // archive directory so packages are downloaded once per machine. Needs root and the
 // mirror.
-func (b *Builder) aptInstall(ctx context.Context, rootfs string, packages []string, progress func(string)) error {
+func (b *Builder) aptInstall(ctx context.Context, rootfs string, packages []string, update bool, progress func(string)) error {
 	if len(packages) == 0 {
 		return nil
 	}
@@ -198,14 +246,21 @@ func (b *Builder) aptInstall(ctx context.Context, rootfs string, packages []stri
 	}
 	defer os.Remove(policy)
 	script := `set -e
-root=$1; cache=$2; shift 2
+root=$1; cache=$2; update=$3; shift 3
 mount -t proc proc "$root/proc"
 if [ -n "$cache" ]; then
   mkdir -p "$cache/partial" "$root/var/cache/apt/archives"
   mount --bind "$cache" "$root/var/cache/apt/archives"
 fi
+if [ "$update" = 1 ]; then
+  # The tree's resolv.conf is empty (a sandbox's runtime provides one): borrow the
+  # host's for this namespace only.
+  mount --bind /etc/resolv.conf "$root/etc/resolv.conf"
+  chroot "$root" apt-get -q update
+fi
 chroot "$root" apt-get -q -y -o APT::Sandbox::User=root -o Dpkg::Use-Pty=0 \
   -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+  -o Dpkg::Options::=--force-unsafe-io \
   --no-install-recommends install "$@"
 `
 	cache := ""
@@ -220,19 +275,54 @@ chroot "$root" apt-get -q -y -o APT::Sandbox::User=root -o Dpkg::Use-Pty=0 \
 		cache = abs
 	}
 	progress(fmt.Sprintf("I: installing %d packages with apt-get: %s", len(packages), strings.Join(packages, " ")))
-	args := append([]string{"-c", script, "apt-install", rootfs, cache}, packages...)
+	upd := "0"
+	if update {
+		upd = "1"
+	}
+	args := append([]string{"-c", script, "apt-install", rootfs, cache, upd}, packages...)
 	if err := b.runInTarget(ctx, progress, rootfs, "/bin/sh", args...); err != nil {
 		return fmt.Errorf("template: apt-get install: %w", err)
 	}
 	return nil
 }
 
-// writeConfigFile records the release's name and config in its tree (ConfigFile).
-func writeConfigFile(rootfs, name string, cfg Config) error {
-	rec, err := json.MarshalIndent(struct {
-		Name   string `json:"name"`
-		Config Config `json:"config"`
-	}{name, cfg}, "", "  ")
+// noDocs is dpkg configuration that leaves documentation, manual pages and message
+// translations out of the tree (copyright files stay), as Debian's slim container images
+// do: a third of the packages' files, read by no program. It stays in the release, so
+// packages a sandbox installs later follow it too.
+const noDocs = `# space builtin templates: no documentation, manual pages or translations.
+path-exclude=/usr/share/doc/*
+path-include=/usr/share/doc/*/copyright
+path-exclude=/usr/share/man/*
+path-exclude=/usr/share/info/*
+path-exclude=/usr/share/locale/*
+path-include=/usr/share/locale/locale.alias
+`
+
+func writeNoDocs(rootfs string) error {
+	root, err := os.OpenRoot(rootfs)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	if err := root.MkdirAll("etc/dpkg/dpkg.cfg.d", 0o755); err != nil {
+		return err
+	}
+	return root.WriteFile("etc/dpkg/dpkg.cfg.d/01-space-nodoc", []byte(noDocs), 0o644)
+}
+
+// configRecord is what ConfigFile holds.
+type configRecord struct {
+	Name string `json:"name"`
+	// Recipe is the BuiltinRecipeID of a builtin release (empty for others).
+	Recipe string `json:"recipe,omitempty"`
+	Config Config `json:"config"`
+}
+
+// writeConfigFile records the release's name, recipe and config in its tree
+// (ConfigFile).
+func writeConfigFile(rootfs, name, recipe string, cfg Config) error {
+	rec, err := json.MarshalIndent(configRecord{Name: name, Recipe: recipe, Config: cfg}, "", "  ")
 	if err != nil {
 		return err
 	}
@@ -251,25 +341,57 @@ func writeConfigFile(rootfs, name string, cfg Config) error {
 // ReadConfigFile reads the config a release recorded in its tree (ConfigFile), given
 // the release's root filesystem. A release without one has an empty config.
 func ReadConfigFile(rootfs string) (Config, error) {
+	rec, err := readConfigRecord(rootfs)
+	return rec.Config, err
+}
+
+func readConfigRecord(rootfs string) (configRecord, error) {
 	root, err := os.OpenRoot(rootfs)
 	if err != nil {
-		return Config{}, err
+		return configRecord{}, err
 	}
 	defer root.Close()
 	data, err := root.ReadFile(ConfigFile)
 	if errors.Is(err, os.ErrNotExist) {
-		return Config{}, nil
+		return configRecord{}, nil
 	}
 	if err != nil {
-		return Config{}, err
+		return configRecord{}, err
 	}
-	var rec struct {
-		Config Config `json:"config"`
-	}
+	var rec configRecord
 	if err := json.Unmarshal(data, &rec); err != nil {
-		return Config{}, fmt.Errorf("template: %s: %w", ConfigFile, err)
+		return configRecord{}, fmt.Errorf("template: %s: %w", ConfigFile, err)
 	}
-	return rec.Config, nil
+	return rec, nil
+}
+
+// builtinParent returns the newest release of builtin template name in the store built
+// from the current recipe, building it first if there is none.
+func (b *Builder) builtinParent(ctx context.Context, name string, progress func(string)) (storage.Release, error) {
+	rels, err := b.Store.ListReleases()
+	if err != nil {
+		return storage.Release{}, fmt.Errorf("template: %w", err)
+	}
+	want := BuiltinRecipeID(name)
+	var best *storage.Release
+	for i := range rels {
+		if rels[i].Name != name || (best != nil && !rels[i].CreatedAt.After(best.CreatedAt)) {
+			continue
+		}
+		root, err := b.Store.ReleaseRoot(rels[i].Digest)
+		if err != nil {
+			continue
+		}
+		if rec, err := readConfigRecord(root); err == nil && rec.Recipe == want {
+			best = &rels[i]
+		}
+	}
+	if best != nil {
+		return *best, nil
+	}
+	progress(fmt.Sprintf("I: building %s first", name))
+	rel, _, err := b.BuildBuiltin(ctx, name, progress)
+	return rel, err
 }
 
 // customizeCodeInterpreter installs the code interpreter server and warms the caches

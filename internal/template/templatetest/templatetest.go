@@ -101,6 +101,10 @@ func Builtin(t testing.TB, s *storage.Store, name string) storage.Release {
 	if rel, ok := importCache(t, s, cache); ok {
 		return rel
 	}
+	if parent := template.BuiltinParent(name); parent != "" {
+		// The build starts from the parent's release: import (or build) it first.
+		Builtin(t, s, parent)
+	}
 	unlock := lockCache(t)
 	defer unlock()
 	if rel, ok := importCache(t, s, cache); ok {
@@ -108,6 +112,17 @@ func Builtin(t testing.TB, s *storage.Store, name string) storage.Release {
 	}
 	return buildLocked(t, s, name, nil)
 }
+
+// Cached reports whether the test cache holds builtin name's current recipe.
+func Cached(t testing.TB, name string) bool {
+	t.Helper()
+	_, err := os.Stat(cachePath(t, name))
+	return err == nil
+}
+
+// Rebuild reports whether SPACE_TEST_REBUILD asks tests to build builtin templates
+// again although the cache has them.
+func Rebuild() bool { return os.Getenv("SPACE_TEST_REBUILD") != "" }
 
 // BuildBase always builds the base template into s with a real debootstrap (reusing the
 // package cache), then refreshes the cached export. progress, if not nil, receives the
