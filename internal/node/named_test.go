@@ -121,6 +121,15 @@ func TestNamedSnapshotOutlivesItsSource(t *testing.T) {
 		}
 		made = append(made, sb.ID)
 	}
+	// A clone of a sandbox made from a snapshot is a clone (it does not need the snapshot).
+	clones, err := s.C.Clone(ctx(t), made[0], api.CloneRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(clones[0].Operation.ID, api.OpSucceeded)
+	if got := get(t, s, clones[0].ID); got.Snapshot != "" || got.CloneOf != made[0] {
+		t.Fatalf("clone of a sandbox from a snapshot: %+v", got)
+	}
 	// What a snapshot fixes cannot be changed.
 	for _, req := range []api.CreateSandboxRequest{
 		{Snapshot: "warm", CPU: 1}, {Snapshot: "warm", Template: "base"}, {Snapshot: "warm", FreshBoot: true},

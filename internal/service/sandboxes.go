@@ -463,10 +463,12 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 		if meta == nil {
 			meta = src.Metadata
 		}
+		spec := src.Spec
+		spec.Snapshot = "" // a clone restores from its source, not from the source's snapshot
 		for range req.Count {
 			sb := &store.Sandbox{
 				ID: ids.Sandbox(), Tenant: src.Tenant, TemplateRef: src.TemplateRef, TemplateDigest: src.TemplateDigest,
-				Spec: src.Spec, Metadata: meta, DesiredState: api.StateRunning, State: api.StatePending,
+				Spec: spec, Metadata: meta, DesiredState: api.StateRunning, State: api.StatePending,
 				ExpiresAt: expires, IdleTimeout: src.IdleTimeout, CloneOf: src.ID, CloneBatch: batch,
 				NodeID: src.NodeID, Runtime: src.Runtime,
 			}
