@@ -6,7 +6,8 @@
 // (internal/guest/agent). The wire details it must match are in
 // ../shared/research/e2b-protocol.md; the user-facing guide is docs/e2b.md.
 //
-// Mapping: an E2B pause is a space suspend, resume/connect is a wake; E2B's timeout
+// Mapping: an E2B pause is a space suspend (a stop without its memory), resume/connect
+// is a wake, fork is a clone, an E2B snapshot is a named snapshot; E2B's timeout
 // is the sandbox's expiry (deleted at endAt, or suspended when created with
 // autoPause). The envd access token of a sandbox is an HMAC of its id, so it is the
 // same for every replica, across pause/resume, and can be returned again.
