@@ -113,6 +113,18 @@ func Builtin(t testing.TB, s *storage.Store, name string) storage.Release {
 	return buildLocked(t, s, name, nil)
 }
 
+// Keep exports release digest of builtin name from s into the test cache, unless the
+// cache holds that recipe already (a server under test built it).
+func Keep(t testing.TB, s *storage.Store, name, digest string) {
+	t.Helper()
+	unlock := lockCache(t)
+	defer unlock()
+	if Cached(t, name) && !Rebuild() {
+		return
+	}
+	writeCache(t, s, digest, cachePath(t, name))
+}
+
 // Cached reports whether the test cache holds builtin name's current recipe.
 func Cached(t testing.TB, name string) bool {
 	t.Helper()
