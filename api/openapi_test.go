@@ -353,18 +353,22 @@ func TestOpenAPIRefs(t *testing.T) {
 	}
 }
 
-// TestOpenAPISchemas checks that every struct of types.go has a schema of the same name
+// TestOpenAPISchemas checks that every struct of types.go and snapshots.go has a schema of the same name
 // whose properties are the struct's JSON fields, required exactly when the field is
 // not omitempty.
 func TestOpenAPISchemas(t *testing.T) {
 	doc := loadDoc(t)
 	schemas, _ := dig(doc, "components", "schemas").(map[string]any)
-	f, err := parser.ParseFile(token.NewFileSet(), "types.go", nil, parser.SkipObjectResolution)
-	if err != nil {
-		t.Fatal(err)
+	var decls []ast.Decl
+	for _, file := range []string{"types.go", "snapshots.go"} {
+		f, err := parser.ParseFile(token.NewFileSet(), file, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatal(err)
+		}
+		decls = append(decls, f.Decls...)
 	}
 	n := 0
-	for _, d := range f.Decls {
+	for _, d := range decls {
 		g, ok := d.(*ast.GenDecl)
 		if !ok || g.Tok != token.TYPE {
 			continue

@@ -88,6 +88,8 @@ type Sandbox struct {
 	StatusAt *time.Time `json:"status_at,omitempty"`
 	// CloneOf is the sandbox this one was cloned from.
 	CloneOf string `json:"clone_of,omitempty"`
+	// Snapshot is the named snapshot the sandbox was created from.
+	Snapshot string `json:"snapshot,omitempty"`
 	// DiskBytes is the disk space the sandbox uses exclusively (not shared with its
 	// template or clones), as last measured.
 	DiskBytes int64 `json:"disk_bytes"`
@@ -123,6 +125,11 @@ type CreateSandboxRequest struct {
 	// Network is the sandbox's network policy. Absent: the server's default (no network
 	// unless the operator configured another, see docs/networking.md).
 	Network *Network `json:"network,omitempty"`
+	// Snapshot creates the sandbox from a named snapshot (its id or name) instead of
+	// a template: it restores the snapshot's memory and disk, with a new id and
+	// identity, on the node that holds it. Template, resources and runtime are the
+	// snapshot's (giving others is an error); env is added to the snapshot's.
+	Snapshot string `json:"snapshot,omitempty"`
 }
 
 // CloneRequest is the body of POST /v1/sandboxes/{id}/clone.
@@ -172,7 +179,9 @@ type Operation struct {
 	Kind      string `json:"kind"`
 	SandboxID string `json:"sandbox_id,omitempty"`
 	// Template is the template a build operation builds (name:tag).
-	Template  string     `json:"template,omitempty"`
+	Template string `json:"template,omitempty"`
+	// Snapshot is the snapshot a snapshot operation takes.
+	Snapshot  string     `json:"snapshot,omitempty"`
 	State     string     `json:"state"`
 	Message   string     `json:"message,omitempty"`
 	Error     string     `json:"error,omitempty"`

@@ -64,6 +64,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.benchCmd(),
 		a.poolCmd(),
 		a.portForwardCmd(),
+		a.snapshotCmd(),
 	)
 	for _, c := range a.dataPlaneCmds() {
 		root.AddCommand(c)

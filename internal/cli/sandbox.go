@@ -14,7 +14,7 @@ import (
 func (a *app) sandboxCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes"}
 	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm(), a.cloneCmd(),
-		a.networkCmd(), a.netlogCmd())
+		a.networkCmd(), a.netlogCmd(), a.sandboxMetrics())
 	cmd.AddCommand(a.lifecycleCmds()...)
 	return cmd
 }
@@ -42,6 +42,9 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.checkOutput(); err != nil {
 				return err
+			}
+			if req.Snapshot != "" && !cmd.Flags().Changed("template") {
+				req.Template = "" // the snapshot's
 			}
 			var err error
 			if req.Env, err = parseKV("env", env); err != nil {
@@ -93,6 +96,7 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 	f.StringVar(&req.TTL, "ttl", "", "delete the sandbox after this long (e.g. 30m, 2h)")
 	f.StringVar(&req.Runtime, "runtime", "", "ask for a runtime: gvisor, qemu or firecracker")
 	f.StringVar(&req.IdleTimeout, "idle-timeout", "", "suspend the sandbox after this long without activity (default: the server's, 6h; 0 = never)")
+	f.StringVar(&req.Snapshot, "snapshot", "", "restore from a named snapshot (id or name) instead of a template: its memory, disk and resources")
 	f.BoolVarP(&wait, "wait", "w", false, "wait until the sandbox is running")
 	f.StringVar(&idem, "idempotency-key", "", "retry-safe key: a retried create with the same key returns the same sandbox")
 	nf.register(f, true)
@@ -174,6 +178,9 @@ func (a *app) sandboxGet() *cobra.Command {
 			}
 			if sb.CloneOf != "" {
 				row("clone of", sb.CloneOf)
+			}
+			if sb.Snapshot != "" {
+				row("from snapshot", sb.Snapshot)
 			}
 			row("disk (exclusive)", humanBytes(sb.DiskBytes))
 			row("created", sb.CreatedAt.Format(time.RFC3339))

@@ -289,18 +289,21 @@ func (c *Controller) expire(ctx context.Context) {
 		c.log.Warn("list expired sandboxes", "err", err)
 		return
 	}
-	suspend, _ := lifecycle.VerbOf(api.OpSuspend)
 	for _, sb := range list {
 		desired, kind, reason := api.StateDeleted, api.OpDelete, "ttl expired"
-		if sb.ExpireAction == "suspend" {
+		switch sb.ExpireAction {
+		case "suspend":
 			desired, kind, reason = api.StateSuspended, api.OpSuspend, "timeout reached (auto-pause)"
+		case "stop": // E2B's auto-pause without memory
+			desired, kind, reason = api.StateStopped, api.OpStop, "timeout reached (auto-pause, memory not kept)"
 		}
+		verb, _ := lifecycle.VerbOf(kind)
 		err := c.request(ctx, sb.ID, desired, kind, reason, func(cur *store.Sandbox) bool {
 			if desired == api.StateDeleted {
 				return cur.DesiredState != api.StateDeleted
 			}
 			// An auto-pause waits for a transition in flight to settle.
-			return cur.DesiredState != desired && lifecycle.Check(cur.Lifecycle(), suspend) == nil
+			return cur.DesiredState != desired && lifecycle.Check(cur.Lifecycle(), verb) == nil
 		})
 		if err != nil {
 			c.log.Warn("expire sandbox", "sandbox", sb.ID, "err", err)

@@ -21,6 +21,11 @@ type world struct {
 	pid  int
 	ops  []string
 	keep bool // the scenario's outcome keeps memory: the process must survive unless a loss is recorded
+	// snaps are named snapshots the scenario made or acts on (checkSnapshots).
+	snaps []string
+	// done, when set, says whether the action has ended (for actions without an
+	// operation, like deleting a snapshot).
+	done func() bool
 }
 
 // scenario is one transition: a setup that brings sandboxes to the state it starts
@@ -98,6 +103,14 @@ func scenarios() []scenario {
 			w.ops = append(w.ops, verb(t, s, w.ids[0], v))
 		}
 	}
+	withSnapshot := func(t *testing.T, s *server) *world {
+		id, _ := create(t, s, false)
+		sn, err := s.C.CreateSnapshotAndWait(ctx(t, time.Minute), id, api.CreateSnapshotRequest{})
+		if err != nil {
+			t.Fatalf("setup snapshot: %v", err)
+		}
+		return &world{ids: []string{id}, snaps: []string{sn.ID}}
+	}
 	return []scenario{
 		{name: "create", setup: func(t *testing.T, s *server) *world { return &world{} },
 			act: func(t *testing.T, s *server, w *world) {
@@ -122,6 +135,34 @@ func scenarios() []scenario {
 			}
 			w.ids = append(w.ids, clones[0].ID)
 			w.ops = append(w.ops, clones[0].Operation.ID)
+		}},
+		// Named snapshots: taken (the source is checkpointed as for a clone), used to
+		// create a sandbox, deleted.
+		{name: "snapshot", setup: running, act: func(t *testing.T, s *server, w *world) {
+			sn, err := s.C.CreateSnapshot(ctx(t, time.Minute), w.ids[0], api.CreateSnapshotRequest{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			w.snaps = append(w.snaps, sn.ID)
+			w.ops = append(w.ops, sn.Operation.ID)
+		}},
+		{name: "from-snapshot", setup: withSnapshot, act: func(t *testing.T, s *server, w *world) {
+			sb, err := s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{Snapshot: w.snaps[0]}, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			w.ids = append(w.ids, sb.ID)
+			w.ops = append(w.ops, sb.Operation.ID)
+		}},
+		{name: "snapshot-rm", setup: withSnapshot, act: func(t *testing.T, s *server, w *world) {
+			if _, err := s.C.DeleteSnapshot(ctx(t, time.Minute), w.snaps[0]); err != nil {
+				t.Fatal(err)
+			}
+			id := w.snaps[0]
+			w.done = func() bool {
+				_, err := s.C.GetSnapshot(ctx(t, 5*time.Second), id)
+				return client.IsNotFound(err)
+			}
 		}},
 		{name: "delete", setup: running, act: func(t *testing.T, s *server, w *world) {
 			op, err := s.C.DeleteSandbox(ctx(t, time.Minute), w.ids[0])
@@ -248,6 +289,9 @@ func walk(t *testing.T, action string) {
 // opsDone reports whether every operation of the world has ended (false while the
 // server does not answer).
 func opsDone(s *server, w *world) bool {
+	if w.done != nil && !w.done() {
+		return false
+	}
 	for _, op := range w.ops {
 		got, err := s.C.GetOperation(ctx(s.t, 5*time.Second), op)
 		if err != nil || !got.Done() {
@@ -260,6 +304,13 @@ func opsDone(s *server, w *world) bool {
 // waitOps waits until every operation of the world has ended.
 func waitOps(t *testing.T, s *server, w *world) {
 	t.Helper()
+	deadline := time.Now().Add(converge)
+	for w.done != nil && !w.done() {
+		if time.Now().After(deadline) {
+			t.Fatal("the action did not finish")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	for _, op := range w.ops {
 		got, err := s.C.WaitOperation(ctx(t, converge), op)
 		if err != nil || !got.Done() {
@@ -356,6 +407,9 @@ func checkWorld(t *testing.T, s *server, w *world, where string) bool {
 			}
 		}
 	}
+	if !checkSnapshots(t, s, w, where) {
+		return false
+	}
 	// Nothing leaks: instances only for sandboxes with memory, disks only for live ones.
 	live := map[string]string{}
 	list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
@@ -406,4 +460,55 @@ func isPoolMember(s *server, id string) bool {
 func resting(state string) bool {
 	return slices.Contains([]string{api.StateRunning, api.StatePaused, api.StateSuspended, api.StateStopped,
 		api.StateFailed, api.StateDeleted}, state)
+}
+
+// checkSnapshots checks the world's named snapshots after recovery: each is ready with
+// complete files, or gone (its operation failed, or it was deleted); none stays in
+// between; and no snapshot files exist without their snapshot.
+func checkSnapshots(t *testing.T, s *server, w *world, where string) bool {
+	t.Helper()
+	fail := func(format string, args ...any) bool {
+		t.Errorf(where+": "+format, args...)
+		return false
+	}
+	if w.done != nil {
+		deadline := time.Now().Add(converge)
+		for !w.done() {
+			if time.Now().After(deadline) {
+				return fail("the action did not finish after recovery")
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	for _, id := range w.snaps {
+		sn, err := s.C.GetSnapshot(ctx(t, time.Minute), id)
+		switch {
+		case client.IsNotFound(err):
+			continue
+		case err != nil:
+			return fail("snapshot %s: %v", id, err)
+		case sn.State != api.SnapshotReady:
+			return fail("snapshot %s stays %s", id, sn.State)
+		}
+		if _, err := os.Stat(filepath.Join(s.dataDir, "fakestore", "snapshots", id, "checkpoint", "complete")); err != nil {
+			return fail("snapshot %s is ready without its files: %v", id, err)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var leaks []string
+		ents, _ := os.ReadDir(filepath.Join(s.dataDir, "fakestore", "snapshots"))
+		for _, e := range ents {
+			if _, err := s.C.GetSnapshot(ctx(t, time.Minute), e.Name()); client.IsNotFound(err) {
+				leaks = append(leaks, "snapshot files "+e.Name())
+			}
+		}
+		if len(leaks) == 0 {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return fail("leaked: %s", strings.Join(leaks, ", "))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 }

@@ -14,7 +14,6 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
-	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
@@ -65,12 +64,9 @@ func (g *Gateway) routes() http.Handler {
 	h("PUT /sandboxes/{id}/network", g.updateNetwork)
 	h("GET /templates", g.templates)
 	h("GET /templates/aliases/{alias}", g.templateAlias)
+	g.snapshotRoutes(h) // snapshots.go
 	// Not implemented: 501, after the sandbox named (if any) is found like everywhere
 	// else, so that another tenant's sandbox answers 404 here too.
-	h("POST /sandboxes/{id}/fork", g.notImplemented)
-	h("POST /v2/sandboxes/{id}/fork", g.notImplemented)
-	h("POST /sandboxes/{id}/snapshots", g.notImplemented)
-	h("GET /snapshots", g.notImplemented)
 	h("GET /sandboxes/{id}/logs", g.notImplemented)
 	h("GET /v2/sandboxes/{id}/logs", g.notImplemented)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
@@ -358,7 +354,7 @@ func listed(sb *store.Sandbox) listedSandbox {
 
 func (g *Gateway) detail(r *http.Request, sb *store.Sandbox) sandboxDetail {
 	lc := lifecycleJSON{OnTimeout: "kill", AutoResume: sb.Metadata[autoResumeKey] != ""}
-	if sb.ExpireAction == "suspend" {
+	if sb.ExpireAction == "suspend" || sb.ExpireAction == "stop" {
 		lc.OnTimeout = "pause"
 	}
 	return sandboxDetail{listedSandbox: listed(sb), EnvdAccessToken: g.accessToken(sb), Domain: g.domain(r),
@@ -409,6 +405,11 @@ func (g *Gateway) create(v2 bool) apiHandler {
 		if autoResume && !body.AutoPause {
 			return fault.New(fault.Invalid, "autoResume can only be enabled together with autoPause")
 		}
+		// autoPauseMemory false: pause keeps the disk only (a space stop).
+		keepMemory := body.AutoPauseMemory == nil || *body.AutoPauseMemory
+		if autoResume && !keepMemory {
+			return fault.New(fault.Invalid, "autoResume cannot be enabled when autoPauseMemory is false: a sandbox paused without its memory is resumed explicitly (connect)")
+		}
 		for k := range body.Metadata {
 			if strings.HasPrefix(k, metadataPrefix) {
 				return fault.New(fault.Invalid, "metadata keys starting with %q are reserved", metadataPrefix)
@@ -436,10 +437,20 @@ func (g *Gateway) create(v2 bool) apiHandler {
 		action := "delete"
 		if body.AutoPause {
 			action = "suspend"
+			if !keepMemory {
+				action = "stop"
+			}
 		}
 		ctx := r.Context()
+		// A snapshot's id is a template id on E2B (snapshots.go).
+		var snapshot string
+		if sn, err := g.snapshotFor(ctx, p, tmpl); err != nil {
+			return err
+		} else if sn != nil {
+			tmpl, snapshot = "", sn.ID
+		}
 		created, err := g.api.Create(ctx, p, api.CreateSandboxRequest{
-			Template: tmpl, Env: body.EnvVars, Metadata: md,
+			Template: tmpl, Snapshot: snapshot, Env: body.EnvVars, Metadata: md,
 			// The expiry is set again once the sandbox runs; meanwhile the TTL leaves
 			// time to start and still covers a client that gives up waiting.
 			TTL:         (time.Duration(timeout)*time.Second + createAllowance).String(),
@@ -575,9 +586,20 @@ func (g *Gateway) extend(ctx context.Context, p *service.Principal, sb *store.Sa
 	return g.api.SetExpiry(ctx, p, sb.ID, &exp, "")
 }
 
-// pause handles POST /sandboxes/{id}/pause: a space suspend, waited for. A paused
-// sandbox does not expire.
+// pause handles POST /sandboxes/{id}/pause: a space suspend, waited for; with
+// {"memory": false} (the SDK's keepMemory: false) a space stop: the disk is kept, the
+// memory dropped, and a resume boots. A paused sandbox does not expire.
 func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
+	var body struct {
+		Memory *bool `json:"memory"`
+	}
+	if err := decodeBody(r, &body); err != nil {
+		return err
+	}
+	verb := api.OpSuspend
+	if body.Memory != nil && !*body.Memory {
+		verb = api.OpStop
+	}
 	ctx := r.Context()
 	sb, err := g.live(ctx, p, r.PathValue("id"))
 	if err != nil {
@@ -591,7 +613,7 @@ func (g *Gateway) pause(w http.ResponseWriter, r *http.Request, p *service.Princ
 	}
 	// An explicit pause replaces the sandbox's envd access token (connect returns the
 	// new one).
-	op, err := g.api.RequestVerb(ctx, p, sb.ID, api.OpSuspend, "paused through the E2B API")
+	op, err := g.api.RequestVerb(ctx, p, sb.ID, verb, "paused through the E2B API")
 	if err != nil {
 		return err
 	}
@@ -744,103 +766,6 @@ func (g *Gateway) resume(w http.ResponseWriter, r *http.Request, p *service.Prin
 		return err
 	}
 	writeJSON(w, http.StatusCreated, g.sandboxJSON(r, sb))
-	return nil
-}
-
-// sandboxMetric is E2B's SandboxMetric.
-type sandboxMetric struct {
-	Timestamp     time.Time `json:"timestamp"`
-	TimestampUnix int64     `json:"timestampUnix"`
-	CPUCount      int       `json:"cpuCount"`
-	CPUUsedPct    float64   `json:"cpuUsedPct"`
-	MemUsed       int64     `json:"memUsed"`
-	MemTotal      int64     `json:"memTotal"`
-	MemCache      int64     `json:"memCache"`
-	DiskUsed      int64     `json:"diskUsed"`
-	DiskTotal     int64     `json:"diskTotal"`
-}
-
-// sample asks a running sandbox's agent for its current metrics (envd's /metrics).
-func (g *Gateway) sample(ctx context.Context, p *service.Principal, sb *store.Sandbox) (*sandboxMetric, error) {
-	var m struct {
-		TS         int64   `json:"ts"`
-		CPUCount   int     `json:"cpu_count"`
-		CPUUsedPct float64 `json:"cpu_used_pct"`
-		MemTotal   int64   `json:"mem_total"`
-		MemUsed    int64   `json:"mem_used"`
-		MemCache   int64   `json:"mem_cache"`
-		DiskUsed   int64   `json:"disk_used"`
-		DiskTotal  int64   `json:"disk_total"`
-	}
-	t, err := g.api.Running(ctx, p, sb.ID, true)
-	if err != nil {
-		return nil, err
-	}
-	if err := g.api.Agent(t).GetJSON(ctx, envdpb.Prefix+"/metrics", &m, agentclient.MaxSmallReply); err != nil {
-		return nil, err
-	}
-	ts := time.Unix(m.TS, 0).UTC()
-	return &sandboxMetric{Timestamp: ts, TimestampUnix: m.TS, CPUCount: m.CPUCount, CPUUsedPct: m.CPUUsedPct,
-		MemUsed: m.MemUsed, MemTotal: m.MemTotal, MemCache: m.MemCache, DiskUsed: m.DiskUsed, DiskTotal: m.DiskTotal}, nil
-}
-
-// metrics handles GET /sandboxes/{id}/metrics: space keeps no metrics history, so the
-// answer is one sample taken now (none for a paused sandbox or outside start..end).
-func (g *Gateway) metrics(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
-	sb, err := g.live(r.Context(), p, r.PathValue("id"))
-	if err != nil {
-		return err
-	}
-	out := []sandboxMetric{}
-	now := time.Now().Unix()
-	q := r.URL.Query()
-	inRange := true
-	for name, check := range map[string]func(int64) bool{
-		"start": func(v int64) bool { return v <= now },
-		"end":   func(v int64) bool { return v >= now },
-	} {
-		if s := q.Get(name); s != "" {
-			v, err := strconv.ParseInt(s, 10, 64)
-			if err != nil {
-				return fault.New(fault.Invalid, "%s must be unix seconds", name)
-			}
-			inRange = inRange && check(v)
-		}
-	}
-	if inRange && !paused(sb) && sb.State == api.StateRunning {
-		m, err := g.sample(r.Context(), p, sb)
-		if err != nil {
-			g.log.Debug("sample sandbox metrics", "sandbox", sb.ID, "err", err)
-		} else {
-			out = append(out, *m)
-		}
-	}
-	writeJSON(w, http.StatusOK, out)
-	return nil
-}
-
-// manyMetrics handles GET /sandboxes/metrics?sandbox_ids=a,b.
-func (g *Gateway) manyMetrics(w http.ResponseWriter, r *http.Request, p *service.Principal) error {
-	out := map[string]sandboxMetric{}
-	for _, id := range strings.Split(r.URL.Query().Get("sandbox_ids"), ",") {
-		if id = strings.TrimSpace(id); id == "" {
-			continue
-		}
-		sb, err := g.live(r.Context(), p, id)
-		if fault.Is(err, fault.NotFound) {
-			continue
-		}
-		if err != nil {
-			return err
-		}
-		if paused(sb) || sb.State != api.StateRunning {
-			continue
-		}
-		if m, err := g.sample(r.Context(), p, sb); err == nil {
-			out[id] = *m
-		}
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"sandboxes": out})
 	return nil
 }
 

@@ -6,7 +6,8 @@
 // (internal/guest/agent). The wire details it must match are in
 // ../shared/research/e2b-protocol.md; the user-facing guide is docs/e2b.md.
 //
-// Mapping: an E2B pause is a space suspend, resume/connect is a wake; E2B's timeout
+// Mapping: an E2B pause is a space suspend (a stop without its memory), resume/connect
+// is a wake, fork is a clone, an E2B snapshot is a named snapshot; E2B's timeout
 // is the sandbox's expiry (deleted at endAt, or suspended when created with
 // autoPause). The envd access token of a sandbox is an HMAC of its tenant, id and
 // access epoch, so every replica computes the same one; revoke-tokens and explicit
@@ -54,6 +55,13 @@ type Platform interface {
 	Agent(t *service.Target) *agentclient.Client
 	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error
 	UpdateNetwork(ctx context.Context, p *service.Principal, id string, body []byte, merge bool) (api.NetworkState, error)
+	// Fork, snapshots and metrics (snapshots.go, metrics.go).
+	Clone(ctx context.Context, p *service.Principal, id string, req api.CloneRequest) (api.CloneResponse, error)
+	CreateSnapshot(ctx context.Context, p *service.Principal, sandboxID string, req api.CreateSnapshotRequest) (*store.Snapshot, *store.Operation, error)
+	Snapshot(ctx context.Context, p *service.Principal, ref string) (*store.Snapshot, error)
+	Snapshots(ctx context.Context, p *service.Principal, f service.SnapshotFilter) ([]*store.Snapshot, error)
+	DeleteSnapshot(ctx context.Context, p *service.Principal, ref string) (*store.Snapshot, error)
+	Metrics(ctx context.Context, p *service.Principal, id string, start, end time.Time) (*store.Sandbox, []api.MetricSample, error)
 }
 
 var (

@@ -329,8 +329,8 @@ func TestAuthAndBadRequests(t *testing.T) {
 	// Unauthenticated and unknown routes.
 	want(t, "health", g.do("GET", "/health", nil, "X-API-KEY", ""), http.StatusOK, "OK")
 	want(t, "no route", g.do("GET", "/nowhere", nil), http.StatusNotFound, "no route")
+	want(t, "logs of an unknown sandbox", g.do("GET", "/sandboxes/abc/logs", nil), http.StatusNotFound, "not found")
 	want(t, "fork of an unknown sandbox", g.do("POST", "/sandboxes/abc/fork", nil), http.StatusNotFound, "not found")
-	want(t, "snapshots", g.do("GET", "/snapshots", nil), http.StatusNotImplemented, "not supported")
 	want(t, "fork needs a key too", g.do("POST", "/sandboxes/abc/fork", nil, "X-API-KEY", ""), http.StatusUnauthorized)
 	want(t, "sandbox id without port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc"), http.StatusBadRequest, "E2b-Sandbox-Port")
 	want(t, "bad port", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "abc", "E2b-Sandbox-Port", "70000"), http.StatusBadRequest, "70000")
@@ -608,7 +608,7 @@ func TestSandboxLifecycle(t *testing.T) {
 	want(t, "unknown sandbox", g.envd("GET", unknown, "/health", nil, "X-Access-Token", a.EnvdAccessToken), http.StatusUnauthorized)
 	want(t, "malformed sandbox id", g.do("GET", "/health", nil, "E2b-Sandbox-Id", "../x", "E2b-Sandbox-Port", "49983"), http.StatusUnauthorized)
 
-	want(t, "fork", g.do("POST", "/sandboxes/"+a.SandboxID+"/fork", nil), http.StatusNotImplemented, "not supported")
+	want(t, "logs", g.do("GET", "/sandboxes/"+a.SandboxID+"/logs", nil), http.StatusNotImplemented, "not supported")
 
 	// Metrics: one sample of a running sandbox, none outside the range asked for.
 	r = g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics", nil)
@@ -660,7 +660,8 @@ func TestSandboxLifecycle(t *testing.T) {
 		"not found")
 	want(t, "other port of a paused sandbox (no autoResume: not woken)", g.do("GET", "/", nil, "E2b-Sandbox-Id", a.SandboxID, "E2b-Sandbox-Port", "8080"), http.StatusBadGateway,
 		"was not found")
-	want(t, "metrics of a paused sandbox", g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics", nil), http.StatusOK, "[]")
+	// The history stays (no new sample while paused).
+	want(t, "metrics of a paused sandbox", g.do("GET", "/sandboxes/"+a.SandboxID+"/metrics?start="+future, nil), http.StatusOK, "[]")
 	if got, _ := g.list("/v2/sandboxes?state=paused"); !slices.Equal(got, []string{a.SandboxID}) {
 		t.Fatalf("paused list %v", got)
 	}

@@ -318,7 +318,8 @@ func (g *Gateway) runningSandbox(ctx context.Context, p *service.Principal, id s
 	}
 	if paused(sb) {
 		secs, err := strconv.Atoi(sb.Metadata[autoResumeKey])
-		if err != nil || secs <= 0 {
+		// A sandbox paused without its memory is resumed explicitly only (E2B's rule).
+		if err != nil || secs <= 0 || sb.DesiredState == api.StateStopped {
 			return nil, fault.New(fault.Conflict, "sandbox %s is paused", id)
 		}
 		g.log.Info("auto-resuming sandbox for an envd request", "sandbox", id)

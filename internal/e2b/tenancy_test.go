@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"regexp"
 	"slices"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -29,34 +30,44 @@ import (
 	"github.com/spacedev/space/internal/store"
 )
 
-// gatewayRoutes are the control-plane routes control.go registers with h(…), read from
-// the source so that a new route cannot escape the matrix.
+// gatewayRoutes are the control-plane routes the package registers with h(…) (in
+// control.go and the files it delegates to), read from the source so that a new route
+// cannot escape the matrix.
 func gatewayRoutes(t *testing.T) []string {
 	t.Helper()
-	f, err := parser.ParseFile(token.NewFileSet(), "control.go", nil, parser.SkipObjectResolution)
+	files, err := filepath.Glob("*.go")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out []string
-	ast.Inspect(f, func(n ast.Node) bool {
-		call, ok := n.(*ast.CallExpr)
-		if !ok || len(call.Args) != 2 {
-			return true
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
 		}
-		if id, ok := call.Fun.(*ast.Ident); !ok || id.Name != "h" {
-			return true
+		f, err := parser.ParseFile(token.NewFileSet(), name, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatal(err)
 		}
-		lit, ok := call.Args[0].(*ast.BasicLit)
-		if !ok || lit.Kind != token.STRING {
-			t.Errorf("control.go: a route pattern that is not a string literal: this test cannot check it")
+		ast.Inspect(f, func(n ast.Node) bool {
+			call, ok := n.(*ast.CallExpr)
+			if !ok || len(call.Args) != 2 {
+				return true
+			}
+			if id, ok := call.Fun.(*ast.Ident); !ok || id.Name != "h" {
+				return true
+			}
+			lit, ok := call.Args[0].(*ast.BasicLit)
+			if !ok || lit.Kind != token.STRING {
+				t.Errorf("%s: a route pattern that is not a string literal: this test cannot check it", name)
+				return true
+			}
+			p, _ := strconv.Unquote(lit.Value)
+			out = append(out, p)
 			return true
-		}
-		p, _ := strconv.Unquote(lit.Value)
-		out = append(out, p)
-		return true
-	})
+		})
+	}
 	if len(out) < 20 {
-		t.Fatalf("found %d routes in control.go: is the scan broken?", len(out))
+		t.Fatalf("found %d routes: is the scan broken?", len(out))
 	}
 	return out
 }
@@ -186,6 +197,12 @@ func TestTenancyMatrix(t *testing.T) {
 		before[id], _ = s.Store.GetSandbox(s.Context(), id)
 	}
 
+	// A snapshot of a's.
+	snap := g.do("POST", "/sandboxes/"+running+"/snapshots", `{"name":"asnap"}`, "X-API-KEY", g.aKey)
+	if snap.code != http.StatusCreated && snap.code != http.StatusOK || !strings.Contains(snap.body, `"asnap"`) {
+		t.Fatalf("a's snapshot: %v", snap)
+	}
+
 	// The control plane, by b's E2B key.
 	for _, route := range gatewayRoutes(t) {
 		method, path, _ := strings.Cut(route, " ")
@@ -202,6 +219,8 @@ func TestTenancyMatrix(t *testing.T) {
 			targets = [][2]string{{running, ids.Sandbox()}, {pausedID, ids.Sandbox()}}
 		case strings.Contains(path, "{alias}"):
 			targets = [][2]string{{"atpl", "nosuchtpl"}}
+		case strings.Contains(path, "{templateID}"):
+			targets = [][2]string{{"asnap", "nosuchsnap"}, {"atpl", "nosuchtpl"}}
 		default:
 			t.Errorf("%s: no tenancy case for its path parameter", route)
 			continue
@@ -236,8 +255,11 @@ func TestTenancyMatrix(t *testing.T) {
 	if r := g.do("GET", "/templates", "", "X-API-KEY", g.bKey); r.code != 200 || strings.Contains(r.body, "atpl") {
 		t.Errorf("b's templates: %v", r)
 	}
-	if a, b := g.do("GET", "/snapshots", "", "X-API-KEY", g.aKey), g.do("GET", "/snapshots", "", "X-API-KEY", g.bKey); a != b {
-		t.Errorf("snapshots differ by tenant: %v %v", a, b)
+	if r := g.do("GET", "/snapshots", "", "X-API-KEY", g.bKey); r.code != 200 || strings.Contains(r.body, "asnap") || strings.Contains(r.body, running) {
+		t.Errorf("b's snapshots: %v", r)
+	}
+	if r := g.do("GET", "/snapshots", "", "X-API-KEY", g.aKey); r.code != 200 || !strings.Contains(r.body, "asnap") {
+		t.Errorf("a's snapshots: %v", r)
 	}
 
 	// envd, by b's sandbox's access token, by a's token on the wrong sandbox, and

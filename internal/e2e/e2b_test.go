@@ -63,6 +63,11 @@ func TestE2BSDK(t *testing.T) {
 			start := time.Now()
 			err := cmd.Run()
 			t.Logf("%s suite took %s", sdk, time.Since(start).Round(time.Millisecond))
+			for _, line := range strings.Split(out.String(), "\n") {
+				if i := strings.Index(line, "TIMING "); i >= 0 {
+					t.Logf("%s: %s", sdk, line[i+len("TIMING "):])
+				}
+			}
 			if err != nil {
 				t.Fatalf("E2B SDK suite (%s) failed: %v\n%s", sdk, err, out.String())
 			}
@@ -79,6 +84,12 @@ func TestE2BSDK(t *testing.T) {
 	waitFor(t, time.Minute, "the suites' sandboxes to be deleted", func() bool {
 		list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
 		return err == nil && len(list) == 0
+	})
+	// And the snapshots it took, with their files.
+	waitFor(t, time.Minute, "the suites' snapshots to be deleted", func() bool {
+		list, err := s.C.ListSnapshots(ctx(t, time.Minute), client.SnapshotListOptions{})
+		ents, _ := os.ReadDir(filepath.Join(s.DataDir, "store", "snapshots"))
+		return err == nil && len(list) == 0 && len(ents) == 0
 	})
 }
 

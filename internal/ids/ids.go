@@ -47,3 +47,7 @@ func Secret(n int) string { return random(n) }
 func ValidOperation(s string) bool {
 	return strings.HasPrefix(s, "op_") && sandboxRe.MatchString(s[3:])
 }
+
+// Snapshot returns a new named snapshot id: "snap" and 16 base32 characters, valid
+// where a sandbox id is (it names a directory of the node's store).
+func Snapshot() string { return "snap" + random(16) }

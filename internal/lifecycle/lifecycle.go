@@ -62,6 +62,14 @@ var verbs = map[string]Verb{
 	api.OpClone: {api.OpClone, "", []string{api.StateRunning, api.StatePaused, api.StateSuspended}},
 }
 
+// snapshotVerb is the taking of a named snapshot: like a clone, it keeps the source's
+// desired state and needs its memory. It is not a VerbOf: it records no intent on
+// the sandbox (the snapshot row is the request, see Facts.PendingSnapshots).
+var snapshotVerb = Verb{api.OpSnapshot, "", []string{api.StateRunning, api.StatePaused, api.StateSuspended}}
+
+// SnapshotVerb returns the verb a named snapshot asks of its source (for Check).
+func SnapshotVerb() Verb { return snapshotVerb }
+
 // VerbOf returns the verb of an operation kind that changes a sandbox's state
 // (pause, resume, suspend, restore, stop, start, wake, clone).
 func VerbOf(kind string) (Verb, bool) {
@@ -110,6 +118,9 @@ func Check(sb Sandbox, v Verb) error {
 	if !slices.Contains(v.From, sb.State) {
 		if v.Kind == api.OpClone && sb.State == api.StateStopped {
 			return fault.New(fault.Conflict, "cannot clone sandbox %s: it is stopped, so it has no memory to clone; start it first", sb.ID)
+		}
+		if v.Kind == api.OpSnapshot && sb.State == api.StateStopped {
+			return fault.New(fault.Conflict, "cannot snapshot sandbox %s: it is stopped, so it has no memory to capture; start it first", sb.ID)
 		}
 		return fault.New(fault.Conflict, "cannot %s a sandbox that is %s", v.Kind, sb.State)
 	}

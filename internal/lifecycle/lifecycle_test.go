@@ -221,6 +221,13 @@ func TestPlanTable(t *testing.T) {
 		{"suspended lost its snapshot", Facts{State: S, Desired: S, Generation: 1, ObservedGeneration: 1, Disk: true}, Action{Step: Resolve, State: St, Note: LostSnapshot}},
 		{"wake of suspended without snapshot boots", Facts{State: S, Desired: R, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Reboot, Note: LostSnapshot}},
 		{"pending clones first", Facts{State: R, Desired: S, Generation: 2, ObservedGeneration: 1, PendingClones: true, Instance: InstanceRunning, Disk: true}, Action{Step: PrepareClones}},
+		{"clones before snapshots", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1, PendingClones: true, PendingSnapshots: true, Instance: InstanceRunning, Disk: true}, Action{Step: PrepareClones}},
+		{"pending snapshots of running", Facts{State: R, Desired: S, Generation: 2, ObservedGeneration: 1, PendingSnapshots: true, Instance: InstanceRunning, Disk: true}, Action{Step: TakeSnapshots}},
+		{"pending snapshots of paused", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, PendingSnapshots: true, Instance: InstancePaused, Disk: true}, Action{Step: TakeSnapshots}},
+		{"pending snapshots of suspended", Facts{State: S, Desired: S, Generation: 1, ObservedGeneration: 1, PendingSnapshots: true, Checkpoint: true, Disk: true}, Action{Step: TakeSnapshots}},
+		{"pending snapshots of stopped wait for the node to fail them", Facts{State: St, Desired: St, Generation: 1, ObservedGeneration: 1, PendingSnapshots: true, Disk: true}, Action{Step: Nothing}},
+		{"pending snapshots: recovery first", Facts{State: R, Desired: R, Transition: TCloneSource, Generation: 1, ObservedGeneration: 1, PendingSnapshots: true, CloneCheckpoint: true, Disk: true}, Action{Step: RestoreLeft}},
+		{"pending snapshots: delete wins", Facts{State: R, Desired: D, Generation: 2, ObservedGeneration: 1, PendingSnapshots: true, Instance: InstanceRunning, Disk: true}, Action{Step: Delete}},
 		{"pause", Facts{State: R, Desired: P, Generation: 2, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true}, Action{Step: Pause}},
 		{"resume", Facts{State: P, Desired: R, Generation: 2, ObservedGeneration: 1, Instance: InstancePaused, Disk: true}, Action{Step: Resume}},
 		{"suspend", Facts{State: P, Desired: S, Generation: 2, ObservedGeneration: 1, Instance: InstancePaused, Disk: true}, Action{Step: Suspend}},
@@ -256,7 +263,7 @@ func TestPlanNeverTouchesUserData(t *testing.T) {
 						f := Facts{State: state, Desired: desired, Transition: tr, Instance: inst,
 							Generation: 5, ObservedGeneration: int64(4 + bits&1),
 							Checkpoint: bits&2 != 0, CloneCheckpoint: bits&4 != 0, Disk: bits&8 != 0,
-							PendingClones: bits&16 != 0, NeedsIdentity: bits&32 != 0}
+							PendingClones: bits&16 != 0, NeedsIdentity: bits&32 != 0, PendingSnapshots: bits&16 != 0 && bits&1 != 0}
 						if state == api.StateDeleted {
 							continue
 						}
@@ -321,7 +328,7 @@ func TestPlanConverges(t *testing.T) {
 				for _, cp := range []bool{false, true} {
 					for failAt := -1; failAt < 4; failAt++ {
 						f := Facts{State: state, Desired: desired, Instance: inst, Checkpoint: cp, Disk: true,
-							Generation: 2, ObservedGeneration: 1}
+							Generation: 2, ObservedGeneration: 1, PendingSnapshots: failAt%2 == 0}
 						steps := 0
 						for ; steps < 8; steps++ {
 							a := Plan(f)
@@ -385,6 +392,9 @@ func model(f Facts, a Action, fail bool) Facts {
 		return f
 	case PrepareClones:
 		f.PendingClones = false
+		return f
+	case TakeSnapshots:
+		f.PendingSnapshots = false
 		return f
 	case Pause:
 		f.Instance = InstancePaused

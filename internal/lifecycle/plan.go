@@ -30,6 +30,8 @@ type Facts struct {
 	CloneReady bool
 	// PendingClones: clones of this sandbox wait for it to prepare their snapshot.
 	PendingClones bool
+	// PendingSnapshots: named snapshots of this sandbox wait to be taken.
+	PendingSnapshots bool
 	// NeedsIdentity: a claimed warm-pool member that has not received its owner's
 	// identity yet.
 	NeedsIdentity bool
@@ -64,6 +66,9 @@ const (
 	StartClone Step = "start-clone"
 	// PrepareClones checkpoints the sandbox once for its pending clones and restores it.
 	PrepareClones Step = "prepare-clones"
+	// TakeSnapshots checkpoints the sandbox once for its pending named snapshots (as
+	// PrepareClones does) and keeps its memory and disk as each snapshot's files.
+	TakeSnapshots Step = "take-snapshots"
 	Pause         Step = "pause"
 	Resume        Step = "resume"
 	Suspend       Step = "suspend"
@@ -139,6 +144,11 @@ func Plan(f Facts) Action {
 	// A source prepares its pending clones first, whatever its desired state.
 	if f.PendingClones && (f.State == api.StateRunning || f.State == api.StatePaused || f.State == api.StateSuspended) {
 		return Action{Step: PrepareClones}
+	}
+	// Then its pending named snapshots (a stopped source has no memory: its node
+	// fails them).
+	if f.PendingSnapshots && (f.State == api.StateRunning || f.State == api.StatePaused || f.State == api.StateSuspended) {
+		return Action{Step: TakeSnapshots}
 	}
 	if f.State == f.Desired {
 		if !settled {

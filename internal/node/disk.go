@@ -35,6 +35,9 @@ type Disk interface {
 	CloneBatchDir(id, batch string) (string, error)
 	BaseSnapshotDir(digest, key string) (string, error)
 	TempDir(prefix string) (string, error)
+	// SnapshotDir and ListSnapshotDirs locate named snapshots (snapshots/<id>).
+	SnapshotDir(id string) (string, error)
+	ListSnapshotDirs() ([]string, error)
 	MarkComplete(dir string) error
 	Unmark(dir string) error
 	IsComplete(dir string) bool

@@ -125,6 +125,9 @@ type Node struct {
 	seenOutput map[string]time.Time
 
 	netLocks  netLocks
+	// snapKick wakes the named snapshot loop (named.go).
+	snapKick chan struct{}
+
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
@@ -159,6 +162,7 @@ func New(cfg Config) (*Node, error) {
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
+		snapKick: make(chan struct{}, 1),
 	}, nil
 }
 
@@ -234,6 +238,10 @@ func (n *Node) Run(ctx context.Context) error {
 				n.resync(gctx)
 				return
 			}
+			if strings.HasPrefix(id, store.SnapshotPayload) {
+				n.kickSnapshots()
+				return
+			}
 			n.kick(id)
 		}, store.NodeChannel(n.cfg.ID))
 	})
@@ -245,6 +253,8 @@ func (n *Node) Run(ctx context.Context) error {
 		})
 	})
 	g.Go(func() error { return n.heartbeat(gctx) })
+	g.Go(func() error { return n.runSnapshots(gctx) })
+	g.Go(func() error { return n.runSamples(gctx) })
 	runErr := g.Wait()
 	if ctx.Err() != nil && errors.Is(runErr, context.Canceled) {
 		runErr = nil

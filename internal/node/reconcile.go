@@ -108,6 +108,9 @@ func (n *Node) observe(ctx context.Context, sb *store.Sandbox) (lifecycle.Facts,
 			return f, err
 		}
 		f.PendingClones = len(pending) > 0
+		if f.PendingSnapshots, err = n.st.HasPendingSnapshots(ctx, sb.ID); err != nil {
+			return f, err
+		}
 	}
 	return f, nil
 }
@@ -142,6 +145,8 @@ func (n *Node) execute(ctx context.Context, sb *store.Sandbox, a lifecycle.Actio
 		err = n.startClone(ctx, sb)
 	case lifecycle.PrepareClones:
 		n.prepareClones(ctx, sb)
+	case lifecycle.TakeSnapshots:
+		n.takeSnapshots(ctx, sb)
 	case lifecycle.Pause:
 		err = n.pause(ctx, sb)
 	case lifecycle.Resume:

@@ -78,11 +78,15 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	path := "boot"
 	err := n.disk.CheckSpace(0)
 	var digest string
-	if err == nil {
-		digest, err = n.resolveTemplate(ctx, sb)
-	}
-	if err == nil {
-		path, err = n.startNew(ctx, sb, digest)
+	switch {
+	case err != nil:
+	case sb.Spec.Snapshot != "":
+		digest = sb.TemplateDigest
+		path, err = n.startFromSnapshot(ctx, sb)
+	default:
+		if digest, err = n.resolveTemplate(ctx, sb); err == nil {
+			path, err = n.startNew(ctx, sb, digest)
+		}
 	}
 	if err == nil && sb.DesiredState == api.StatePaused {
 		err = n.pauseInstance(ctx, sb.ID)

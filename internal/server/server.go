@@ -97,6 +97,7 @@ func (a *API) Handler() http.Handler {
 	a.registerTemplates(authed)
 	a.registerNetwork(authed)
 	a.registerPorts(authed)
+	a.registerSnapshots(authed)
 	a.registerConsole(mux, authed)
 	mux.Handle("/v1/", a.withKey(func(w http.ResponseWriter, r *http.Request) error {
 		return notFoundRoute(r)

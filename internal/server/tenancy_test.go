@@ -37,6 +37,7 @@ type tenancy struct {
 	aMemberID                        string
 	// a's resources.
 	sandbox, op, build, template, digest string
+	snapshot                             string // a's named snapshot's id
 	pid                                  int
 	aToken                               string
 	// b's attachment token (for b's own sandbox).
@@ -74,6 +75,12 @@ func startTenancy(t *testing.T) *tenancy {
 		t.Fatalf("a's sandbox of a's template: %+v", sb)
 	}
 	e.sandbox, e.op = sb.ID, sb.Operation.ID
+	// (Taken before the session: on the fake runtime a checkpoint restarts the agent.)
+	sn, err := ca.CreateSnapshotAndWait(c, sb.ID, api.CreateSnapshotRequest{Name: "asnap"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.snapshot = sn.ID
 	sess, err := ca.CreateSession(c, sb.ID, api.CreateSessionRequest{Command: "sleep 600", Stdin: true})
 	if err != nil {
 		t.Fatal(err)
@@ -198,6 +205,7 @@ func TestTenancyMatrix(t *testing.T) {
 	sort.Strings(routes)
 	missing := map[string]string{
 		e.sandbox: ids.Sandbox(), e.op: ids.Operation(), e.aMemberID: ids.APIKey(), e.template: "nosuchtpl", tenantA: tenantMissing,
+		e.snapshot: ids.Snapshot(),
 	}
 	n := 0
 	for _, route := range routes {
@@ -262,6 +270,8 @@ func (e *tenancy) resolve(method, path string, missing map[string]string) (targe
 			ref += ":latest"
 		}
 		params = map[string]string{"{ref}": ref}
+	case strings.HasPrefix(path, "/v1/snapshots/{ref}"):
+		params = map[string]string{"{ref}": e.snapshot}
 	case strings.HasPrefix(path, "/v1/tenants/{name}"):
 		params = map[string]string{"{name}": tenantA}
 	case strings.HasPrefix(path, "/v1/dp/sandboxes/{id}"):
@@ -308,7 +318,7 @@ var listingRoutes = []string{
 	"POST /v1/apikeys", "GET /v1/apikeys",
 	"GET /v1/nodes", "GET /v1/tenants", "POST /v1/tenants",
 	"GET /v1/whoami", "GET /v1/events", "GET /v1/operations", "GET /v1/bench",
-	"GET /v1/templates", "POST /v1/templates",
+	"GET /v1/templates", "POST /v1/templates", "GET /v1/snapshots",
 }
 
 // TestTenancyListings covers the routes without a path parameter: what they list or
@@ -376,6 +386,7 @@ func TestTenancyListings(t *testing.T) {
 		hidden("GET /v1/operations", cred, "/v1/operations?kind=template_build", e.build, "atpl")
 		same("GET /v1/operations", cred, "GET", "/v1/operations?kind=template_build&tenant="+tenantA, "/v1/operations?kind=template_build&tenant="+tenantMissing,
 			"", "", tenantA, tenantMissing)
+		hidden("GET /v1/snapshots", cred, "/v1/snapshots", e.snapshot, "asnap", e.sandbox)
 		hidden("GET /v1/templates", cred, "/v1/templates", "atpl", e.digest)
 		same("GET /v1/templates", cred, "GET", "/v1/templates?tenant="+tenantA, "/v1/templates?tenant="+tenantMissing, "", "", tenantA, tenantMissing)
 		same("POST /v1/templates", cred, "POST", "/v1/templates", "/v1/templates", `{"name":"x","from":{"template":"atpl"}}`,

@@ -330,6 +330,9 @@ func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (
 }
 
 func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
+	if req.Snapshot != "" {
+		return s.createFromSnapshot(ctx, p, req, idem) // snapshots.go
+	}
 	sb, err := s.newSandbox(ctx, p, req)
 	if err != nil {
 		return nil, err
@@ -569,10 +572,12 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 		if meta == nil {
 			meta = src.Metadata
 		}
+		spec := src.Spec
+		spec.Snapshot = "" // a clone restores from its source, not from the source's snapshot
 		for range req.Count {
 			sb := &store.Sandbox{
 				ID: ids.Sandbox(), Tenant: src.Tenant, TemplateRef: src.TemplateRef, TemplateDigest: src.TemplateDigest,
-				Spec: src.Spec, Metadata: meta, DesiredState: api.StateRunning, State: api.StatePending,
+				Spec: spec, Metadata: meta, DesiredState: api.StateRunning, State: api.StatePending,
 				ExpiresAt: expires, IdleTimeout: src.IdleTimeout, CloneOf: src.ID, CloneBatch: batch,
 				NodeID: src.NodeID, Runtime: src.Runtime,
 			}

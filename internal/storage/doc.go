@@ -27,6 +27,8 @@
 //	sandboxes/<id>/...           free for other per-sandbox files (runtime state, suspend
 //	                             snapshots, disk images); DeleteSandbox removes it all
 //	sandboxes/<id>/.trash/       what is being removed from inside the volume
+//	snapshots/<id>/              a named snapshot (checkpoint/, disk, snapshot.json), outside
+//	                             every sandbox volume (named.go)
 //	tmp/                         in-progress builds, imports and deletions
 //	.qgroups/<V>                 marks quota group 1/V as one of this store's
 //

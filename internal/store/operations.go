@@ -36,6 +36,10 @@ func (o *Operation) API() *api.Operation {
 	if o.Kind == api.OpTemplateBuild {
 		out.Template, _ = o.Params["template"].(string)
 	}
+	if o.Kind == api.OpSnapshot {
+		out.SandboxID, _ = o.Params["source"].(string)
+		out.Snapshot, _ = o.Params["snapshot"].(string)
+	}
 	return out
 }
 

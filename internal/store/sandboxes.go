@@ -27,6 +27,9 @@ type SandboxSpec struct {
 	Network *api.Network `json:"network_policy,omitempty"`
 	// FreshBoot skips warm pools and base snapshots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
+	// Snapshot is the named snapshot the sandbox is created from (restored instead of
+	// made from its template).
+	Snapshot string `json:"snapshot,omitempty"`
 }
 
 // Sandbox is a row of the sandboxes table.
@@ -61,7 +64,7 @@ type Sandbox struct {
 	ClaimedAt          *time.Time
 	DiskExclusiveBytes int64
 	IdentityGeneration int64
-	// ExpireAction is what happens at ExpiresAt: "delete" or "suspend".
+	// ExpireAction is what happens at ExpiresAt: "delete", "suspend" or "stop".
 	ExpireAction string
 	// Transition is what the node is in the middle of ("" when resting).
 	Transition lifecycle.Transition
@@ -101,6 +104,7 @@ func (s *Sandbox) API() api.Sandbox {
 		StatusReason:   s.StatusReason,
 		StatusAt:       s.StatusChangedAt,
 		CloneOf:        s.CloneOf,
+		Snapshot:       s.Spec.Snapshot,
 		DiskBytes:      s.DiskExclusiveBytes,
 		Network:        s.Spec.Network.Redacted(),
 	}
@@ -430,7 +434,7 @@ func (s *Store) PendingSandboxes(ctx context.Context, limit int) ([]*Sandbox, er
 func (s *Store) ExpiredSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
 		WHERE expires_at <= $1 AND deleted_at IS NULL AND desired_state <> 'deleted'
-		AND NOT (expire_action = 'suspend' AND desired_state IN ('suspended','stopped'))
+		AND NOT (expire_action IN ('suspend','stop') AND desired_state IN ('suspended','stopped'))
 		ORDER BY expires_at LIMIT $2`, now, limit)
 	if err != nil {
 		return nil, err

@@ -402,11 +402,86 @@ test('setTimeout moves endAt; metrics', async () => {
   await sbx.setTimeout(600_000)
   info = await sbx.getInfo()
   assert.ok(info.endAt.getTime() - Date.now() > 500_000)
-  const metrics = await sbx.getMetrics()
-  assert.ok(Array.isArray(metrics))
+  // The sandbox's own limits, not the host's; a history kept by its node.
+  const MiB = 1024 * 1024
+  const start = new Date(Date.now() - 3600_000)
+  const metrics = await waitFor('two metric samples', async () => {
+    const m = await sbx.getMetrics({ start })
+    return m.length >= 2 ? m : false
+  }, 30_000)
+  // The SDK's SandboxInfo has no disk size: read it from the API's sandbox detail.
+  const detail = await (await fetch(`${process.env.E2B_API_URL}/sandboxes/${sbx.sandboxId}`, { headers: { 'X-API-KEY': process.env.E2B_API_KEY } })).json()
+  assert.ok(detail.diskSizeMB > 0)
   for (const m of metrics) {
-    assert.ok(m.cpuCount >= 1 && m.memTotal > 0 && m.diskTotal > 0, JSON.stringify(m))
+    assert.equal(m.cpuCount, info.cpuCount, JSON.stringify(m))
+    assert.equal(m.memTotal, info.memoryMB * MiB, JSON.stringify(m))
+    assert.equal(m.diskTotal, detail.diskSizeMB * MiB, JSON.stringify(m))
+    assert.ok(m.memUsed > 0 && m.memUsed <= m.memTotal && m.cpuUsedPct >= 0 && m.cpuUsedPct <= 100, JSON.stringify(m))
   }
+  assert.ok(metrics[0].timestamp < metrics.at(-1).timestamp)
+  assert.deepEqual(await sbx.getMetrics({ start: new Date(Date.now() + 3600_000) }), [])
+})
+
+// A value only a running process holds (in memory) and a file on the disk: a fork and
+// a sandbox made from a snapshot must have both.
+const MEMORY_KEEPER = 'v=$(head -c 8 /dev/urandom | od -An -tx1 | tr -d " \\n"); echo $v > /home/user/keeper-first.txt; while true; do echo $v > /home/user/keeper.txt; sleep 0.1; done'
+
+async function memoryAndDisk (s, want) {
+  assert.equal(await s.files.read('/home/user/on-disk.txt'), 'written before')
+  // The file the process rewrites is removed: only the process, with its value in
+  // memory, can bring it back.
+  await s.files.remove('/home/user/keeper.txt')
+  const again = await waitFor('the process to write its value again', async () => (await s.files.exists('/home/user/keeper.txt')) && (await s.files.read('/home/user/keeper.txt')).trim())
+  assert.equal(again, want)
+}
+
+test('fork, snapshots and pause without memory', { skip: pkg !== 'e2b' && 'the current SDK covers them (same server logic)' }, async () => {
+  await sbx.files.write('/home/user/on-disk.txt', 'written before')
+  const keeper = await sbx.commands.run(MEMORY_KEEPER, { background: true, timeoutMs: 0 })
+  const value = await waitFor('the keeper to start', async () => (await sbx.files.exists('/home/user/keeper-first.txt')) && (await sbx.files.read('/home/user/keeper-first.txt')).trim())
+
+  // fork: a space clone; the source keeps running.
+  let t0 = Date.now()
+  const forks = await sbx.fork({ count: 1, timeoutMs: 120_000 })
+  console.log(`TIMING fork ${Date.now() - t0} ms`)
+  assert.equal(forks.length, 1)
+  const fork = forks[0]
+  assert.ok(fork instanceof Sandbox, `fork: ${fork}`)
+  assert.notEqual(fork.sandboxId, sbx.sandboxId)
+  await memoryAndDisk(fork, value)
+  assert.ok((await fork.commands.list()).some((p) => p.pid === keeper.pid))
+  assert.ok((await sbx.commands.list()).some((p) => p.pid === keeper.pid))
+
+  // createSnapshot → Sandbox.create(snapshotId) → listSnapshots → deleteSnapshot.
+  const name = `suite-${process.pid}`
+  t0 = Date.now()
+  const snap = await sbx.createSnapshot({ name })
+  console.log(`TIMING createSnapshot ${Date.now() - t0} ms`)
+  assert.equal(snap.snapshotId, name)
+  assert.deepEqual(snap.names, [name])
+  const listed = await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems()
+  assert.deepEqual(listed.map((x) => x.snapshotId), [name])
+  assert.ok((await sbx.listSnapshots().nextItems()).some((x) => x.snapshotId === name))
+  t0 = Date.now()
+  const restored = await Sandbox.create(snap.snapshotId, { timeoutMs: 120_000 })
+  console.log(`TIMING create from snapshot ${Date.now() - t0} ms`)
+  assert.notEqual(restored.sandboxId, sbx.sandboxId)
+  await memoryAndDisk(restored, value)
+  assert.equal((await sbx.getInfo()).state, 'running')
+  assert.equal(await restored.kill(), true)
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+  assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
+  await assert.rejects(Sandbox.create(snap.snapshotId))
+
+  // pause({ keepMemory: false }): the disk is kept, the memory is not; connect boots.
+  await keeper.kill()
+  assert.equal(await fork.pause({ keepMemory: false }), true)
+  assert.equal((await fork.getInfo()).state, 'paused')
+  const booted = await Sandbox.connect(fork.sandboxId)
+  assert.equal((await booted.getInfo()).state, 'running')
+  assert.equal(await booted.files.read('/home/user/on-disk.txt'), 'written before')
+  assert.ok(!(await booted.commands.list()).some((p) => p.pid === keeper.pid), 'a process survived a pause without memory')
+  assert.equal(await booted.kill(), true)
 })
 
 test('pause and connect keep files and processes', async () => {

@@ -339,3 +339,30 @@ func copyTree(ctx context.Context, src, dst string) error {
 	}
 	return nil
 }
+
+// SnapshotDir returns snapshots/<id>.
+func (d *Disk) SnapshotDir(id string) (string, error) {
+	if err := storage.ValidateID(id); err != nil {
+		return "", err
+	}
+	return filepath.Join(d.root, "snapshots", id), nil
+}
+
+// ListSnapshotDirs lists the ids under snapshots/.
+func (d *Disk) ListSnapshotDirs() ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(d.root, "snapshots"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range entries {
+		if e.IsDir() {
+			out = append(out, e.Name())
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
