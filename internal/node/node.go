@@ -124,7 +124,7 @@ type Node struct {
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
 
-	netLocks  netLocks
+	netLocks netLocks
 	// snapKick wakes the named snapshot loop (named.go).
 	snapKick chan struct{}
 
