@@ -382,7 +382,7 @@ func TestE2BSDKNetwork(t *testing.T) {
 	dir := e2bSDKDir(t)
 	addr := freeAddr(t)
 	s, _ := netServer(t, "--e2b-listen", addr)
-	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b")
+	out, errOut, code := s.cli(t, "apikey", "create", "e2b-sdk", "--e2b", "--tenant", "default")
 	if code != 0 {
 		t.Fatalf("apikey create --e2b: %s", errOut)
 	}
