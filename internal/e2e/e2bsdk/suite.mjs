@@ -129,11 +129,10 @@ test("base template: E2B's tools", async () => {
   assert.match(r.stdout, /\nv\d+\.\d+/) // node
   assert.match(r.stdout, /git version/)
   assert.match(r.stdout, /gcc/)
-  // sudo is configured as on E2B (passwordless for user), but gVisor ignores setuid
-  // bits (every process runs with no_new_privs), so it cannot work there: commands
-  // that need root pass user: 'root' (docs/e2b.md).
-  const sudoers = await sbx.commands.run('cat /etc/sudoers.d/user', { user: 'root' })
-  assert.equal(sudoers.stdout, 'user ALL=(ALL:ALL) NOPASSWD: ALL\n')
+  // sudo works as on E2B: passwordless for user, quietly (the host name resolves).
+  const sudo = await sbx.commands.run('sudo -n id -u && hostname -f')
+  assert.equal(sudo.stdout.split('\n')[0], '0')
+  assert.equal(sudo.stderr, '')
   const build = await sbx.commands.run('printf "#include <stdio.h>\\nint main(){puts(\\"compiled\\");}\\n" > /tmp/c.c && gcc -o /tmp/c /tmp/c.c && /tmp/c')
   assert.equal(build.stdout, 'compiled\n')
 })

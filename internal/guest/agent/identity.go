@@ -2,10 +2,14 @@ package agent
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"net/http"
 	"os"
+	"slices"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -52,11 +56,58 @@ func (a *Agent) applyIdentity(id wire.Identity) error {
 				a.log.Warn("set hostname", "hostname", id.Hostname, "err", err)
 			}
 		}
+		// Programs that look their host name up (sudo, Java, Python's getfqdn) find it
+		// in /etc/hosts, as on a Debian machine. Only inside a sandbox, where the agent
+		// is PID 1 and /etc is the sandbox's: a test agent on the host leaves it alone.
+		if os.Getpid() == 1 {
+			if err := ensureHostsEntry("/etc/hosts", id.Hostname); err != nil {
+				a.log.Warn("name the host in /etc/hosts", "hostname", id.Hostname, "err", err)
+			}
+		}
 	}
 	a.defaultEnv = maps.Clone(id.Env)
 	a.generation = id.Generation
 	// User code may run again now that the sandbox has its own entropy and clock.
 	a.thaw()
+	return nil
+}
+
+// hostsMarker ends the /etc/hosts line the agent maintains.
+const hostsMarker = "# space: this sandbox's host name"
+
+// ensureHostsEntry makes hosts name hostname: a line of its own mapping 127.0.1.1 to it
+// (Debian's convention) replaces the one it wrote for a previous name; a file that
+// names the host already is left as it is. The file is replaced atomically.
+func ensureHostsEntry(hosts, hostname string) error {
+	data, err := os.ReadFile(hosts)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if len(data) > 1<<20 {
+		return fmt.Errorf("%s is larger than 1 MiB", hosts)
+	}
+	var keep []string
+	for _, line := range strings.Split(strings.TrimRight(string(data), "\n"), "\n") {
+		if strings.HasSuffix(line, hostsMarker) {
+			continue
+		}
+		fields := strings.Fields(line)
+		if len(fields) > 1 && !strings.HasPrefix(fields[0], "#") && slices.Contains(fields[1:], hostname) {
+			return nil
+		}
+		if line != "" || len(keep) > 0 {
+			keep = append(keep, line)
+		}
+	}
+	keep = append(keep, "127.0.1.1\t"+hostname+"\t"+hostsMarker)
+	tmp := hosts + ".space-tmp"
+	if err := os.WriteFile(tmp, []byte(strings.Join(keep, "\n")+"\n"), 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, hosts); err != nil {
+		os.Remove(tmp)
+		return err
+	}
 	return nil
 }
 

@@ -104,6 +104,9 @@ type Runtime struct {
 	// --in-sandbox-cgroup, and cgroup v2 inside, whose limits write-control can set).
 	// Older releases (Debian's 2022 runsc) only get the host limit.
 	guestPids bool
+	// allowSUID says runsc honours setuid bits inside the sandbox (--allow-suid; off
+	// by default since 2023, absent from older releases).
+	allowSUID bool
 	userns    *os.File // the user namespace of the id-mapped views; nil with NoUserNS
 	stop      context.CancelFunc
 }
@@ -162,6 +165,7 @@ func New(cfg Config) (*Runtime, error) {
 		return nil, fmt.Errorf("gvisor: %s flags: %w: %s", cfg.RunscPath, err, flags)
 	}
 	r.guestPids = bytes.Contains(flags, []byte("-in-sandbox-cgroup"))
+	r.allowSUID = bytes.Contains(flags, []byte("-allow-suid"))
 	// Releases without directfs (2022 and older) neither run the sandbox in the spec's
 	// user namespace nor open bind-mount sources the namespace cannot reach for it.
 	if !cfg.NoUserNS && !bytes.Contains(flags, []byte("-directfs")) {
@@ -427,6 +431,12 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 	args := []string{network, "--overlay2=none", "--host-uds=create"}
 	if r.guestPids {
 		args = append(args, "--in-sandbox-cgroup=v2")
+	}
+	if r.allowSUID {
+		// setuid programs (sudo) elevate inside the sandbox as they do on a VM: the
+		// Sentry is the sandbox's kernel, so what they gain is the sandbox's root, never
+		// a host identity (the user namespace maps it; the store is nosuid on the host).
+		args = append(args, "--allow-suid")
 	}
 	args = append(args, sub...)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
