@@ -192,6 +192,12 @@ func (c *Client) request(ctx context.Context, method, path string, query url.Val
 		}
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode < 400 {
+		// A success or redirect other than the one the call expects: the agent is not
+		// speaking its protocol (or is not the agent at all), so the gateway is at fault.
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxErrorBody))
+		return nil, fault.New(fault.BadGateway, "sandbox agent: unexpected status %d to %s %s", resp.StatusCode, method, path)
+	}
 	return nil, DecodeError(resp)
 }
 
