@@ -117,7 +117,56 @@ func (su *suite) figure(name, text string) {
 
 // underAttack runs one attack while the prober measures the neighbour, then checks the
 // neighbour's p95s against the baseline and the host's free disk against the reserve.
+// The machine is shared and noisy: a window above the limit is confirmed before it
+// fails, by a quiet window (if the neighbour is as slow without the attack, the load
+// came from elsewhere and the quiet window is the reference) and by running the attack
+// once more. Only a slowdown seen in both runs is the attack's.
 func (su *suite) underAttack(t *testing.T, attack func(t *testing.T, su *suite), knownSlow string) {
+	name := t.Name()[len("TestAdversarial/"):]
+	ref := su.baseline
+	over := func(got latencies) bool {
+		return got.exec > slowdownLimit*max(ref.exec, latencyFloor) || got.get > slowdownLimit*max(ref.get, latencyFloor)
+	}
+	got, minFree := su.attackWindow(t, attack)
+	su.figure(name, fmt.Sprintf("%v; min free disk %.1f%%", got, 100*minFree))
+	t.Logf("neighbour under attack: %v (baseline %v); min free disk %.1f%%", got, su.baseline, 100*minFree)
+	if over(got) {
+		q := su.startProber(t)
+		for q.count() < baselineSamples/2 {
+			if err := q.wait(30 * time.Second); err != nil {
+				t.Fatalf("quiet window: %v", err)
+			}
+		}
+		quiet := q.stop(t)
+		t.Logf("quiet window after the attack: %v", quiet)
+		su.figure("  quiet window after "+name, quiet.String())
+		ref.exec, ref.get = max(ref.exec, quiet.exec), max(ref.get, quiet.get)
+	}
+	if over(got) && knownSlow == "" && !t.Failed() {
+		again, free2 := su.attackWindow(t, attack)
+		t.Logf("the attack again: %v; min free disk %.1f%%", again, 100*free2)
+		su.figure("  "+name+" again", again.String())
+		got.exec, got.get = min(got.exec, again.exec), min(got.get, again.get)
+		minFree = min(minFree, free2)
+	}
+	fail := t.Errorf
+	if knownSlow != "" {
+		fail = func(format string, args ...any) { t.Logf("known issue ("+knownSlow+"): "+format, args...) }
+	}
+	if limit := slowdownLimit * max(ref.exec, latencyFloor); got.exec > limit {
+		fail("neighbour exec p95 %v under attack, above %v (reference %v)", got.exec, limit, ref.exec)
+	}
+	if limit := slowdownLimit * max(ref.get, latencyFloor); got.get > limit {
+		fail("API p95 %v under attack, above %v (reference %v)", got.get, limit, ref.get)
+	}
+	if minFree < diskReserve {
+		t.Errorf("the host's free disk dropped to %.1f%%, below the %.0f%% reserve", 100*minFree, 100*diskReserve)
+	}
+}
+
+// attackWindow runs the attack once under the prober and returns the neighbour's
+// p95s over the window and the least free disk seen.
+func (su *suite) attackWindow(t *testing.T, attack func(t *testing.T, su *suite)) (latencies, float64) {
 	p := su.startProber(t)
 	stopped := false
 	defer func() {
@@ -135,38 +184,7 @@ func (su *suite) underAttack(t *testing.T, attack func(t *testing.T, su *suite),
 	}
 	got := p.stop(t)
 	stopped = true
-	name := t.Name()[len("TestAdversarial/"):]
-	su.figure(name, fmt.Sprintf("%v; min free disk %.1f%%", got, 100*p.minFree))
-	t.Logf("neighbour under attack: %v (baseline %v); min free disk %.1f%%", got, su.baseline, 100*p.minFree)
-	ref := su.baseline
-	if got.exec > slowdownLimit*max(ref.exec, latencyFloor) || got.get > slowdownLimit*max(ref.get, latencyFloor) {
-		// The machine is shared: before blaming the attack, measure a quiet window now
-		// that it is over. If the neighbour is as slow without it, the load came from
-		// elsewhere and the quiet window is the reference.
-		q := su.startProber(t)
-		for q.count() < baselineSamples/2 {
-			if err := q.wait(30 * time.Second); err != nil {
-				t.Fatalf("quiet window: %v", err)
-			}
-		}
-		quiet := q.stop(t)
-		t.Logf("quiet window after the attack: %v", quiet)
-		su.figure("  quiet window after "+name, quiet.String())
-		ref.exec, ref.get = max(ref.exec, quiet.exec), max(ref.get, quiet.get)
-	}
-	fail := t.Errorf
-	if knownSlow != "" {
-		fail = func(format string, args ...any) { t.Logf("known issue ("+knownSlow+"): "+format, args...) }
-	}
-	if limit := slowdownLimit * max(ref.exec, latencyFloor); got.exec > limit {
-		fail("neighbour exec p95 %v under attack, above %v (reference %v)", got.exec, limit, ref.exec)
-	}
-	if limit := slowdownLimit * max(ref.get, latencyFloor); got.get > limit {
-		fail("API p95 %v under attack, above %v (reference %v)", got.get, limit, ref.get)
-	}
-	if p.minFree < diskReserve {
-		t.Errorf("the host's free disk dropped to %.1f%%, below the %.0f%% reserve", 100*p.minFree, 100*diskReserve)
-	}
+	return got, p.minFree
 }
 
 // prober measures the neighbour in the background: one exec in it and one
