@@ -312,6 +312,7 @@ func TestPushResumesAfterInterruption(t *testing.T) {
 		t.Logf("interrupted push: %v", err)
 	}
 	px.setOnDone(nil)
+	px.quiesce(t)
 	first := px.blobUploads.Load()
 	// No tag names a half-pushed artifact: it cannot be pulled.
 	_, err := cb.PullRelease(testCtx(t), rel.Digest)

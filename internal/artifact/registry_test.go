@@ -144,6 +144,7 @@ type proxy struct {
 	auth string
 
 	blobUploads atomic.Int64 // completed blob uploads (PUT .../blobs/uploads/...)
+	inflight    atomic.Int64 // requests being served
 }
 
 func newProxy(t *testing.T, target string) *proxy {
@@ -153,6 +154,8 @@ func newProxy(t *testing.T, target string) *proxy {
 	rp.ErrorLog = log.New(io.Discard, "", 0) // interrupted requests are what some tests do
 	p := &proxy{counts: map[string]int{}}
 	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		p.inflight.Add(1)
+		defer p.inflight.Add(-1)
 		kind := requestKind(req.URL.Path)
 		if p.auth != "" {
 			user, pass, ok := req.BasicAuth()
@@ -228,6 +231,19 @@ func (p *proxy) total() int {
 		n += c
 	}
 	return n
+}
+
+// quiesce waits until no request is being served: after a client gives up, requests
+// it had in flight may still complete at the registry, and count.
+func (p *proxy) quiesce(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for p.inflight.Load() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests still in flight after 30 s", p.inflight.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 func (p *proxy) reset() {
