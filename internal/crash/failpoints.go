@@ -62,7 +62,9 @@ func Point(name string) {
 		if err != nil {
 			return // taken already
 		}
-		_, _ = f.WriteString(name + "\n")
+		// The point and the process that takes the action: a test tells from it whether
+		// the process it is watching is the one that dies.
+		_, _ = f.WriteString(name + " " + strconv.Itoa(os.Getpid()) + "\n")
 		_ = f.Sync()
 		_ = f.Close()
 	}

@@ -184,6 +184,13 @@ func (s *server) exited() bool {
 	}
 }
 
+// isPID reports whether the server process the test runs now has pid.
+func (s *server) isPID(pid int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cmd != nil && s.cmd.Process != nil && s.cmd.Process.Pid == pid
+}
+
 // running reports whether a server process runs.
 func (s *server) running() bool { return !s.exited() }
 
