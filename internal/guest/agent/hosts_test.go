@@ -41,6 +41,11 @@ func TestEnsureHostsEntry(t *testing.T) {
 	if err := ensureHostsEntry(hosts, "myhost"); err != nil || read() != own {
 		t.Fatalf("own entry: %v %q", err, read())
 	}
+	// Two names (the runtime's, kept when sethostname is refused, and the identity's).
+	os.Remove(hosts)
+	if err := ensureHostsEntry(hosts, "sandbox-ab", "abcdef", "sandbox-ab"); err != nil || read() != "127.0.1.1\tsandbox-ab abcdef\t"+hostsMarker+"\n" {
+		t.Fatalf("two names: %v %q", err, read())
+	}
 	// No file: one is made.
 	os.Remove(hosts)
 	if err := ensureHostsEntry(hosts, "x"); err != nil || read() != "127.0.1.1\tx\t"+hostsMarker+"\n" {

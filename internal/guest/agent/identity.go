@@ -59,8 +59,14 @@ func (a *Agent) applyIdentity(id wire.Identity) error {
 		// Programs that look their host name up (sudo, Java, Python's getfqdn) find it
 		// in /etc/hosts, as on a Debian machine. Only inside a sandbox, where the agent
 		// is PID 1 and /etc is the sandbox's: a test agent on the host leaves it alone.
+		// The name in force is named too: a runtime may refuse sethostname (then the
+		// sandbox keeps the name its runtime gave it).
 		if os.Getpid() == 1 {
-			if err := ensureHostsEntry("/etc/hosts", id.Hostname); err != nil {
+			names := []string{id.Hostname}
+			if cur, err := os.Hostname(); err == nil && cur != id.Hostname {
+				names = append(names, cur)
+			}
+			if err := ensureHostsEntry("/etc/hosts", names...); err != nil {
 				a.log.Warn("name the host in /etc/hosts", "hostname", id.Hostname, "err", err)
 			}
 		}
@@ -75,10 +81,10 @@ func (a *Agent) applyIdentity(id wire.Identity) error {
 // hostsMarker ends the /etc/hosts line the agent maintains.
 const hostsMarker = "# space: this sandbox's host name"
 
-// ensureHostsEntry makes hosts name hostname: a line of its own mapping 127.0.1.1 to it
-// (Debian's convention) replaces the one it wrote for a previous name; a file that
-// names the host already is left as it is. The file is replaced atomically.
-func ensureHostsEntry(hosts, hostname string) error {
+// ensureHostsEntry makes hosts name each of names: a line of its own mapping 127.0.1.1
+// to those no other line names (as Debian's installer does), ending with hostsMarker,
+// replacing the line it wrote before.
+func ensureHostsEntry(hosts string, names ...string) error {
 	data, err := os.ReadFile(hosts)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
@@ -87,19 +93,33 @@ func ensureHostsEntry(hosts, hostname string) error {
 		return fmt.Errorf("%s is larger than 1 MiB", hosts)
 	}
 	var keep []string
+	named := map[string]bool{}
 	for _, line := range strings.Split(strings.TrimRight(string(data), "\n"), "\n") {
 		if strings.HasSuffix(line, hostsMarker) {
 			continue
 		}
 		fields := strings.Fields(line)
-		if len(fields) > 1 && !strings.HasPrefix(fields[0], "#") && slices.Contains(fields[1:], hostname) {
-			return nil
+		if len(fields) > 1 && !strings.HasPrefix(fields[0], "#") {
+			for _, f := range fields[1:] {
+				named[f] = true
+			}
 		}
 		if line != "" || len(keep) > 0 {
 			keep = append(keep, line)
 		}
 	}
-	keep = append(keep, "127.0.1.1\t"+hostname+"\t"+hostsMarker)
+	var missing []string
+	for _, n := range names {
+		if n != "" && !named[n] && !slices.Contains(missing, n) {
+			missing = append(missing, n)
+		}
+	}
+	if len(missing) == 0 && !strings.Contains(string(data), hostsMarker) {
+		return nil // the file names the host itself
+	}
+	if len(missing) > 0 {
+		keep = append(keep, "127.0.1.1\t"+strings.Join(missing, " ")+"\t"+hostsMarker)
+	}
 	tmp := hosts + ".space-tmp"
 	if err := os.WriteFile(tmp, []byte(strings.Join(keep, "\n")+"\n"), 0o644); err != nil {
 		return err
