@@ -111,8 +111,10 @@ func signatureMatches(r *http.Request, token string) bool {
 }
 
 // checkSignedForm checks what a signed /files URL must carry whatever sandbox it is
-// for: a signature and an expiration that is a canonical integer. It returns the status
-// and message of a refusal, or 0, and the expiration.
+// for: a signature, and an expiration that is a canonical integer if it is given. It
+// returns the status and message of a refusal, or 0, and the expiration (-1: none).
+// A URL without an expiration is refused only once its signature has matched (space's
+// rule: signed URLs must expire), so that a forged one is told it is invalid first.
 func checkSignedForm(r *http.Request) (int, string, int64) {
 	q := r.URL.Query()
 	if !q.Has("signature") {
@@ -120,7 +122,7 @@ func checkSignedForm(r *http.Request) (int, string, int64) {
 	}
 	s := q.Get("signature_expiration")
 	if s == "" {
-		return http.StatusUnauthorized, msgNoExpiration, 0
+		return 0, "", -1
 	}
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || strconv.FormatInt(n, 10) != s {
@@ -146,6 +148,9 @@ func checkFiles(r *http.Request, token string, now time.Time, maxTTL time.Durati
 	}
 	if !signatureMatches(r, token) {
 		return http.StatusUnauthorized, msgInvalidSignature
+	}
+	if exp < 0 {
+		return http.StatusUnauthorized, msgNoExpiration
 	}
 	if exp < now.Unix() {
 		return http.StatusUnauthorized, msgExpiredSignature

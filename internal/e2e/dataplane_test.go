@@ -94,7 +94,7 @@ func TestTokens(t *testing.T) {
 		want                     int
 	}{
 		{"pid A token on pid B", "GET", sessA2.AttachURL, sessA.Token, 403},
-		{"sandbox A token on sandbox B", "GET", sessB.AttachURL, sessA.Token, 403},
+		{"sandbox A token on sandbox B (answered as missing)", "GET", sessB.AttachURL, sessA.Token, 404},
 		{"token on the control plane", "GET", s.URL + "/v1/sandboxes", sessA.Token, 401},
 		{"token on control-plane sessions", "POST", s.URL + "/v1/sandboxes/" + a.ID + "/sessions", sessA.Token, 401},
 		{"tampered token", "GET", sessA.AttachURL, tampered, 401},
