@@ -72,21 +72,25 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			s.verb(t, id, v)
 		}
 		_ = os.Truncate(crashLog, 0)
-		act := func(id string) []string {
+		act := func(id string) ([]string, error) {
 			if sc.clone {
 				clones, err := s.C.Clone(ctx(t, time.Minute), id, api.CloneRequest{Count: 1})
 				if err != nil {
-					t.Fatal(err)
+					return nil, err
 				}
-				return []string{clones[0].Operation.ID}
+				return []string{clones[0].Operation.ID}, nil
 			}
 			op, err := s.C.Lifecycle(ctx(t, time.Minute), id, sc.verb)
 			if err != nil {
-				t.Fatal(err)
+				return nil, err
 			}
-			return []string{op.ID}
+			return []string{op.ID}, nil
 		}
-		for _, op := range act(id) {
+		ops, err := act(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, op := range ops {
 			if _, err := s.C.WaitOperation(ctx(t, 2*time.Minute), op); err != nil {
 				t.Fatal(err)
 			}
@@ -115,7 +119,13 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			if err := os.WriteFile(arm, nil, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			ops := act(id)
+			ops, err := act(id)
+			if err != nil {
+				// The point can be taken before the answer is sent (a clone records its
+				// source's transition in the request): the server dies under the
+				// request. Recovery is checked on the source below all the same.
+				t.Logf("%s@%s: the request died with the server: %v", sc.name, p, err)
+			}
 			if !s.WaitExit(2 * time.Minute) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
