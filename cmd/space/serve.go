@@ -92,6 +92,10 @@ type serveConfig struct {
 	metricsListen  string
 	quota          store.Quota
 	net            netConfig
+	capacity       string
+	placement      string
+	placeTimeout   time.Duration
+	nodeTimeout    time.Duration
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -190,6 +194,10 @@ that have none of their own (-1: unlimited).`,
 	} {
 		f.Var(quotaFlag{c.quota, q.name}, "quota-"+strings.ReplaceAll(q.name, "_", "-"), "default quota: "+q.help+"; -1 unlimited")
 	}
+	f.StringVar(&c.capacity, "capacity", "", "what this node offers its sandboxes: comma-separated cpu=N (vCPUs in total), memory=MiB, disk=MiB; omitted keys keep their default, 0 is unbounded (default: vCPUs unbounded, memory 2 × (host memory − max(1 GiB, 10 %)), disk the store's size minus --disk-reserve; docs/operations.md)")
+	f.StringVar(&c.placement, "placement", string(controller.Spread), "controller: placement policy among the nodes a sandbox fits on: spread (most room left first) or pack (fullest first); nodes holding the sandbox's template release come first either way")
+	f.DurationVar(&c.placeTimeout, "place-timeout", controller.DefaultPlaceTimeout, "controller: how long a sandbox that fits on no node (runtime, capacity, cordons) stays pending before its create fails with the reason")
+	f.DurationVar(&c.nodeTimeout, "node-timeout", controller.DefaultNodeTimeout, "controller: how long a node may miss heartbeats before it is marked dead and fenced (its running sandboxes are lost)")
 	f.StringVar(&c.net.mode, "network", envOr("SPACE_NETWORK", "auto"), "sandbox networking: auto (on when running as root), on (fail if it cannot start) or off (env SPACE_NETWORK)")
 	f.StringVar(&c.net.uplink, "egress-interface", "", "interface sandbox egress leaves by (default: the default route's)")
 	f.StringVar(&c.net.allow, "network-allow", "", "comma-separated CIDRs sandboxes may be allowed to reach although they are private, link-local or otherwise always denied (e.g. an internal package mirror)")
@@ -324,7 +332,12 @@ func serve(ctx context.Context, c *serveConfig) error {
 		}
 	}
 	if c.has("controller") {
-		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller")})
+		policy, err := controller.ParsePolicy(c.placement)
+		if err != nil {
+			return fmt.Errorf("--placement: %w", err)
+		}
+		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller"),
+			Placement: policy, PlaceTimeout: c.placeTimeout, NodeTimeout: c.nodeTimeout})
 		run("controller", ctl.Run)
 	}
 	if c.has("node") {
@@ -503,10 +516,12 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		return nil, nil, nil, err
 	}
 	var (
-		disk    node.Disk
-		rt      runtime.Runtime
-		why     string
-		builder node.TemplateBuilder
+		disk       node.Disk
+		rt         runtime.Runtime
+		why        string
+		builder    node.TemplateBuilder
+		storeBytes int64
+		reserve    float64
 	)
 	if c.runtime == "fake" {
 		if rt, disk, err = testRuntime(dataDir, agent, log); err != nil {
@@ -514,7 +529,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		}
 		why = "requested with --runtime fake (a test build)"
 	} else {
-		reserve, err := storage.ParseDiskReserve(c.diskReserve)
+		reserve, err = storage.ParseDiskReserve(c.diskReserve)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("--disk-reserve: %w", err)
 		}
@@ -527,10 +542,17 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 			return nil, nil, nil, err
 		}
 		disk = store
+		if fss, err := store.Space(); err == nil && len(fss) > 0 {
+			storeBytes = fss[0].TotalBytes // the btrfs volume's own size
+		}
 		builder = &template.Builder{Store: store, Logger: log.With("component", "template"), Mirror: c.mirror,
 			CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources}
 	}
 	log.Info("runtime selected", "reason", why)
+	capacity, err := node.ParseCapacity(c.capacity, node.DefaultCapacity(node.HostMemoryMB(), storeBytes, reserve))
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("--capacity: %w", err)
+	}
 	netMgr, err := c.net.startNetwork(ctx, dataDir, log)
 	if err != nil {
 		return nil, nil, nil, err
@@ -576,6 +598,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Signer:            signer,
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
+		Capacity:          capacity,
 	})
 	if err != nil {
 		if netMgr != nil {

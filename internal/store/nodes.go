@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/spacedev/space/internal/fault"
 )
 
 // Node states.
@@ -34,6 +36,14 @@ type Node struct {
 	Sandboxes    int
 	// DiskLow says why the node refuses new disk use ('' when it has room).
 	DiskLow string
+	// Allocatable is what the node offers its sandboxes (0 in a field: not reported,
+	// unbounded); Used is what the sandboxes placed on it take of it (see usedSQL).
+	Allocatable Resources
+	Used        Resources
+	// Cordoned nodes get no new placements.
+	Cordoned bool
+	// DeadReason says why and since when the node is dead ('' while alive).
+	DeadReason string
 }
 
 // RegisterNode creates or updates a node's row at start-up and bumps its epoch, which
@@ -43,12 +53,19 @@ func (s *Store) RegisterNode(ctx context.Context, n *Node) error {
 	if err != nil {
 		return err
 	}
-	err = s.pool.QueryRow(ctx, `INSERT INTO nodes (id, name, runtime, runtime_info, data_plane_url)
-		VALUES ($1,$2,$3,$4,$5)
+	a := n.Allocatable
+	err = s.pool.QueryRow(ctx, `INSERT INTO nodes (id, name, runtime, runtime_info, data_plane_url, alloc_cpu, alloc_memory_mb, alloc_disk_mb)
+		VALUES ($1,$2,$3,$4,$5,$6,$7,$8)
 		ON CONFLICT (id) DO UPDATE SET name=$2, runtime=$3, runtime_info=$4, data_plane_url=$5,
+			alloc_cpu=$6, alloc_memory_mb=$7, alloc_disk_mb=$8, dead_reason='',
 			epoch=nodes.epoch+1, state='alive', started_at=now(), heartbeat_at=now()
-		RETURNING epoch, started_at, heartbeat_at`, n.ID, n.Name, n.Runtime, info, n.DataPlaneURL).
-		Scan(&n.Epoch, &n.StartedAt, &n.HeartbeatAt)
+		RETURNING epoch, started_at, heartbeat_at, cordoned`, n.ID, n.Name, n.Runtime, info, n.DataPlaneURL,
+		a.CPU, a.MemoryMB, a.DiskMB).
+		Scan(&n.Epoch, &n.StartedAt, &n.HeartbeatAt, &n.Cordoned)
+	if isUniqueViolation(err) {
+		return fault.New(fault.Conflict, "register node: another node (another id) is registered as %q; "+
+			"if it is gone for good, remove it with `space node rm %s`, or pick another --node-name", n.Name, n.Name)
+	}
 	if err != nil {
 		return fmt.Errorf("register node: %w", err)
 	}
@@ -69,15 +86,21 @@ func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64, diskLow s
 	return nil
 }
 
-const nodeCols = `n.id, n.name, n.runtime, n.runtime_info, n.data_plane_url, n.epoch, n.state, n.started_at, n.heartbeat_at,
-	(SELECT count(*) FROM sandboxes s WHERE s.node_id=n.id AND s.deleted_at IS NULL), n.disk_low`
+var nodeCols = `n.id, n.name, n.runtime, n.runtime_info, n.data_plane_url, n.epoch, n.state, n.started_at, n.heartbeat_at,
+	(SELECT count(*) FROM sandboxes s WHERE s.node_id=n.id AND s.deleted_at IS NULL), n.disk_low,
+	n.alloc_cpu, n.alloc_memory_mb, n.alloc_disk_mb, n.cordoned, n.dead_reason, ` + usedSQL
 
 func scanNode(row pgx.Row) (*Node, error) {
 	var n Node
 	var info []byte
+	var used []int64
 	if err := row.Scan(&n.ID, &n.Name, &n.Runtime, &info, &n.DataPlaneURL, &n.Epoch, &n.State, &n.StartedAt,
-		&n.HeartbeatAt, &n.Sandboxes, &n.DiskLow); err != nil {
+		&n.HeartbeatAt, &n.Sandboxes, &n.DiskLow, &n.Allocatable.CPU, &n.Allocatable.MemoryMB, &n.Allocatable.DiskMB,
+		&n.Cordoned, &n.DeadReason, &used); err != nil {
 		return nil, err
+	}
+	if len(used) == 3 {
+		n.Used = Resources{CPU: int(used[0]), MemoryMB: used[1], DiskMB: used[2]}
 	}
 	_ = json.Unmarshal(info, &n.RuntimeInfo)
 	return &n, nil
@@ -108,14 +131,4 @@ func (s *Store) GetNode(ctx context.Context, id string) (*Node, error) {
 		return nil, notFound(err, "node", id)
 	}
 	return n, nil
-}
-
-// MarkDeadNodes marks nodes whose heartbeat is older than before as dead and returns
-// their ids.
-func (s *Store) MarkDeadNodes(ctx context.Context, before time.Time) ([]string, error) {
-	rows, err := s.pool.Query(ctx, `UPDATE nodes SET state='dead' WHERE state='alive' AND heartbeat_at < $1 RETURNING id`, before)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, pgx.RowTo[string])
 }
