@@ -162,5 +162,3 @@ func isConflict(err error, msg string) bool {
 	var e *client.Error
 	return errors.As(err, &e) && e.Status == 409 && strings.Contains(e.Message, msg)
 }
-
-
