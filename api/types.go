@@ -456,6 +456,8 @@ type RemovedNode struct {
 	// SandboxesDeleted counts the sandboxes still recorded on the (dead) node, deleted
 	// with it.
 	SandboxesDeleted int `json:"sandboxes_deleted"`
+	// SnapshotsDeleted counts the named snapshots kept on the node, deleted with it.
+	SnapshotsDeleted int `json:"snapshots_deleted"`
 }
 
 // Template describes a template release.

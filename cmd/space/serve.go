@@ -93,6 +93,7 @@ type serveConfig struct {
 	quota          store.Quota
 	net            netConfig
 	capacity       string
+	dbMaxConns     int32
 	placement      string
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
@@ -144,6 +145,7 @@ that have none of their own (-1: unlimited).`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
+	f.Int32Var(&c.dbMaxConns, "database-max-conns", 0, "size of this process's PostgreSQL connection pool (0: the URL's pool_max_conns, at least 16); the process opens up to 7 more connections of its own, by role (docs/operations.md, \"Connection budget\")")
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
@@ -253,7 +255,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		dbURL = pg.URL()
 		log.Info("embedded PostgreSQL running", "dir", filepath.Join(dataDir, "postgres"))
 	}
-	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log})
+	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log, MaxConns: c.dbMaxConns})
 	if err != nil {
 		return err
 	}

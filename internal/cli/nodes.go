@@ -79,7 +79,8 @@ under the same --node-name.
 
 Only a dead node, or a cordoned one that holds no sandbox, can be removed. The
 sandboxes still recorded on a dead node (lost ones, and suspended or stopped ones,
-whose disks are on that host only) are deleted with it. Stop a live node's process
+whose disks are on that host only) and the named snapshots kept on it are deleted
+with it. Stop a live node's process
 before removing it: once removed, its heartbeats are refused and it stops; started
 again, it registers as a new node and reclaims everything it holds.`,
 		Aliases: []string{"remove"},
@@ -96,7 +97,8 @@ again, it registers as a new node and reclaims everything it holds.`,
 			if a.json() {
 				return a.printJSON(rm)
 			}
-			fmt.Fprintf(a.env.Stdout, "removed node %s (%s); %d sandbox(es) deleted with it\n", rm.Node.Name, rm.Node.ID, rm.SandboxesDeleted)
+			fmt.Fprintf(a.env.Stdout, "removed node %s (%s); %d sandbox(es) and %d snapshot(s) deleted with it\n",
+				rm.Node.Name, rm.Node.ID, rm.SandboxesDeleted, rm.SnapshotsDeleted)
 			return nil
 		},
 	})

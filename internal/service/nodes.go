@@ -42,8 +42,9 @@ func (s *Service) RemoveNode(ctx context.Context, p *Principal, ref string) (api
 	if err != nil {
 		return api.RemovedNode{}, err
 	}
-	s.log.Warn("node removed", "node", rm.Node.Name, "id", rm.Node.ID, "state", rm.Node.State, "sandboxes_deleted", rm.Sandboxes)
-	return api.RemovedNode{Node: nodeAPI(rm.Node), SandboxesDeleted: rm.Sandboxes}, nil
+	s.log.Warn("node removed", "node", rm.Node.Name, "id", rm.Node.ID, "state", rm.Node.State,
+		"sandboxes_deleted", rm.Sandboxes, "snapshots_deleted", rm.Snapshots)
+	return api.RemovedNode{Node: nodeAPI(rm.Node), SandboxesDeleted: rm.Sandboxes, SnapshotsDeleted: rm.Snapshots}, nil
 }
 
 // nodeUp refuses (409), with the reason, a request that needs the node of sb when

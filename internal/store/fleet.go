@@ -104,6 +104,10 @@ func (s *Store) MarkDeadNodes(ctx context.Context, before time.Time) ([]DeadNode
 			if d.Lost, d.Kept, d.Deleted, err = tx.settleOnDeadNode(ctx, c.id, "", d.Reason); err != nil {
 				return err
 			}
+			// Named snapshots it was taking will not be finished.
+			if _, err := tx.dropNodeSnapshots(ctx, c.id, true, "its node is dead: "+d.Reason); err != nil {
+				return err
+			}
 			out = append(out, d)
 		}
 		return nil
@@ -225,6 +229,28 @@ type RemovedNode struct {
 	// Sandboxes counts the sandboxes that were still recorded on the (dead) node: they
 	// are deleted with it.
 	Sandboxes int
+	// Snapshots counts the named snapshots that were kept on the node, deleted with it.
+	Snapshots int
+}
+
+// dropNodeSnapshots deletes the named snapshots recorded on a node (only those being
+// taken when creatingOnly) and fails the operations that were taking them with why.
+func (t *Tx) dropNodeSnapshots(ctx context.Context, nodeID string, creatingOnly bool, why string) (int, error) {
+	rows, err := t.tx.Query(ctx, `DELETE FROM snapshots WHERE node_id=$1 AND (NOT $2 OR state=$3) RETURNING coalesce(op_id,'')`,
+		nodeID, creatingOnly, api.SnapshotCreating)
+	if err != nil {
+		return 0, err
+	}
+	ops, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, err
+	}
+	for _, op := range ops {
+		if err := t.finishOp(ctx, op, api.OpFailed, "failed", why); err != nil {
+			return 0, err
+		}
+	}
+	return len(ops), nil
 }
 
 // RemoveNode removes a node's row, freeing its name for a replacement. Only a dead
@@ -268,6 +294,10 @@ func (s *Store) RemoveNode(ctx context.Context, ref string) (*RemovedNode, error
 		}
 		out.Sandboxes = len(ids)
 		if err := tx.endOps(ctx, ids, "", api.OpFailed, "failed", why); err != nil {
+			return err
+		}
+		// Its named snapshots' files were on that host only.
+		if out.Snapshots, err = tx.dropNodeSnapshots(ctx, n.ID, false, why); err != nil {
 			return err
 		}
 		if _, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET node_id=NULL WHERE node_id=$1`, n.ID); err != nil {

@@ -19,6 +19,24 @@ func observe(t *testing.T, st *store.Store, sb *store.Sandbox, state string) {
 	}
 }
 
+// snapshotOf records a named snapshot being taken of sb (ready unless creating).
+func snapshotOf(t *testing.T, st *store.Store, sb *store.Sandbox, name string, creating bool) (*store.Snapshot, *store.Operation) {
+	t.Helper()
+	ctx := t.Context()
+	sn := &store.Snapshot{ID: "snap-" + name, Tenant: sb.Tenant, Name: name, SourceSandbox: sb.ID, TemplateRef: sb.TemplateRef,
+		Spec: sb.Spec, Runtime: "fake", NodeID: sb.NodeID}
+	op := &store.Operation{ID: "op-snap-" + name, Kind: api.OpSnapshot, Tenant: sb.Tenant, SandboxID: sb.ID}
+	if err := st.InTx(ctx, func(tx *store.Tx) error { return tx.InsertSnapshot(ctx, sn, op, false) }); err != nil {
+		t.Fatal(err)
+	}
+	if !creating {
+		if ok, err := st.SnapshotReady(ctx, sn.ID, 1); err != nil || !ok {
+			t.Fatalf("snapshot ready: %v %v", ok, err)
+		}
+	}
+	return sn, op
+}
+
 func TestNodeCapacityAndUsage(t *testing.T) {
 	st, ctx := open(t)
 	n := &store.Node{ID: "n1", Name: "one", Runtime: "fake", DataPlaneURL: "http://n1",
@@ -81,9 +99,23 @@ func TestDeadNodeSettlesItsSandboxes(t *testing.T) {
 	observe(t, st, deleting, api.StateRunning)
 	_, delOp := setDesired(t, ctx, st, deleting.ID, api.StateDeleted, "", api.OpDelete)
 
+	_, snapOp := snapshotOf(t, st, resting, "taking", true)
+	kept, _ := snapshotOf(t, st, resting, "kept", false)
+
 	dead, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour))
 	if err != nil || len(dead) != 1 {
 		t.Fatalf("mark dead: %+v %v", dead, err)
+	}
+	// A snapshot being taken there is dropped and its operation fails; a ready one
+	// stays for when the node returns.
+	if op, _ := st.GetOperation(ctx, snapOp.ID); op.State != api.OpFailed || !strings.Contains(op.Error, "its node is dead") {
+		t.Fatalf("snapshot op on a dead node: %+v", op)
+	}
+	if _, err := st.GetSnapshot(ctx, "snap-taking"); !fault.Is(err, fault.NotFound) {
+		t.Fatalf("snapshot being taken on a dead node: %v", err)
+	}
+	if _, err := st.GetSnapshot(ctx, kept.ID); err != nil {
+		t.Fatalf("ready snapshot on a dead node: %v", err)
 	}
 	d := dead[0]
 	if d.Lost != 3 || d.Kept != 2 || d.Deleted != 1 || !strings.Contains(d.Reason, "node name-n1 stopped sending heartbeats") {
@@ -179,12 +211,16 @@ func TestRemoveNode(t *testing.T) {
 		t.Fatalf("remove an unknown node: %v", err)
 	}
 	// Dead, it can be removed: what it still held goes with it.
+	snapshotOf(t, st, sb, "kept", false)
 	if _, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}
 	rm, err := st.RemoveNode(ctx, "name-n1")
-	if err != nil || rm.Sandboxes != 1 || rm.Node.ID != "n1" {
+	if err != nil || rm.Sandboxes != 1 || rm.Snapshots != 1 || rm.Node.ID != "n1" {
 		t.Fatalf("remove a dead node: %+v %v", rm, err)
+	}
+	if _, err := st.GetSnapshot(ctx, "snap-kept"); !fault.Is(err, fault.NotFound) {
+		t.Fatalf("snapshot of a removed node: %v", err)
 	}
 	if got := get(t, ctx, st, sb.ID); got.DeletedAt == nil || got.NodeID != "" || !strings.Contains(got.StatusReason, "was removed") {
 		t.Fatalf("sandbox of a removed node: %+v", got)
