@@ -222,6 +222,10 @@ func (n *Node) Run(ctx context.Context) error {
 		return err
 	}
 	n.epoch = reg.Epoch
+	if reg.DeadReason != "" {
+		n.log.Warn("node returns after being marked dead; its lost sandboxes stay failed and what is left of them is reclaimed",
+			"node", n.cfg.Name, "was", reg.DeadReason)
+	}
 	n.log.Info("node registered", "node", n.cfg.Name, "id", n.cfg.ID, "epoch", n.epoch, "runtime", info.Name, "version", info.Version,
 		"capacity_cpu", n.cfg.Capacity.CPU, "capacity_memory_mb", n.cfg.Capacity.MemoryMB, "capacity_disk_mb", n.cfg.Capacity.DiskMB,
 		"cordoned", reg.Cordoned)
@@ -314,8 +318,8 @@ func (n *Node) heartbeat(ctx context.Context) error {
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
-			return fmt.Errorf("node %s was fenced (marked dead after missed heartbeats, removed, or taken over by "+
-				"another process): it stops and, restarted, registers again and reclaims what it holds: %w", n.cfg.Name, err)
+			return fmt.Errorf("node %s was fenced (another process took over its id, or it was marked dead after missed "+
+				"heartbeats, or removed): it stops and, restarted, registers again and reclaims what it holds: %w", n.cfg.Name, err)
 		default:
 			n.log.Warn("heartbeat failed", "err", err)
 		}

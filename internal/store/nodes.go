@@ -47,21 +47,23 @@ type Node struct {
 }
 
 // RegisterNode creates or updates a node's row at start-up and bumps its epoch, which
-// fences writes by an older incarnation of the same node.
+// fences writes by an older incarnation of the same node. A node that was dead is alive
+// again: n.DeadReason says why it had been marked dead ('' when it had not).
 func (s *Store) RegisterNode(ctx context.Context, n *Node) error {
 	info, err := json.Marshal(n.RuntimeInfo)
 	if err != nil {
 		return err
 	}
 	a := n.Allocatable
-	err = s.pool.QueryRow(ctx, `INSERT INTO nodes (id, name, runtime, runtime_info, data_plane_url, alloc_cpu, alloc_memory_mb, alloc_disk_mb)
+	err = s.pool.QueryRow(ctx, `WITH prev AS (SELECT dead_reason FROM nodes WHERE id=$1)
+		INSERT INTO nodes (id, name, runtime, runtime_info, data_plane_url, alloc_cpu, alloc_memory_mb, alloc_disk_mb)
 		VALUES ($1,$2,$3,$4,$5,$6,$7,$8)
 		ON CONFLICT (id) DO UPDATE SET name=$2, runtime=$3, runtime_info=$4, data_plane_url=$5,
 			alloc_cpu=$6, alloc_memory_mb=$7, alloc_disk_mb=$8, dead_reason='',
 			epoch=nodes.epoch+1, state='alive', started_at=now(), heartbeat_at=now()
-		RETURNING epoch, started_at, heartbeat_at, cordoned`, n.ID, n.Name, n.Runtime, info, n.DataPlaneURL,
-		a.CPU, a.MemoryMB, a.DiskMB).
-		Scan(&n.Epoch, &n.StartedAt, &n.HeartbeatAt, &n.Cordoned)
+		RETURNING epoch, started_at, heartbeat_at, cordoned, coalesce((SELECT dead_reason FROM prev), '')`,
+		n.ID, n.Name, n.Runtime, info, n.DataPlaneURL, a.CPU, a.MemoryMB, a.DiskMB).
+		Scan(&n.Epoch, &n.StartedAt, &n.HeartbeatAt, &n.Cordoned, &n.DeadReason)
 	if isUniqueViolation(err) {
 		return fault.New(fault.Conflict, "register node: another node (another id) is registered as %q; "+
 			"if it is gone for good, remove it with `space node rm %s`, or pick another --node-name", n.Name, n.Name)

@@ -371,7 +371,9 @@ func TestNodes(t *testing.T) {
 	if err := st.Heartbeat(ctx, "n1", n2.Epoch, ""); !errors.Is(err, store.ErrFenced) {
 		t.Fatalf("heartbeat of a dead node's old incarnation: %v", err)
 	}
-	registerNode(t, ctx, st, "n1")
+	if back := registerNode(t, ctx, st, "n1"); !strings.Contains(back.DeadReason, "stopped sending heartbeats") {
+		t.Fatalf("a returning node is not told it was dead: %+v", back)
+	}
 	if got, _ := st.GetNode(ctx, "n1"); got.State != store.NodeAlive || got.DeadReason != "" {
 		t.Fatalf("state after re-registering: %s %q", got.State, got.DeadReason)
 	}
