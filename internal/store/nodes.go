@@ -48,7 +48,7 @@ type Node struct {
 
 // RegisterNode creates or updates a node's row at start-up and bumps its epoch, which
 // fences writes by an older incarnation of the same node. A node that was dead is alive
-// again: n.DeadReason says why it had been marked dead (” when it had not).
+// again: n.DeadReason says why it had been marked dead (empty when it had not).
 func (s *Store) RegisterNode(ctx context.Context, n *Node) error {
 	info, err := json.Marshal(n.RuntimeInfo)
 	if err != nil {
