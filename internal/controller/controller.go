@@ -53,6 +53,9 @@ type Controller struct {
 	st   *store.Store
 	log  *slog.Logger
 	kick chan struct{}
+	// leading is when this replica last became leader: nodes are judged by their
+	// heartbeats only after a full NodeTimeout of watching them (markDead).
+	leading time.Time
 }
 
 // New returns a controller.
@@ -149,6 +152,7 @@ func (c *Controller) campaign(ctx context.Context) (*pgx.Conn, error) {
 }
 
 func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
+	c.leading = time.Now()
 	resync := time.NewTicker(c.cfg.Resync)
 	defer resync.Stop()
 	ttl := time.NewTicker(time.Second)
@@ -189,6 +193,12 @@ func (c *Controller) pass(ctx context.Context) {
 // markDead marks nodes that missed their heartbeats dead, fences them and settles
 // their sandboxes (store.MarkDeadNodes): lost, kept on the node's disk, or deleted.
 func (c *Controller) markDead(ctx context.Context) {
+	// A leader that just took over (after a restart of the whole service, say) has not
+	// watched the nodes for NodeTimeout yet: heartbeats that went stale while nobody
+	// led say nothing about the nodes, which are registering again meanwhile.
+	if time.Since(c.leading) < c.cfg.NodeTimeout {
+		return
+	}
 	dead, err := c.st.MarkDeadNodes(ctx, time.Now().Add(-c.cfg.NodeTimeout))
 	if err != nil {
 		c.log.Warn("mark dead nodes", "err", err)

@@ -1,6 +1,7 @@
 package controller_test
 
 import (
+	"context"
 	"errors"
 	"slices"
 	"strings"
@@ -161,4 +162,34 @@ func TestDeadNodeSandboxes(t *testing.T) {
 func isConflict(err error, msg string) bool {
 	var e *client.Error
 	return errors.As(err, &e) && e.Status == 409 && strings.Contains(e.Message, msg)
+}
+
+// A controller that just became leader judges no node before it has watched them for
+// NodeTimeout: a heartbeat that went stale while nobody led (the whole service was
+// restarting) does not kill the node at once.
+func TestNewLeaderWatchesBeforeJudging(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{NoNode: true, NoController: true})
+	if err := s.Store.RegisterNode(ctx(t), &store.Node{ID: "stale", Name: "stale", Runtime: "fake", DataPlaneURL: s.URL}); err != nil {
+		t.Fatal(err)
+	}
+	db := s.Store.DB()
+	defer db.Close()
+	if _, err := db.ExecContext(ctx(t), `UPDATE nodes SET heartbeat_at = now() - interval '1 hour' WHERE id='stale'`); err != nil {
+		t.Fatal(err)
+	}
+	const timeout = 2 * time.Second
+	c, cancel := context.WithCancel(ctx(t))
+	done := make(chan error, 1)
+	t.Cleanup(func() { cancel(); <-done })
+	start := time.Now()
+	go func() {
+		done <- controller.New(controller.Config{Store: s.Store, NodeTimeout: timeout, Resync: 100 * time.Millisecond}).Run(c)
+	}()
+	s.Eventually(15*time.Second, "the stale node to be marked dead", func() bool {
+		n, err := s.Store.GetNode(ctx(t), "stale")
+		return err == nil && n.State == store.NodeDead
+	})
+	if d := time.Since(start); d < timeout {
+		t.Fatalf("marked dead %s after the controller started leading, before watching for %s", d, timeout)
+	}
 }
