@@ -92,6 +92,7 @@ func TestDeadNodeSandboxes(t *testing.T) {
 	}
 	s.WaitOp(op.ID, api.OpSucceeded)
 	doomed := s.Create(api.CreateSandboxRequest{})
+	expiring := s.Create(api.CreateSandboxRequest{})
 
 	s.StopNode() // like a kill -9: its instances keep running, nobody heartbeats
 	s.Eventually(20*time.Second, "the node to be marked dead", func() bool {
@@ -126,6 +127,15 @@ func TestDeadNodeSandboxes(t *testing.T) {
 	if op := s.WaitOp(del.ID, api.OpSucceeded); !strings.Contains(op.Message, "deleted at once") {
 		t.Fatalf("delete on a dead node: %+v", op)
 	}
+	// A TTL that ends on a dead node deletes at once too.
+	now := time.Now()
+	if err := s.Store.SetExpiry(ctx(t), expiring.ID, &now, "delete"); err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(10*time.Second, "the expired sandbox on the dead node to be deleted", func() bool {
+		sb, err := s.C.GetSandbox(ctx(t), expiring.ID)
+		return err == nil && sb.State == api.StateDeleted
+	})
 	if d := time.Since(start); d > 10*time.Second {
 		t.Fatalf("requests on a dead node's sandboxes took %s", d)
 	}
