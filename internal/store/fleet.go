@@ -57,7 +57,7 @@ func (s *Store) SetCordoned(ctx context.Context, ref string, on bool) (*Node, er
 		// Pending sandboxes may fit now.
 		_ = s.Notify(ctx, ChannelController, "")
 	}
-	return s.GetNode(ctx, id)
+	return s.FindNode(ctx, id)
 }
 
 // DeadNode is a node MarkDeadNodes marked dead, with what became of its sandboxes.

@@ -152,7 +152,7 @@ func TestDeadNodeSettlesItsSandboxes(t *testing.T) {
 	if op, _ := st.GetOperation(ctx, delOp.ID); op.State != api.OpSucceeded || !strings.Contains(op.Message, "deleted at once") {
 		t.Fatalf("delete op: %+v", op)
 	}
-	node, _ := st.GetNode(ctx, "n1")
+	node, _ := st.FindNode(ctx, "n1")
 	if node.State != store.NodeDead || node.DeadReason != d.Reason || node.Epoch != n.Epoch+1 || node.Used.CPU != 0 {
 		t.Fatalf("dead node row %+v", node)
 	}
@@ -190,6 +190,11 @@ func TestDeadNodeSettlesItsSandboxes(t *testing.T) {
 	}
 	if op, _ := st.GetOperation(ctx, delNow.ID); op.State != api.OpSucceeded {
 		t.Fatalf("delete on a dead node: %+v", op)
+	}
+	// The node returns: what it kept no longer says it waits for it.
+	registerNode(t, ctx, st, "n1")
+	if got := get(t, ctx, st, waking.ID); got.StatusReason != "its node returned" || got.State != api.StateStopped {
+		t.Fatalf("kept sandbox after its node returned: %s %q", got.State, got.StatusReason)
 	}
 }
 

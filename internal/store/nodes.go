@@ -37,7 +37,8 @@ type Node struct {
 	// DiskLow says why the node refuses new disk use ('' when it has room).
 	DiskLow string
 	// Allocatable is what the node offers its sandboxes (0 in a field: not reported,
-	// unbounded); Used is what the sandboxes placed on it take of it (see usedSQL).
+	// unbounded); Used is what the sandboxes placed on it take of it (see usedSQL;
+	// not filled by GetNode).
 	Allocatable Resources
 	Used        Resources
 	// Cordoned nodes get no new placements.
@@ -64,6 +65,11 @@ func (s *Store) RegisterNode(ctx context.Context, n *Node) error {
 		RETURNING epoch, started_at, heartbeat_at, cordoned, coalesce((SELECT dead_reason FROM prev), '')`,
 		n.ID, n.Name, n.Runtime, info, n.DataPlaneURL, a.CPU, a.MemoryMB, a.DiskMB).
 		Scan(&n.Epoch, &n.StartedAt, &n.HeartbeatAt, &n.Cordoned, &n.DeadReason)
+	if err == nil && n.DeadReason != "" {
+		// Its kept sandboxes no longer wait for it.
+		_, err = s.pool.Exec(ctx, `UPDATE sandboxes SET status_reason='its node returned', updated_at=now()
+			WHERE node_id=$1 AND deleted_at IS NULL AND status_reason LIKE 'its node is dead:%'`, n.ID)
+	}
 	if isUniqueViolation(err) {
 		return fault.New(fault.Conflict, "register node: another node (another id) is registered as %q; "+
 			"if it is gone for good, remove it with `space node rm %s`, or pick another --node-name", n.Name, n.Name)
@@ -88,9 +94,14 @@ func (s *Store) Heartbeat(ctx context.Context, id string, epoch int64, diskLow s
 	return nil
 }
 
-var nodeCols = `n.id, n.name, n.runtime, n.runtime_info, n.data_plane_url, n.epoch, n.state, n.started_at, n.heartbeat_at,
+// nodeCols are a node's columns with its usage (ListNodes, FindNode); nodeColsLight
+// leave the usage out (GetNode, on the path of every data-plane request).
+var (
+	nodeColsLight = `n.id, n.name, n.runtime, n.runtime_info, n.data_plane_url, n.epoch, n.state, n.started_at, n.heartbeat_at,
 	(SELECT count(*) FROM sandboxes s WHERE s.node_id=n.id AND s.deleted_at IS NULL), n.disk_low,
-	n.alloc_cpu, n.alloc_memory_mb, n.alloc_disk_mb, n.cordoned, n.dead_reason, ` + usedSQL
+	n.alloc_cpu, n.alloc_memory_mb, n.alloc_disk_mb, n.cordoned, n.dead_reason, `
+	nodeCols = nodeColsLight + usedSQL
+)
 
 func scanNode(row pgx.Row) (*Node, error) {
 	var n Node
@@ -126,9 +137,10 @@ func (s *Store) ListNodes(ctx context.Context) ([]*Node, error) {
 	return out, rows.Err()
 }
 
-// GetNode returns one node.
+// GetNode returns one node, without its usage (Node.Used is zero: ListNodes and
+// FindNode compute it).
 func (s *Store) GetNode(ctx context.Context, id string) (*Node, error) {
-	n, err := scanNode(s.pool.QueryRow(ctx, `SELECT `+nodeCols+` FROM nodes n WHERE n.id=$1`, id))
+	n, err := scanNode(s.pool.QueryRow(ctx, `SELECT `+nodeColsLight+`NULL::bigint[] FROM nodes n WHERE n.id=$1`, id))
 	if err != nil {
 		return nil, notFound(err, "node", id)
 	}
