@@ -104,8 +104,12 @@ func (s *Store) MarkDeadNodes(ctx context.Context, before time.Time) ([]DeadNode
 			if d.Lost, d.Kept, d.Deleted, err = tx.settleOnDeadNode(ctx, c.id, "", d.Reason); err != nil {
 				return err
 			}
-			// Named snapshots it was taking will not be finished.
+			// Named snapshots it was taking and template builds queued on it or
+			// running there will not be finished.
 			if _, err := tx.dropNodeSnapshots(ctx, c.id, true, "its node is dead: "+d.Reason); err != nil {
+				return err
+			}
+			if err := tx.failNodeBuilds(ctx, c.id, "its node is dead: "+d.Reason); err != nil {
 				return err
 			}
 			out = append(out, d)
@@ -300,6 +304,9 @@ func (s *Store) RemoveNode(ctx context.Context, ref string) (*RemovedNode, error
 		if out.Snapshots, err = tx.dropNodeSnapshots(ctx, n.ID, false, why); err != nil {
 			return err
 		}
+		if err := tx.failNodeBuilds(ctx, n.ID, why); err != nil {
+			return err
+		}
 		if _, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET node_id=NULL WHERE node_id=$1`, n.ID); err != nil {
 			return err
 		}
@@ -345,4 +352,19 @@ func (s *Store) SetPendingReason(ctx context.Context, id, reason string) error {
 	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET status_reason=$2 WHERE id=$1 AND node_id IS NULL
 		AND deleted_at IS NULL AND status_reason <> $2`, id, reason)
 	return err
+}
+
+// failNodeBuilds fails the unfinished template builds assigned to a node with why.
+func (t *Tx) failNodeBuilds(ctx context.Context, nodeID, why string) error {
+	ops, err := t.ids(ctx, `UPDATE operations SET state=$3, message='failed', error=$4, updated_at=now(), done_at=now()
+		WHERE kind=$1 AND done_at IS NULL AND params->>'node'=$2 RETURNING id`, api.OpTemplateBuild, nodeID, api.OpFailed, why)
+	if err != nil {
+		return err
+	}
+	for _, id := range ops {
+		if err := t.Notify(ctx, ChannelOperations, id); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -100,6 +100,10 @@ func TestDeadNodeSettlesItsSandboxes(t *testing.T) {
 	_, delOp := setDesired(t, ctx, st, deleting.ID, api.StateDeleted, "", api.OpDelete)
 
 	_, snapOp := snapshotOf(t, st, resting, "taking", true)
+	build := &store.Operation{ID: "op-build", Kind: api.OpTemplateBuild, Tenant: "default", Params: map[string]any{"node": "n1"}}
+	if err := st.CreateBuildOperation(ctx, build, "n1"); err != nil {
+		t.Fatal(err)
+	}
 	kept, _ := snapshotOf(t, st, resting, "kept", false)
 
 	dead, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour))
@@ -110,6 +114,9 @@ func TestDeadNodeSettlesItsSandboxes(t *testing.T) {
 	// stays for when the node returns.
 	if op, _ := st.GetOperation(ctx, snapOp.ID); op.State != api.OpFailed || !strings.Contains(op.Error, "its node is dead") {
 		t.Fatalf("snapshot op on a dead node: %+v", op)
+	}
+	if op, _ := st.GetOperation(ctx, build.ID); op.State != api.OpFailed || !strings.Contains(op.Error, "its node is dead") {
+		t.Fatalf("template build on a dead node: %+v", op)
 	}
 	if _, err := st.GetSnapshot(ctx, "snap-taking"); !fault.Is(err, fault.NotFound) {
 		t.Fatalf("snapshot being taken on a dead node: %v", err)
