@@ -47,7 +47,7 @@ snapshot of a suspended one.`,
 		},
 	})
 	cordon := func(on bool) *cobra.Command {
-		use, short := "cordon NODE", "Stop placing new sandboxes on a node (what runs there keeps running)"
+		use, short := "cordon NODE", "Stop placing new sandboxes and template builds on a node (what runs there keeps running)"
 		if !on {
 			use, short = "uncordon NODE", "Place new sandboxes on a cordoned node again"
 		}
