@@ -433,6 +433,31 @@ type Node struct {
 	State        string    `json:"state"` // alive, dead
 	HeartbeatAt  time.Time `json:"heartbeat_at"`
 	Sandboxes    int       `json:"sandboxes"`
+	// Cordoned nodes get no new placements.
+	Cordoned bool `json:"cordoned,omitempty"`
+	// DeadReason says why and since when a dead node is dead.
+	DeadReason string `json:"dead_reason,omitempty"`
+	// Capacity is what the node offers its sandboxes (0 in a field: unbounded); Used
+	// what its sandboxes take of it (docs/operations.md, "Capacity and placement").
+	Capacity NodeResources `json:"capacity"`
+	Used     NodeResources `json:"used"`
+}
+
+// NodeResources is an amount of what a node offers its sandboxes.
+type NodeResources struct {
+	CPU      int   `json:"cpu"`
+	MemoryMB int64 `json:"memory_mb"`
+	DiskMB   int64 `json:"disk_mb"`
+}
+
+// RemovedNode is the body of DELETE /v1/nodes/{name}.
+type RemovedNode struct {
+	Node Node `json:"node"`
+	// SandboxesDeleted counts the sandboxes still recorded on the (dead) node, deleted
+	// with it.
+	SandboxesDeleted int `json:"sandboxes_deleted"`
+	// SnapshotsDeleted counts the named snapshots kept on the node, deleted with it.
+	SnapshotsDeleted int `json:"snapshots_deleted"`
 }
 
 // Template describes a template release.

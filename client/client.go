@@ -323,6 +323,24 @@ func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
 	return out.Nodes, c.do(ctx, http.MethodGet, "/v1/nodes", nil, &out, nil)
 }
 
+// CordonNode cordons (on) or uncordons a node by name or id: a cordoned node gets no
+// new placements.
+func (c *Client) CordonNode(ctx context.Context, name string, on bool) (*api.Node, error) {
+	verb := "/cordon"
+	if !on {
+		verb = "/uncordon"
+	}
+	var n api.Node
+	return &n, c.do(ctx, http.MethodPost, "/v1/nodes/"+url.PathEscape(name)+verb, nil, &n, nil)
+}
+
+// RemoveNode removes a dead node, or a cordoned one that holds no sandbox, freeing its
+// name.
+func (c *Client) RemoveNode(ctx context.Context, name string) (*api.RemovedNode, error) {
+	var rm api.RemovedNode
+	return &rm, c.do(ctx, http.MethodDelete, "/v1/nodes/"+url.PathEscape(name), nil, &rm, nil)
+}
+
 // ListTemplates lists template releases.
 func (c *Client) ListTemplates(ctx context.Context) ([]api.Template, error) {
 	var out struct {

@@ -92,6 +92,11 @@ type serveConfig struct {
 	metricsListen  string
 	quota          store.Quota
 	net            netConfig
+	capacity       string
+	dbMaxConns     int32
+	placement      string
+	placeTimeout   time.Duration
+	nodeTimeout    time.Duration
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -140,6 +145,7 @@ that have none of their own (-1: unlimited).`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
+	f.Int32Var(&c.dbMaxConns, "database-max-conns", 0, "size of this process's PostgreSQL connection pool (0: the URL's pool_max_conns, at least 16); the process opens up to 7 more connections of its own, by role (docs/operations.md, \"Connection budget\")")
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
@@ -190,6 +196,10 @@ that have none of their own (-1: unlimited).`,
 	} {
 		f.Var(quotaFlag{c.quota, q.name}, "quota-"+strings.ReplaceAll(q.name, "_", "-"), "default quota: "+q.help+"; -1 unlimited")
 	}
+	f.StringVar(&c.capacity, "capacity", "", "what this node offers its sandboxes: comma-separated cpu=N (vCPUs in total), memory=MiB, disk=MiB; omitted keys keep their default, 0 is unbounded (default: vCPUs unbounded, memory 2 × (host memory − max(1 GiB, 10 %)), disk the store's size minus --disk-reserve; docs/operations.md)")
+	f.StringVar(&c.placement, "placement", string(controller.Spread), "controller: placement policy among the nodes a sandbox fits on: spread (most room left first) or pack (fullest first); nodes holding the sandbox's template release come first either way")
+	f.DurationVar(&c.placeTimeout, "place-timeout", controller.DefaultPlaceTimeout, "controller: how long a sandbox that fits on no node (runtime, capacity, cordons) stays pending before its create fails with the reason")
+	f.DurationVar(&c.nodeTimeout, "node-timeout", controller.DefaultNodeTimeout, "controller: how long a node may miss heartbeats before it is marked dead and fenced (its running sandboxes are lost)")
 	f.StringVar(&c.net.mode, "network", envOr("SPACE_NETWORK", "auto"), "sandbox networking: auto (on when running as root), on (fail if it cannot start) or off (env SPACE_NETWORK)")
 	f.StringVar(&c.net.uplink, "egress-interface", "", "interface sandbox egress leaves by (default: the default route's)")
 	f.StringVar(&c.net.allow, "network-allow", "", "comma-separated CIDRs sandboxes may be allowed to reach although they are private, link-local or otherwise always denied (e.g. an internal package mirror)")
@@ -245,7 +255,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		dbURL = pg.URL()
 		log.Info("embedded PostgreSQL running", "dir", filepath.Join(dataDir, "postgres"))
 	}
-	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log})
+	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log, MaxConns: c.dbMaxConns})
 	if err != nil {
 		return err
 	}
@@ -324,7 +334,12 @@ func serve(ctx context.Context, c *serveConfig) error {
 		}
 	}
 	if c.has("controller") {
-		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller")})
+		policy, err := controller.ParsePolicy(c.placement)
+		if err != nil {
+			return fmt.Errorf("--placement: %w", err)
+		}
+		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller"),
+			Placement: policy, PlaceTimeout: c.placeTimeout, NodeTimeout: c.nodeTimeout})
 		run("controller", ctl.Run)
 	}
 	if c.has("node") {
@@ -503,10 +518,12 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		return nil, nil, nil, err
 	}
 	var (
-		disk    node.Disk
-		rt      runtime.Runtime
-		why     string
-		builder node.TemplateBuilder
+		disk       node.Disk
+		rt         runtime.Runtime
+		why        string
+		builder    node.TemplateBuilder
+		storeBytes int64
+		reserve    float64
 	)
 	if c.runtime == "fake" {
 		if rt, disk, err = testRuntime(dataDir, agent, log); err != nil {
@@ -514,7 +531,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		}
 		why = "requested with --runtime fake (a test build)"
 	} else {
-		reserve, err := storage.ParseDiskReserve(c.diskReserve)
+		reserve, err = storage.ParseDiskReserve(c.diskReserve)
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("--disk-reserve: %w", err)
 		}
@@ -527,10 +544,17 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 			return nil, nil, nil, err
 		}
 		disk = store
+		if fss, err := store.Space(); err == nil && len(fss) > 0 {
+			storeBytes = fss[0].TotalBytes // the btrfs volume's own size
+		}
 		builder = &template.Builder{Store: store, Logger: log.With("component", "template"), Mirror: c.mirror,
 			CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources}
 	}
 	log.Info("runtime selected", "reason", why)
+	capacity, err := node.ParseCapacity(c.capacity, node.DefaultCapacity(node.HostMemoryMB(), storeBytes, reserve))
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("--capacity: %w", err)
+	}
 	netMgr, err := c.net.startNetwork(ctx, dataDir, log)
 	if err != nil {
 		return nil, nil, nil, err
@@ -576,6 +600,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Signer:            signer,
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
+		Capacity:          capacity,
 	})
 	if err != nil {
 		if netMgr != nil {

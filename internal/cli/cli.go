@@ -59,7 +59,7 @@ func AddCommands(root *cobra.Command, env *Env) {
 		a.opCmd(),
 		a.apikeyCmd(),
 		a.tenantCmd(),
-		a.nodeCmd(),
+		a.nodesCmd(),
 		a.templateCmd(),
 		a.benchCmd(),
 		a.poolCmd(),

@@ -7,9 +7,7 @@ package controller
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
-	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -42,8 +40,11 @@ type Config struct {
 	Resync time.Duration
 	// Retention is how long deleted sandboxes and finished operations are kept.
 	Retention time.Duration
-	// PlaceTimeout is how long a sandbox no node can run waits before its create fails.
+	// PlaceTimeout is how long a sandbox no node can run (runtime, capacity, cordons)
+	// waits before its create fails.
 	PlaceTimeout time.Duration
+	// Placement is the placement policy (default Spread).
+	Placement Policy
 }
 
 // Controller runs the control loops.
@@ -52,6 +53,9 @@ type Controller struct {
 	st   *store.Store
 	log  *slog.Logger
 	kick chan struct{}
+	// leading is when this replica last became leader: nodes are judged by their
+	// heartbeats only after a full NodeTimeout of watching them (markDead).
+	leading time.Time
 }
 
 // New returns a controller.
@@ -67,6 +71,9 @@ func New(cfg Config) *Controller {
 	}
 	if cfg.PlaceTimeout == 0 {
 		cfg.PlaceTimeout = DefaultPlaceTimeout
+	}
+	if cfg.Placement == "" {
+		cfg.Placement = Spread
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -145,6 +152,7 @@ func (c *Controller) campaign(ctx context.Context) (*pgx.Conn, error) {
 }
 
 func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
+	c.leading = time.Now()
 	resync := time.NewTicker(c.cfg.Resync)
 	defer resync.Stop()
 	ttl := time.NewTicker(time.Second)
@@ -182,18 +190,30 @@ func (c *Controller) pass(ctx context.Context) {
 	c.expire(ctx)
 }
 
+// markDead marks nodes that missed their heartbeats dead, fences them and settles
+// their sandboxes (store.MarkDeadNodes): lost, kept on the node's disk, or deleted.
 func (c *Controller) markDead(ctx context.Context) {
+	// A leader that just took over (after a restart of the whole service, say) has not
+	// watched the nodes for NodeTimeout yet: heartbeats that went stale while nobody
+	// led say nothing about the nodes, which are registering again meanwhile.
+	if time.Since(c.leading) < c.cfg.NodeTimeout {
+		return
+	}
 	dead, err := c.st.MarkDeadNodes(ctx, time.Now().Add(-c.cfg.NodeTimeout))
 	if err != nil {
 		c.log.Warn("mark dead nodes", "err", err)
 		return
 	}
-	for _, id := range dead {
-		c.log.Warn("node missed its heartbeats; marked dead", "node", id)
+	for _, d := range dead {
+		c.log.Warn("node missed its heartbeats; marked dead and fenced", "node", d.Name, "id", d.ID, "why", d.Reason,
+			"lost_sandboxes", d.Lost, "kept_sandboxes", d.Kept, "deleted_sandboxes", d.Deleted)
 	}
 }
 
-// schedule places pending sandboxes on nodes.
+// schedule places pending sandboxes on nodes (Pick). One that fits nowhere waits,
+// with the reason on the sandbox and its create operation, and fails with that reason
+// after PlaceTimeout — unless no node is alive at all: then it waits for one (a whole
+// fleet restarting must not fail every create made meanwhile).
 func (c *Controller) schedule(ctx context.Context) {
 	pending, err := c.st.PendingSandboxes(ctx, 500)
 	if err != nil {
@@ -208,22 +228,27 @@ func (c *Controller) schedule(ctx context.Context) {
 		c.log.Warn("list nodes", "err", err)
 		return
 	}
-	load := map[string]int{}
-	for _, n := range nodes {
-		load[n.ID] = n.Sandboxes
+	releases, err := c.st.NodeReleases(ctx)
+	if err != nil {
+		c.log.Warn("list node releases", "err", err)
+		return
 	}
 	for _, sb := range pending {
 		if sb.DesiredState == api.StateDeleted {
 			c.finishUnscheduledDelete(ctx, sb)
 			continue
 		}
-		n, why := Pick(nodes, load, sb.Spec.Runtime)
+		want := Want{Runtime: sb.Spec.Runtime, CPU: sb.Spec.CPU, MemoryMB: int64(sb.Spec.MemoryMB),
+			DiskMB: store.DefaultDiskEstimateMB, Digest: sb.TemplateDigest}
+		n, why := Pick(nodes, want, c.cfg.Placement, releases)
 		if n == nil {
-			if sb.Spec.Runtime != "" && time.Since(sb.CreatedAt) > c.cfg.PlaceTimeout {
+			if why != NoNodeAlive && time.Since(sb.CreatedAt) > c.cfg.PlaceTimeout {
 				c.failUnplaceable(ctx, sb, why)
 				continue
 			}
-			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "waiting for a node: "+why)
+			reason := "waiting for a node: " + why
+			_ = c.st.SetPendingReason(ctx, sb.ID, reason)
+			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, reason)
 			continue
 		}
 		ok, err := c.st.AssignNode(ctx, sb.ID, n.ID, n.Runtime)
@@ -232,36 +257,15 @@ func (c *Controller) schedule(ctx context.Context) {
 			continue
 		}
 		if ok {
-			load[n.ID]++
+			n.Sandboxes++
+			n.Used.CPU += want.CPU
+			n.Used.MemoryMB += want.MemoryMB
+			n.Used.DiskMB += want.DiskMB
 			c.log.Info("scheduled sandbox", "sandbox", sb.ID, "node", n.Name)
+			_ = c.st.SetPendingReason(ctx, sb.ID, "scheduled on node "+n.Name)
 			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "scheduled on node "+n.Name)
 		}
 	}
-}
-
-// Pick chooses the alive node with the fewest sandboxes that offers runtime (any when
-// empty). It returns nil and the reason when none fits.
-func Pick(nodes []*store.Node, load map[string]int, runtime string) (*store.Node, string) {
-	var fit []*store.Node
-	alive := 0
-	for _, n := range nodes {
-		if n.State != store.NodeAlive {
-			continue
-		}
-		alive++
-		if runtime != "" && n.Runtime != runtime {
-			continue
-		}
-		fit = append(fit, n)
-	}
-	if len(fit) == 0 {
-		if alive == 0 {
-			return nil, "no node is alive"
-		}
-		return nil, fmt.Sprintf("no alive node offers runtime %q", runtime)
-	}
-	sort.SliceStable(fit, func(i, j int) bool { return load[fit[i].ID] < load[fit[j].ID] })
-	return fit[0], ""
 }
 
 func (c *Controller) finishUnscheduledDelete(ctx context.Context, sb *store.Sandbox) {

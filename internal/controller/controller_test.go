@@ -87,21 +87,3 @@ func TestDeadNodes(t *testing.T) {
 		return err == nil && n.State == store.NodeDead
 	})
 }
-
-func TestPick(t *testing.T) {
-	nodes := []*store.Node{
-		{ID: "a", Runtime: "gvisor", State: store.NodeAlive},
-		{ID: "b", Runtime: "gvisor", State: store.NodeAlive},
-		{ID: "c", Runtime: "qemu", State: store.NodeDead},
-	}
-	n, _ := controller.Pick(nodes, map[string]int{"a": 3, "b": 1}, "")
-	if n == nil || n.ID != "b" {
-		t.Fatalf("picked %+v", n)
-	}
-	if n, why := controller.Pick(nodes, nil, "qemu"); n != nil || !strings.Contains(why, "qemu") {
-		t.Fatalf("qemu: %+v %s", n, why)
-	}
-	if n, why := controller.Pick(nodes[2:], nil, ""); n != nil || why != "no node is alive" {
-		t.Fatalf("none alive: %+v %s", n, why)
-	}
-}

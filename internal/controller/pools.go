@@ -45,7 +45,14 @@ func (c *Controller) request(ctx context.Context, id, desired, kind, reason stri
 		if cur.DeletedAt != nil || !ok(cur) {
 			return nil
 		}
-		return tx.SetDesiredState(ctx, cur, desired, reason, op)
+		if err := tx.SetDesiredState(ctx, cur, desired, reason, op); err != nil {
+			return err
+		}
+		if desired == api.StateDeleted {
+			// On a dead node nothing would act on it: deleted at once.
+			_, err = tx.DeleteIfNodeDead(ctx, cur)
+		}
+		return err
 	})
 }
 

@@ -97,6 +97,9 @@ type Config struct {
 	// Signer verifies the api role's node tokens on the node's internal routes
 	// (RegisterRoutes).
 	Signer *token.Signer
+	// Capacity is what the node offers its sandboxes, published at registration for
+	// the scheduler (0 in a field: unbounded; space serve --capacity, DefaultCapacity).
+	Capacity store.Resources
 }
 
 // Node is a running node role.
@@ -213,12 +216,19 @@ func (n *Node) Run(ctx context.Context) error {
 	for k, v := range hostCapacity(n.cfg.RuntimeReason) {
 		details[k] = v
 	}
-	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL}
+	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
+		Allocatable: n.cfg.Capacity}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {
 		return err
 	}
 	n.epoch = reg.Epoch
-	n.log.Info("node registered", "node", n.cfg.Name, "id", n.cfg.ID, "epoch", n.epoch, "runtime", info.Name, "version", info.Version)
+	if reg.DeadReason != "" {
+		n.log.Warn("node returns after being marked dead; its lost sandboxes stay failed and what is left of them is reclaimed",
+			"node", n.cfg.Name, "was", reg.DeadReason)
+	}
+	n.log.Info("node registered", "node", n.cfg.Name, "id", n.cfg.ID, "epoch", n.epoch, "runtime", info.Name, "version", info.Version,
+		"capacity_cpu", n.cfg.Capacity.CPU, "capacity_memory_mb", n.cfg.Capacity.MemoryMB, "capacity_disk_mb", n.cfg.Capacity.DiskMB,
+		"cordoned", reg.Cordoned)
 
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
@@ -308,7 +318,8 @@ func (n *Node) heartbeat(ctx context.Context) error {
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
-			return fmt.Errorf("another process took over node %s: %w", n.cfg.Name, err)
+			return fmt.Errorf("node %s was fenced (another process took over its id, or it was marked dead after missed "+
+				"heartbeats, or removed): it stops and, restarted, registers again and reclaims what it holds: %w", n.cfg.Name, err)
 		default:
 			n.log.Warn("heartbeat failed", "err", err)
 		}
@@ -397,8 +408,13 @@ func (n *Node) recover(ctx context.Context) error {
 		return err
 	}
 	live := map[string]bool{}
+	// A failed sandbox runs nothing: a sandbox lost while its node was dead (or
+	// fenced) must not come back to life with the node, so its instance, if it
+	// survived, is reclaimed; its disk stays until it is deleted.
+	runs := map[string]bool{}
 	for _, sb := range list {
 		live[sb.ID] = true
+		runs[sb.ID] = sb.State != "failed"
 		if sb.State != "running" || sb.DesiredState != "running" || sb.Transition != "" {
 			continue // anything else is adopted (or not) by its worker's plan
 		}
@@ -415,7 +431,7 @@ func (n *Node) recover(ctx context.Context) error {
 		return fmt.Errorf("list runtime instances: %w", err)
 	}
 	for _, in := range instances {
-		if !live[in.ID] {
+		if !runs[in.ID] {
 			n.log.Warn("reclaiming orphan runtime instance", "instance", in.ID)
 			if err := n.rt.Destroy(ctx, in.ID); err != nil {
 				n.log.Warn("destroy orphan", "instance", in.ID, "err", err)

@@ -93,6 +93,7 @@ func (a *API) Handler() http.Handler {
 	authed("GET /v1/apikeys", a.listAPIKeys)
 	authed("DELETE /v1/apikeys/{id}", a.revokeAPIKey)
 	authed("GET /v1/nodes", a.listNodes)
+	a.registerNodes(authed)
 	a.registerTenants(authed)
 	a.registerTemplates(authed)
 	a.registerNetwork(authed)

@@ -216,6 +216,19 @@ func TestTenancyMatrix(t *testing.T) {
 			}
 			continue
 		}
+		if strings.HasPrefix(path, "/v1/nodes/{name}") {
+			// Nodes are the operator's, not a tenant's: every other key is refused,
+			// whether the node exists or not.
+			for name, cred := range map[string]string{"admin key": e.bAdmin, "member key": e.bMember} {
+				for _, node := range []string{e.s.NodeID, "nosuchnode"} {
+					if got := e.do(method, strings.ReplaceAll(path, "{name}", node), cred, ""); got.code != http.StatusForbidden {
+						t.Errorf("%s with b's %s on node %s: %d %s, want 403", route, name, node, got.code, got.body)
+					}
+					n++
+				}
+			}
+			continue
+		}
 		target, other, creds, ok := e.resolve(method, path, missing)
 		if !ok {
 			t.Errorf("%s: no tenancy case for its path parameters (add its resource to tenancy.resolve)", route)

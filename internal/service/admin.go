@@ -149,8 +149,7 @@ func (s *Service) Nodes(ctx context.Context, p *Principal) ([]api.Node, error) {
 	}
 	out := make([]api.Node, 0, len(nodes))
 	for _, n := range nodes {
-		out = append(out, api.Node{ID: n.ID, Name: n.Name, Runtime: n.Runtime, RuntimeInfo: n.RuntimeInfo,
-			DataPlaneURL: n.DataPlaneURL, State: n.State, HeartbeatAt: n.HeartbeatAt, Sandboxes: n.Sandboxes})
+		out = append(out, nodeAPI(n))
 	}
 	return out, nil
 }

@@ -468,6 +468,9 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
 			return err
 		}
+		if err := s.nodeUp(ctx, sb); err != nil {
+			return err
+		}
 		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" {
 			if err := s.roomOn(ctx, sb.NodeID); err != nil {
 				return err
@@ -518,7 +521,16 @@ func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.O
 		if !visible(p, sb) || sb.DeletedAt != nil {
 			return notFound(id)
 		}
-		return tx.SetDesiredState(ctx, sb, api.StateDeleted, "", op)
+		if err := tx.SetDesiredState(ctx, sb, api.StateDeleted, "", op); err != nil {
+			return err
+		}
+		// On a dead node nothing would act on it: the delete completes now (the node
+		// reclaims what is left when it returns).
+		done, err := tx.DeleteIfNodeDead(ctx, sb)
+		if done {
+			op.State, op.Message = api.OpSucceeded, "deleted at once: its node is dead"
+		}
+		return err
 	})
 	if err != nil {
 		return nil, err
@@ -566,6 +578,9 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 			return notFound(id)
 		}
 		if err := lifecycle.Check(src.Lifecycle(), clone); err != nil {
+			return err
+		}
+		if err := s.nodeUp(ctx, src); err != nil {
 			return err
 		}
 		meta := req.Metadata

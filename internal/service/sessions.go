@@ -58,12 +58,21 @@ func (s *Service) target(ctx context.Context, sb *store.Sandbox) (*Target, error
 	if sb.DeletedAt != nil || sb.DesiredState == api.StateDeleted {
 		return nil, notFound(sb.ID)
 	}
-	if sb.State != api.StateRunning || sb.NodeID == "" {
+	if sb.State == api.StateFailed {
+		return nil, fault.New(fault.Conflict, "sandbox %s failed (%s); it must be running", sb.ID, sb.Error)
+	}
+	if sb.NodeID == "" {
 		return nil, fault.New(fault.Conflict, "sandbox %s is %s; it must be running", sb.ID, sb.State)
 	}
 	node, err := s.st.GetNode(ctx, sb.NodeID)
 	if err != nil {
 		return nil, err
+	}
+	if err := deadNode(sb, node); err != nil {
+		return nil, err
+	}
+	if sb.State != api.StateRunning {
+		return nil, fault.New(fault.Conflict, "sandbox %s is %s; it must be running", sb.ID, sb.State)
 	}
 	tok, _, err := s.cfg.Signer.Mint(token.Claims{Sandbox: sb.ID, Rights: []string{token.RightNode}, Epoch: sb.TokenEpoch}, nodeTokenTTL)
 	if err != nil {

@@ -60,6 +60,9 @@ func (s *Service) CreateSnapshot(ctx context.Context, p *Principal, sandboxID st
 		if err := lifecycle.Check(src.Lifecycle(), lifecycle.SnapshotVerb()); err != nil {
 			return err
 		}
+		if err := s.nodeUp(ctx, src); err != nil {
+			return err
+		}
 		if src.NodeID == "" {
 			return fault.New(fault.Conflict, "sandbox %s is not on a node yet", src.ID)
 		}

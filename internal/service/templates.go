@@ -253,9 +253,9 @@ func (s *Service) resolveRelease(ctx context.Context, tenant, raw string) (strin
 	return d, nil
 }
 
-// pickBuildNode returns the alive node with the fewest unfinished builds (then the
-// fewest sandboxes) whose published allowlist admits the spec's sources and which
-// holds the parent release, if any. A spec no node admits is fault.Forbidden.
+// pickBuildNode returns the alive, uncordoned node with the fewest unfinished builds
+// (then the fewest sandboxes) whose published allowlist admits the spec's sources and
+// which holds the parent release, if any. A spec no node admits is fault.Forbidden.
 func (s *Service) pickBuildNode(ctx context.Context, spec *template.Spec, parent string) (*store.Node, error) {
 	nodes, err := s.st.ListNodes(ctx)
 	if err != nil {
@@ -274,8 +274,8 @@ func (s *Service) pickBuildNode(ctx context.Context, spec *template.Spec, parent
 	missingParent := false
 	for _, n := range nodes {
 		list, ok := published[n.ID]
-		if n.State != store.NodeAlive || !ok {
-			continue
+		if n.State != store.NodeAlive || n.Cordoned || !ok {
+			continue // a cordoned node gets no new work
 		}
 		allowed, err := template.ParseSources(list...)
 		if err != nil {
@@ -310,6 +310,6 @@ func (s *Service) pickBuildNode(ctx context.Context, spec *template.Spec, parent
 	case missingParent:
 		return nil, fault.New(fault.Unavailable, "no alive node holds the files of %s", spec.From.Template)
 	default:
-		return nil, fault.New(fault.Unavailable, "no node can build templates now (none is alive, or none has started yet); retry shortly")
+		return nil, fault.New(fault.Unavailable, "no node can build templates now (none is alive and uncordoned, or none has started yet); retry shortly")
 	}
 }

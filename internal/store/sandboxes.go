@@ -360,7 +360,8 @@ func (s *Store) AssignNode(ctx context.Context, id, nodeID, runtime string) (boo
 	var ok bool
 	err := s.InTx(ctx, func(tx *Tx) error {
 		tag, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET node_id=$2, runtime=$3, updated_at=now()
-			WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL`, id, nodeID, runtime)
+			WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL
+			AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive' AND NOT cordoned)`, id, nodeID, runtime)
 		if err != nil {
 			return err
 		}
@@ -388,7 +389,8 @@ type Observed struct {
 }
 
 // ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
-// node that no longer owns the sandbox cannot overwrite it. Returns the updated row.
+// node that no longer owns the sandbox cannot overwrite it, and a node marked dead
+// cannot report at all (MarkDeadNodes settled its sandboxes). Returns the updated row.
 func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observed) (*Sandbox, error) {
 	row := s.pool.QueryRow(ctx, `UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
 		error=$5, start_path=CASE WHEN $6='' THEN start_path ELSE $6 END,
@@ -396,7 +398,7 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
 		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
 		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10
-		WHERE id=$1 AND node_id=$2 RETURNING `+sandboxCols,
+		WHERE id=$1 AND node_id=$2 AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive') RETURNING `+sandboxCols,
 		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition))
 	sb, err := scanSandbox(row)
 	if err != nil {
@@ -587,7 +589,7 @@ func (s *Store) SetExpiry(ctx context.Context, id string, at *time.Time, action 
 // FailUnassigned marks a sandbox that could not be placed on any node as failed.
 func (s *Store) FailUnassigned(ctx context.Context, id string, gen int64, reason string) (bool, error) {
 	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET state='failed', error=$3, observed_generation=$2, updated_at=now(),
-		status_changed_at=now() WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL AND state='pending'`, id, gen, reason)
+		status_changed_at=now(), status_reason=$3 WHERE id=$1 AND node_id IS NULL AND deleted_at IS NULL AND state='pending'`, id, gen, reason)
 	if err != nil {
 		return false, err
 	}

@@ -356,7 +356,7 @@ func TestNodes(t *testing.T) {
 		t.Fatalf("dead before: %v %v", dead, err)
 	}
 	dead, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour))
-	if err != nil || !slices.Equal(sorted(dead...), []string{"n1", "n2"}) {
+	if err != nil || len(dead) != 2 || !slices.Equal(sorted(dead[0].ID, dead[1].ID), []string{"n1", "n2"}) {
 		t.Fatalf("dead: %v %v", dead, err)
 	}
 	if got, _ := st.GetNode(ctx, "n2"); got.State != store.NodeDead {
@@ -366,12 +366,16 @@ func TestNodes(t *testing.T) {
 	if dead, err := st.MarkDeadNodes(ctx, time.Now().Add(time.Hour)); err != nil || len(dead) != 0 {
 		t.Fatalf("dead again: %v %v", dead, err)
 	}
-	// A heartbeat of the current incarnation brings it back.
-	if err := st.Heartbeat(ctx, "n1", n2.Epoch, ""); err != nil {
-		t.Fatal(err)
+	// Marking a node dead fences it: the incarnation that stopped heartbeating cannot
+	// come back by heartbeating; a new one registers (a restart) and is alive.
+	if err := st.Heartbeat(ctx, "n1", n2.Epoch, ""); !errors.Is(err, store.ErrFenced) {
+		t.Fatalf("heartbeat of a dead node's old incarnation: %v", err)
 	}
-	if got, _ := st.GetNode(ctx, "n1"); got.State != store.NodeAlive {
-		t.Fatalf("state after heartbeat: %s", got.State)
+	if back := registerNode(t, ctx, st, "n1"); !strings.Contains(back.DeadReason, "stopped sending heartbeats") {
+		t.Fatalf("a returning node is not told it was dead: %+v", back)
+	}
+	if got, _ := st.GetNode(ctx, "n1"); got.State != store.NodeAlive || got.DeadReason != "" {
+		t.Fatalf("state after re-registering: %s %q", got.State, got.DeadReason)
 	}
 }
 

@@ -24,20 +24,26 @@ export function render(main, ctx) {
       replace(host, nres.nodes.length ? nres.nodes.map((n) => {
         const info = n.runtime_info || {};
         const u = use[n.id] || { n: 0, cpu: 0, mem: 0, disk: 0, resident: 0 };
-        const cap = (used, total, unit) => (total ? `${used} of ${total} ${unit}` : `${used} ${unit}`);
+        const used = n.used || {};
+        const capacity = n.capacity || {};
+        const cap = (v, total, unit) => (total ? `${v} of ${total} ${unit}` : `${v} ${unit}`);
         const why = info.selected || info.reason || '';
         const rest = Object.keys(info).filter((k) => !['selected', 'reason', 'version', 'host_cpus', 'host_memory_mb'].includes(k)).sort();
         return h('section', { class: 'card', 'data-node': n.id },
-          h('h2', {}, n.name, ' ', badge(n.state)),
+          h('h2', {}, n.name, ' ', badge(n.state), n.cordoned ? [' ', badge('cordoned')] : null),
           h('dl', { class: 'props' },
             h('dt', {}, 'ID'), h('dd', { class: 'mono' }, n.id),
             h('dt', {}, 'Runtime'), h('dd', {}, n.runtime, info.version ? ' ' + info.version : ''),
             h('dt', {}, 'Why this runtime'), h('dd', {}, why || h('span', { class: 'muted' }, 'not reported')),
             h('dt', {}, 'Heartbeat'), h('dd', {}, timeEl(n.heartbeat_at)),
+            n.dead_reason ? [h('dt', {}, 'Dead'), h('dd', {}, n.dead_reason)] : null,
             h('dt', {}, 'Data plane'), h('dd', { class: 'mono' }, n.data_plane_url),
             h('dt', {}, 'Sandboxes'), h('dd', {}, `${n.sandboxes} placed, ${u.resident} using resources`),
-            h('dt', {}, 'vCPUs'), h('dd', {}, cap(u.cpu, info.host_cpus, 'vCPU')),
-            h('dt', {}, 'Memory'), h('dd', {}, cap(u.mem, info.host_memory_mb, 'MiB')),
+            // Placement's view (what the node offers; 0 = unbounded) where the node
+            // reports it, else the host's.
+            h('dt', {}, 'vCPUs'), h('dd', {}, cap(used.cpu ?? u.cpu, capacity.cpu || info.host_cpus, 'vCPU')),
+            h('dt', {}, 'Memory'), h('dd', {}, cap(used.memory_mb ?? u.mem, capacity.memory_mb || info.host_memory_mb, 'MiB')),
+            h('dt', {}, 'Disk for placement'), h('dd', {}, cap(used.disk_mb ?? 0, capacity.disk_mb, 'MiB')),
             h('dt', {}, 'Own disk of sandboxes'), h('dd', {}, fmtBytes(u.disk))),
           rest.length ? h('details', {}, h('summary', {}, 'Runtime details'),
             h('dl', { class: 'props' }, rest.map((k) => [h('dt', {}, k), h('dd', { class: 'mono' }, typeof info[k] === 'object' ? JSON.stringify(info[k]) : String(info[k]))]))) : null);

@@ -1,0 +1,121 @@
+package cli
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/spacedev/space/api"
+)
+
+// nodesCmd is `space node`: list, cordon, uncordon, rm (operator key).
+func (a *app) nodesCmd() *cobra.Command {
+	cmd := &cobra.Command{Use: "node", Aliases: []string{"nodes"}, Short: "Inspect and manage nodes (operator key)",
+		Long: `Inspect and manage the fleet's nodes (an operator key is needed).
+
+A node publishes what it offers sandboxes (space serve --capacity); the scheduler
+places each new sandbox on a node with room for it (space serve --placement).
+A cordoned node gets no new placements. A node that misses its heartbeats is marked
+dead: its running sandboxes are lost, suspended and stopped ones wait for it to
+return. rm removes a dead node, or a cordoned one that holds no sandbox, so that a
+replacement can register under the same --node-name (docs/operations.md).`}
+	cmd.AddCommand(&cobra.Command{
+		Use:     "list",
+		Aliases: []string{"ls"},
+		Short:   "List nodes with their state, capacity and usage",
+		Long: `List nodes. CPU, MEMORY (MiB) and DISK (MiB) show used/capacity: what the
+sandboxes placed on the node take of what it offers ("-": unbounded). vCPUs and
+memory count sandboxes that hold the node's memory (not suspended, stopped or
+failed); disk counts each sandbox's measured use, at least 1 GiB, plus the memory
+snapshot of a suspended one.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := a.connect()
+			if err != nil {
+				return err
+			}
+			nodes, err := c.ListNodes(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			return printList(a, nodes, []string{"NAME", "STATE", "RUNTIME", "CPU", "MEMORY", "DISK", "SANDBOXES", "HEARTBEAT", "DATA PLANE", "DETAILS"},
+				func(n api.Node) []any {
+					return []any{n.Name, nodeState(n), n.Runtime, usedOf(int64(n.Used.CPU), int64(n.Capacity.CPU)),
+						usedOf(n.Used.MemoryMB, n.Capacity.MemoryMB), usedOf(n.Used.DiskMB, n.Capacity.DiskMB),
+						n.Sandboxes, ago(n.HeartbeatAt), n.DataPlaneURL, details(n.RuntimeInfo)}
+				})
+		},
+	})
+	cordon := func(on bool) *cobra.Command {
+		use, short := "cordon NODE", "Stop placing new sandboxes and template builds on a node (what runs there keeps running)"
+		if !on {
+			use, short = "uncordon NODE", "Place new sandboxes on a cordoned node again"
+		}
+		return &cobra.Command{
+			Use: use, Short: short, Args: cobra.ExactArgs(1),
+			RunE: func(cmd *cobra.Command, args []string) error {
+				c, err := a.connect()
+				if err != nil {
+					return err
+				}
+				n, err := c.CordonNode(cmdContext(cmd), args[0], on)
+				if err != nil {
+					return err
+				}
+				if a.json() {
+					return a.printJSON(n)
+				}
+				fmt.Fprintf(a.env.Stdout, "%s %s\n", n.Name, nodeState(*n))
+				return nil
+			},
+		}
+	}
+	cmd.AddCommand(cordon(true), cordon(false))
+	cmd.AddCommand(&cobra.Command{
+		Use:   "rm NODE",
+		Short: "Remove a dead node, or a cordoned one that holds no sandbox",
+		Long: `Remove a node's record, freeing its name: a replacement host can then register
+under the same --node-name.
+
+Only a dead node, or a cordoned one that holds no sandbox, can be removed. The
+sandboxes still recorded on a dead node (lost ones, and suspended or stopped ones,
+whose disks are on that host only) and the named snapshots kept on it are deleted
+with it. Stop a live node's process
+before removing it: once removed, its heartbeats are refused and it stops; started
+again, it registers as a new node and reclaims everything it holds.`,
+		Aliases: []string{"remove"},
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.connect()
+			if err != nil {
+				return err
+			}
+			rm, err := c.RemoveNode(cmdContext(cmd), args[0])
+			if err != nil {
+				return err
+			}
+			if a.json() {
+				return a.printJSON(rm)
+			}
+			fmt.Fprintf(a.env.Stdout, "removed node %s (%s); %d sandbox(es) and %d snapshot(s) deleted with it\n",
+				rm.Node.Name, rm.Node.ID, rm.SandboxesDeleted, rm.SnapshotsDeleted)
+			return nil
+		},
+	})
+	return cmd
+}
+
+func nodeState(n api.Node) string {
+	if n.Cordoned {
+		return n.State + ",cordoned"
+	}
+	return n.State
+}
+
+// usedOf renders used/capacity ("-" for an unbounded capacity).
+func usedOf(used, capacity int64) string {
+	if capacity <= 0 {
+		return fmt.Sprintf("%d/-", used)
+	}
+	return fmt.Sprintf("%d/%d", used, capacity)
+}
