@@ -21,7 +21,9 @@ func (a *app) execCmd() *cobra.Command {
 		Short: "Run a command in a sandbox and stream its output",
 		Long: `Run a command in a sandbox. Its stdout and stderr stream to this terminal's stdout
 and stderr, and space exits with the command's exit code (128+N when it died of
-signal N). A dropped connection is resumed from the last byte received.
+signal N). Without -i and -t the command is started and streamed in one request
+(POST /v1/sandboxes/{id}/exec); a dropped connection is resumed from the last byte
+received.
 
 With -i, this terminal's stdin is sent to the command; with -t it runs on a
 pseudo-terminal (raw mode, resized with the terminal).`,
