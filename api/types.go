@@ -188,6 +188,22 @@ type Operation struct {
 	CreatedAt time.Time  `json:"created_at"`
 	UpdatedAt time.Time  `json:"updated_at"`
 	DoneAt    *time.Time `json:"done_at,omitempty"`
+	// Timeline says where the operation's time went: its phases in order, from
+	// "accepted" (created_at) to "done" (done_at), for operations whose phases were
+	// recorded (creates, wakes and the other lifecycle verbs a node carries out).
+	Timeline []TimelineEntry `json:"timeline,omitempty"`
+}
+
+// TimelineEntry is one phase of an operation's timeline.
+type TimelineEntry struct {
+	// Phase is what was reached: accepted, claimed (a warm-pool member was taken),
+	// node (the node began), recorded (it recorded the transition), disk, instance,
+	// restored, resumed, agent, identity, reported (the state it reached), done.
+	Phase string `json:"phase"`
+	// At is when, by the clock of the process that recorded it.
+	At time.Time `json:"at"`
+	// Ms is At in milliseconds after the operation was accepted.
+	Ms float64 `json:"ms"`
 }
 
 // Done reports whether the operation reached a terminal state.

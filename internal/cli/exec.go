@@ -78,6 +78,21 @@ func (a *app) opCmd() *cobra.Command {
 		}
 		tw := a.table("ID", "KIND", "SANDBOX", "STATE", "MESSAGE", "ERROR")
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", op.ID, op.Kind, op.SandboxID, op.State, op.Message, op.Error)
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if len(op.Timeline) == 0 {
+			return nil
+		}
+		fmt.Fprintln(a.env.Stdout)
+		tw = a.table("PHASE", "AT", "STEP")
+		for i, e := range op.Timeline {
+			step := 0.0
+			if i > 0 {
+				step = e.Ms - op.Timeline[i-1].Ms
+			}
+			fmt.Fprintf(tw, "%s\t+%.1f ms\t%.1f ms\n", e.Phase, e.Ms, step)
+		}
 		return tw.Flush()
 	}
 	get := &cobra.Command{
