@@ -69,6 +69,7 @@ var scenarios = []scenario{
 	{"files", files},
 	{"memory", memory},
 	{"start-paths", startPaths},
+	{"pool", pool},
 	{"suspend", suspendWake},
 	{"clone", clones},
 	{"density", density},
