@@ -41,7 +41,8 @@ func TestBenchRuns(t *testing.T) {
 }
 
 // TestBenchPoolFigures prints `space bench --only pool,exec` for docs/benchmarks.md
-// (the warm-pool create's breakdown); it runs only when SPACE_BENCH_RUNS is set:
+// (the warm-pool create's breakdown); it runs only when SPACE_BENCH_RUNS is set, and
+// writes the HTML report to SPACE_BENCH_HTML when that is set:
 // SPACE_BENCH_RUNS=20 go test -run TestBenchPoolFigures -v ./internal/e2e/
 func TestBenchPoolFigures(t *testing.T) {
 	runs := os.Getenv("SPACE_BENCH_RUNS")
@@ -49,7 +50,11 @@ func TestBenchPoolFigures(t *testing.T) {
 		t.Skip("set SPACE_BENCH_RUNS to measure")
 	}
 	s := start(t, options{})
-	out, stderr, code := s.cli(t, "bench", "--runs", runs, "--only", "exec,pool")
+	args := []string{"bench", "--runs", runs, "--only", "exec,pool"}
+	if f := os.Getenv("SPACE_BENCH_HTML"); f != "" {
+		args = append(args, "--html", f) // an absolute path: the page with the plots
+	}
+	out, stderr, code := s.cli(t, args...)
 	if code != 0 {
 		t.Fatalf("space bench: exit %d\n%s", code, stderr)
 	}
