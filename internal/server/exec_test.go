@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
@@ -143,6 +144,38 @@ func TestExecOneRequest(t *testing.T) {
 	other := s.NewKey("other", false, service.KeySpace)
 	if code, _, body := execRaw(t, s, other, sb.ID, "", `{"argv":["true"]}`); code != 404 {
 		t.Fatalf("other tenant: %d %s", code, body)
+	}
+
+	// Revoking the API key cuts its open exec streams (the process is not killed).
+	keyID, member := s.NewKeyRole("default", "member", service.KeySpace)
+	type streamEnd struct {
+		code int
+		evs  []execEvent
+	}
+	ended := make(chan streamEnd, 1)
+	go func() {
+		code, evs, _ := execRaw(t, s, member, sb.ID, "", `{"argv":["sleep","30"]}`)
+		ended <- streamEnd{code, evs}
+	}()
+	s.Eventually(30*time.Second, "the sleep to run", func() bool {
+		procs, err := s.C.ListProcesses(c, sb.ID)
+		for _, p := range procs {
+			if err == nil && p.State == "running" && len(p.Argv) == 2 && p.Argv[0] == "sleep" {
+				return true
+			}
+		}
+		return false
+	})
+	if _, err := s.C.RevokeAPIKey(c, keyID); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-ended:
+		if e.code != 200 || len(e.evs) < 2 || e.evs[len(e.evs)-1].name != api.EventError || !strings.Contains(e.evs[len(e.evs)-1].data, "cut") {
+			t.Fatalf("after the key's revocation: %d %+v", e.code, e.evs)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the exec stream outlived its key's revocation by 10 s")
 	}
 
 	// Pause: the cached target is dropped and the exec wakes the sandbox.
