@@ -35,7 +35,7 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 		return nil, fmt.Errorf("set pool (needs an admin key): %w", err)
 	}
 	defer cfg.Client.SetPool(context.WithoutCancel(ctx), api.SetPoolRequest{Template: cfg.Template, Size: 0})
-	var total, posted, seen, exec []float64
+	var total, posted, seen, lag, exec []float64
 	steps := map[string][]float64{}
 	for len(total) < cfg.Runs {
 		if err := waitFor(ctx, 3*time.Minute, func() bool {
@@ -52,7 +52,8 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		tPost := time.Since(start)
 		op, err := cfg.Client.WaitOperation(ctx, sb.Operation.ID)
-		tSeen := time.Since(start)
+		seenAt := time.Now()
+		tSeen := seenAt.Sub(start)
 		if err == nil && op.State != api.OpSucceeded {
 			err = fmt.Errorf("create failed: %s", op.Error)
 		}
@@ -77,6 +78,9 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 		total = append(total, ms(tExit))
 		posted = append(posted, ms(tPost))
 		seen = append(seen, ms(tSeen-tPost))
+		if op.DoneAt != nil {
+			lag = append(lag, ms(seenAt.Sub(*op.DoneAt))) // same host: the bench runs on the server's
+		}
 		exec = append(exec, ms(tExit-tSeen))
 		for i := 1; i < len(op.Timeline); i++ {
 			e := op.Timeline[i]
@@ -92,6 +96,7 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 	return append(out,
 		result("pool", "pool client: POST /v1/sandboxes answered", "ms", posted, "", nil),
 		result("pool", "pool client: then operation seen done", "ms", seen, "", nil),
+		result("pool", "pool client: done_at → seen done (the wait's answer)", "ms", lag, "", nil),
 		result("pool", "pool client: then `python3 -c pass` round trip", "ms", exec, "", nil),
 	), nil
 }
