@@ -117,6 +117,32 @@ func (f *fastPath) forget(id string) {
 	f.mu.Unlock()
 }
 
+// LocalAgents reaches the agents of the node that runs in the same process as the api
+// role (space serve with both roles, the default): the one-request exec talks to them
+// directly instead of through the node's HTTP agent proxy.
+type LocalAgents interface {
+	ID() string
+	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
+	Touch(sandboxID string)
+}
+
+// SetLocalNode names the node running in this process (see LocalAgents).
+func (s *Service) SetLocalNode(n LocalAgents) { s.local.Store(&n) }
+
+// execAgent returns a client for t's agent: the in-process node's own when t is on it,
+// else through the node's agent proxy.
+func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client, error) {
+	if l := s.local.Load(); l != nil && t.Node != nil && t.Node.ID == (*l).ID() {
+		a, err := (*l).Agent(ctx, t.Sandbox.ID)
+		if err != nil {
+			return nil, err
+		}
+		(*l).Touch(t.Sandbox.ID) // as the agent proxy does for each request
+		return a, nil
+	}
+	return s.Agent(t), nil
+}
+
 // Execution is a command started by Exec: its process and its output stream from
 // offset 0. Close ends the stream (not the process).
 type Execution struct {
@@ -206,7 +232,10 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 // startExec creates the gated process, connects to its output, then lets it run and
 // feeds it stdin.
 func (s *Service) startExec(ctx context.Context, p *Principal, t *Target, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
-	agent := s.Agent(t)
+	agent, err := s.execAgent(ctx, t)
+	if err != nil {
+		return nil, err
+	}
 	info, err := agent.StartProcess(ctx, spec)
 	if err != nil {
 		return nil, err

@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacedev/space/internal/fault"
@@ -83,6 +84,7 @@ type Service struct {
 	events *eventHub
 	rates  *rateLimits
 	fast   *fastPath
+	local  atomic.Pointer[LocalAgents]
 }
 
 // New returns the service. Run must be running for operation waits to wake promptly
