@@ -12,15 +12,16 @@ import (
 const (
 	plotW     = 720
 	plotLeft  = 150 // room for the row labels
-	plotRight = 20
+	plotRight = 48 // room for the off-axis samples and the unit
 	rowH      = 26
 	axisH     = 22
 )
 
 // WriteHTML writes rep as one self-contained HTML page: per scenario a table and, for
 // each result, its distribution drawn as inline SVG (every sample a dot, the median and
-// p95 marked), with the baseline's distribution under it on the same axis and the
-// ratio between their medians. No scripts, fonts or other external assets.
+// p95 marked; samples far beyond the p95 as open circles at the axis's end), with the
+// baseline's distribution under it on the same axis and the ratio between their
+// medians. No scripts, fonts or other external assets.
 func WriteHTML(w io.Writer, rep Report) error {
 	var b strings.Builder
 	b.WriteString(`<!doctype html>
@@ -46,7 +47,8 @@ svg text{font:11px system-ui,sans-serif;fill:#444}
 		fmt.Fprintf(&b, "<p class=err>The run stopped early: %s</p>\n", html.EscapeString(rep.Error))
 	}
 	b.WriteString(`<p class=meta>Each dot is one measurement; the bar marks the median, the thin tick the p95.
-Blue: space; grey: the baseline measured in the same run.</p>
+Blue: space; grey: the baseline measured in the same run. Open circles at the end of an axis are samples beyond it
+(hover for their value).</p>
 `)
 	var scenario string
 	for i, r := range rep.Results {
@@ -89,11 +91,17 @@ func plot(r Result) string {
 		rows[0].ratioNote = fmt.Sprintf("%.2f× %s", r.Ratio, r.Baseline)
 		rows = append(rows, row{label: r.Baseline, xs: r.BaselineSamples, med: r.BaselineMedian, p95: r.BaselineP95, fill: "#888"})
 	}
+	// The axis ends a little past the largest p95, so one outlier does not squash the
+	// distribution; samples beyond it are drawn as open circles at the right edge.
 	hi := 0.0
 	for _, rw := range rows {
-		hi = math.Max(hi, rw.p95)
-		for _, x := range rw.xs {
-			hi = math.Max(hi, x)
+		hi = math.Max(hi, math.Max(rw.p95, rw.med)*1.25)
+	}
+	if hi <= 0 {
+		for _, rw := range rows {
+			for _, x := range rw.xs {
+				hi = math.Max(hi, x)
+			}
 		}
 	}
 	if hi <= 0 {
@@ -115,6 +123,11 @@ func plot(r Result) string {
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end" dominant-baseline="middle">%s</text>`, plotLeft-8, y, html.EscapeString(label))
 		for j, x := range rw.xs {
 			jitter := float64(j%5-2) * 2.2 // spread equal values a little
+			if x > hi {
+				fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="2.6" fill="none" stroke="%s"><title>%s (off the axis)</title></circle>`,
+					xOf(hi)+6, y+jitter, rw.fill, html.EscapeString(num(x, r.Unit)))
+				continue
+			}
 			fmt.Fprintf(&b, `<circle cx="%.1f" cy="%.1f" r="2.6" fill="%s" fill-opacity="0.45"><title>%s</title></circle>`,
 				xOf(x), y+jitter, rw.fill, html.EscapeString(num(x, r.Unit)))
 		}
@@ -136,7 +149,7 @@ func plot(r Result) string {
 		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%.1f" y2="%.1f" stroke="#bbb"/>`, xOf(v), xOf(v), axisY+2, axisY+6)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%s</text>`, xOf(v), axisY+17, html.EscapeString(trim(v)))
 	}
-	fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`, plotW-plotRight, axisY+17, html.EscapeString(r.Unit))
+	fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%s</text>`, plotW-4, axisY+17, html.EscapeString(r.Unit))
 	b.WriteString("</svg>\n")
 	return b.String()
 }

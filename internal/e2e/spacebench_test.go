@@ -42,7 +42,8 @@ func TestBenchRuns(t *testing.T) {
 
 // TestBenchPoolFigures prints `space bench --only pool,exec` for docs/benchmarks.md
 // (the warm-pool create's breakdown); it runs only when SPACE_BENCH_RUNS is set, and
-// writes the HTML report to SPACE_BENCH_HTML when that is set:
+// writes the HTML report to SPACE_BENCH_HTML (and the saved JSON next to it) when that
+// is set:
 // SPACE_BENCH_RUNS=20 go test -run TestBenchPoolFigures -v ./internal/e2e/
 func TestBenchPoolFigures(t *testing.T) {
 	runs := os.Getenv("SPACE_BENCH_RUNS")
@@ -59,4 +60,10 @@ func TestBenchPoolFigures(t *testing.T) {
 		t.Fatalf("space bench: exit %d\n%s", code, stderr)
 	}
 	t.Log("\n" + out)
+	if f := os.Getenv("SPACE_BENCH_HTML"); f != "" {
+		// Keep the run's samples too (space bench --from FILE.json --html re-renders).
+		if b, err := os.ReadFile(bench.LastPath(s.DataDir)); err == nil {
+			_ = os.WriteFile(f+".json", b, 0o644)
+		}
+	}
 }
