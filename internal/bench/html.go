@@ -12,7 +12,7 @@ import (
 const (
 	plotW     = 720
 	plotLeft  = 150 // room for the row labels
-	plotRight = 48 // room for the off-axis samples and the unit
+	plotRight = 48  // room for the off-axis samples and the unit
 	rowH      = 26
 	axisH     = 22
 )
