@@ -262,6 +262,12 @@ func walk(t *testing.T, action string) {
 					if !sc.fresh && !s.died(converge) {
 						t.Fatalf("%s: the server did not die at the point", p)
 					}
+					if sc.fresh {
+						// Hit after act returned (a claimed sandbox's resume, say): the
+						// process may still be dying. Wait for it briefly, so that it is
+						// restarted below rather than left dead.
+						s.died(2 * time.Second)
+					}
 					if s.exited() {
 						s.arm(false)
 						s.start()
