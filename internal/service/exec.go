@@ -32,6 +32,9 @@ const maxExecStdin = 1 << 20
 type fastPath struct {
 	mu      sync.Mutex
 	live    bool // the listener is connected: notifications invalidate the cache
+	// seq counts invalidations: a target read before one is not remembered after it
+	// (the notification of a change may arrive between the read and remember).
+	seq     uint64
 	targets map[string]cachedTarget
 	streams map[*Execution]struct{}
 }
@@ -50,6 +53,9 @@ func newFastPath() *fastPath {
 func (f *fastPath) notify(channel, payload string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if channel != store.ChannelKeys {
+		f.seq++
+	}
 	switch {
 	case payload == "":
 		// (Re)connected: anything may have changed while no one listened.
@@ -81,32 +87,37 @@ func (f *fastPath) notify(channel, payload string) {
 // stop marks the listener gone: the cache is not used until it reconnects.
 func (f *fastPath) stop() {
 	f.mu.Lock()
+	f.seq++
 	f.live = false
 	clear(f.targets)
 	f.mu.Unlock()
 }
 
-func (f *fastPath) lookup(p *Principal, id string) *Target {
+// lookup returns the cached target of sandbox id for p (nil if none), and the
+// invalidation count to hand to remember after reading the target afresh.
+func (f *fastPath) lookup(p *Principal, id string) (*Target, uint64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	c, ok := f.targets[id]
 	if !ok || !f.live {
-		return nil
+		return nil, f.seq
 	}
 	if time.Since(c.at) > targetCacheTTL {
 		delete(f.targets, id)
-		return nil
+		return nil, f.seq
 	}
 	if !p.Visible(c.tenant) {
-		return nil // the slow path answers exactly like a missing sandbox
+		return nil, f.seq // the slow path answers exactly like a missing sandbox
 	}
-	return c.t
+	return c.t, f.seq
 }
 
-func (f *fastPath) remember(t *Target) {
+// remember caches t unless an invalidation came after seq (lookup's count, taken
+// before t was read).
+func (f *fastPath) remember(t *Target, seq uint64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.live {
+	if f.live && f.seq == seq {
 		f.targets[t.Sandbox.ID] = cachedTarget{t: t, tenant: t.Sandbox.Tenant, at: time.Now()}
 	}
 }
@@ -206,7 +217,8 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 	if err != nil {
 		return nil, err
 	}
-	if t := s.fast.lookup(p, id); t != nil {
+	t, seq := s.fast.lookup(p, id)
+	if t != nil {
 		x, err := s.startExec(ctx, p, t, *spec, stdin)
 		if err == nil {
 			s.touch(id)
@@ -216,8 +228,9 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 			return nil, err
 		}
 		s.fast.forget(id)
+		_, seq = s.fast.lookup(p, id)
 	}
-	t, err := s.Running(ctx, p, id, noWake)
+	t, err = s.Running(ctx, p, id, noWake)
 	if err != nil {
 		return nil, err
 	}
@@ -225,7 +238,7 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 	if err != nil {
 		return nil, err
 	}
-	s.fast.remember(t)
+	s.fast.remember(t, seq)
 	return x, nil
 }
 
