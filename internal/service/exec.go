@@ -30,8 +30,8 @@ const maxExecStdin = 1 << 20
 // are cut like attach streams when the sandbox's tokens or the caller's API key are
 // revoked.
 type fastPath struct {
-	mu      sync.Mutex
-	live    bool // the listener is connected: notifications invalidate the cache
+	mu   sync.Mutex
+	live bool // the listener is connected: notifications invalidate the cache
 	// seq counts invalidations: a target read before one is not remembered after it
 	// (the notification of a change may arrive between the read and remember).
 	seq     uint64
