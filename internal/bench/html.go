@@ -15,6 +15,7 @@ const (
 	plotRight = 48  // room for the off-axis samples and the unit
 	rowH      = 26
 	axisH     = 22
+	padTop    = 8 // room for the labels above the first row
 )
 
 // WriteHTML writes rep as one self-contained HTML page: per scenario a table and, for
@@ -110,12 +111,12 @@ func plot(r Result) string {
 	hi = niceCeil(hi)
 	span := float64(plotW - plotLeft - plotRight)
 	xOf := func(v float64) float64 { return plotLeft + span*math.Max(0, v)/hi }
-	h := len(rows)*rowH + axisH
+	h := len(rows)*rowH + axisH + padTop
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" role="img">`, plotW, h, plotW, h)
 	fmt.Fprintf(&b, `<title>%s</title>`, html.EscapeString(r.Metric))
 	for i, rw := range rows {
-		y := float64(i*rowH) + rowH/2
+		y := float64(i*rowH) + rowH/2 + padTop
 		label := rw.label
 		if len(label) > 24 {
 			label = label[:23] + "…"
@@ -142,7 +143,7 @@ func plot(r Result) string {
 		tx := math.Min(xOf(rw.p95)+6, plotW-plotRight-150)
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" dominant-baseline="middle">%s</text>`, math.Max(tx, xOf(rw.med)+6), y-9, html.EscapeString(note))
 	}
-	axisY := float64(len(rows) * rowH)
+	axisY := float64(len(rows)*rowH + padTop)
 	fmt.Fprintf(&b, `<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" stroke="#bbb"/>`, plotLeft, plotW-plotRight, axisY+2, axisY+2)
 	for k := 0; k <= 4; k++ {
 		v := hi * float64(k) / 4
