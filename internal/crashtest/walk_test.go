@@ -262,11 +262,11 @@ func walk(t *testing.T, action string) {
 					if !sc.fresh && !s.died(converge) {
 						t.Fatalf("%s: the server did not die at the point", p)
 					}
-					if sc.fresh {
-						// Hit after act returned (a claimed sandbox's resume, say): the
-						// process may still be dying. Wait for it briefly, so that it is
+					if fi, err := os.Stat(once); err == nil && sc.fresh && !fi.ModTime().Before(s.startedAt()) {
+						// Hit by the process running now, after act returned (a claimed
+						// sandbox's resume, say): it is dying. Wait for it, so that it is
 						// restarted below rather than left dead.
-						s.died(2 * time.Second)
+						s.died(converge)
 					}
 					if s.exited() {
 						s.arm(false)
