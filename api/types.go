@@ -188,6 +188,22 @@ type Operation struct {
 	CreatedAt time.Time  `json:"created_at"`
 	UpdatedAt time.Time  `json:"updated_at"`
 	DoneAt    *time.Time `json:"done_at,omitempty"`
+	// Timeline says where the operation's time went: its phases in order, from
+	// "accepted" (created_at) to "done" (done_at), for operations whose phases were
+	// recorded (creates, wakes and the other lifecycle verbs a node carries out).
+	Timeline []TimelineEntry `json:"timeline,omitempty"`
+}
+
+// TimelineEntry is one phase of an operation's timeline.
+type TimelineEntry struct {
+	// Phase is what was reached: accepted, claimed (a warm-pool member was taken),
+	// node (the node began), recorded (it recorded the transition), disk, instance,
+	// restored, resumed, agent, identity, reported (the state it reached), done.
+	Phase string `json:"phase"`
+	// At is when, by the clock of the process that recorded it.
+	At time.Time `json:"at"`
+	// Ms is At in milliseconds after the operation was accepted.
+	Ms float64 `json:"ms"`
 }
 
 // Done reports whether the operation reached a terminal state.
@@ -218,6 +234,25 @@ type CreateSessionRequest struct {
 	Rights []string `json:"rights,omitempty"`
 	// TokenTTL overrides the token lifetime (Go duration, at most the server's maximum).
 	TokenTTL string `json:"token_ttl,omitempty"`
+}
+
+// ExecRequest is the body of POST /v1/sandboxes/{id}/exec: a command started and
+// streamed in one request (the answer is the SSE stream of an attach, from offset 0).
+type ExecRequest struct {
+	// Argv runs a program directly; Command runs through "/bin/bash -c". One of them.
+	Argv    []string          `json:"argv,omitempty"`
+	Command string            `json:"command,omitempty"`
+	Env     map[string]string `json:"env,omitempty"`
+	Cwd     string            `json:"cwd,omitempty"`
+	// User is "root" (the default) or another user of the sandbox.
+	User string `json:"user,omitempty"`
+	// Timeout is a Go duration after which the process group is killed; empty: none.
+	Timeout string `json:"timeout,omitempty"`
+	// Stdin is written to the command's stdin, which is then closed; without it (and
+	// without StdinBase64) stdin is /dev/null.
+	Stdin *string `json:"stdin,omitempty"`
+	// StdinBase64 is Stdin for bytes that are not text (standard base64).
+	StdinBase64 string `json:"stdin_base64,omitempty"`
 }
 
 // PTYSize is a terminal size.
@@ -287,6 +322,9 @@ const (
 // StartEvent is the data of the "start" event.
 type StartEvent struct {
 	PID int `json:"pid"`
+	// ProcessUID is the process's identity, sent by POST /v1/sandboxes/{id}/exec so a
+	// client that lost the stream can re-attach with a session {"pid","process_uid"}.
+	ProcessUID string `json:"process_uid,omitempty"`
 	// Offset is the journal offset the stream begins at.
 	Offset int64 `json:"offset"`
 }

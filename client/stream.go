@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 
@@ -249,8 +250,19 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 }
 
 // Exec runs a command in a sandbox, streams its output and returns its exit code
-// (128+n for a signal n, -1 if the exit status is unknown).
+// (128+n for a signal n, -1 if the exit status is unknown). A command that needs no
+// stdin and no terminal runs in one request (Run); others through a command session.
 func (c *Client) Exec(ctx context.Context, sandboxID string, req api.CreateSessionRequest, out Output) (int, error) {
+	if req.PTY == nil && !req.Stdin && req.PID == 0 && len(req.Rights) == 0 && req.TokenTTL == "" {
+		exit, err := c.Run(ctx, sandboxID, api.ExecRequest{Argv: req.Argv, Command: req.Command, Env: req.Env,
+			Cwd: req.Cwd, User: req.User, Timeout: req.Timeout}, out)
+		if !errors.Is(err, errNoExecRoute) {
+			if err != nil {
+				return -1, err
+			}
+			return ExitCode(exit), nil
+		}
+	}
 	sess, err := c.CreateSession(ctx, sandboxID, req)
 	if err != nil {
 		return -1, err
@@ -356,3 +368,68 @@ func (c *Client) Snapshot(ctx context.Context, sandboxID string, pid int, out Ou
 }
 
 func newReader(r io.Reader) *bufio.Reader { return bufio.NewReaderSize(r, 64<<10) }
+
+// errNoExecRoute is Run's answer from a server without POST /v1/sandboxes/{id}/exec.
+var errNoExecRoute = errors.New("the server has no exec route")
+
+// Run starts a command with one request (POST /v1/sandboxes/{id}/exec) and streams its
+// output until it exits. If the stream breaks after the process started, Run
+// re-attaches to the process through a command session from the last event id, so no
+// byte is lost or repeated.
+func (c *Client) Run(ctx context.Context, sandboxID string, req api.ExecRequest, out Output) (*api.ExitEvent, error) {
+	b, err := json.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+"/v1/sandboxes/"+url.PathEscape(sandboxID)+"/exec", bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("Accept", "text/event-stream")
+	if c.APIKey != "" {
+		hr.Header.Set("Authorization", "Bearer "+c.APIKey)
+	}
+	resp, err := c.HTTP.Do(hr)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		defer resp.Body.Close()
+		err := decodeError(resp)
+		var ae *Error
+		if errors.As(err, &ae) && ae.Status == http.StatusNotFound && strings.HasPrefix(ae.Message, "no route for") {
+			return nil, errNoExecRoute
+		}
+		return nil, err
+	}
+	st := &Stream{resp: resp, br: newReader(resp.Body)}
+	var start api.StartEvent
+	started := false
+	inner := out.OnStart
+	out.OnStart = func(s api.StartEvent) {
+		start, started = s, true
+		if inner != nil {
+			inner(s)
+		}
+	}
+	lastID := ""
+	exit, err := readUntilExit(st, &lastID, out)
+	st.Close()
+	if exit != nil {
+		return exit, nil
+	}
+	var lostErr *LostError
+	if errors.As(err, &lostErr) || ctx.Err() != nil {
+		return nil, err
+	}
+	if !started || start.ProcessUID == "" {
+		return nil, fmt.Errorf("exec stream: %w", err)
+	}
+	out.OnStart = inner
+	sess, err := c.CreateSession(ctx, sandboxID, api.CreateSessionRequest{PID: start.PID, ProcessUID: start.ProcessUID})
+	if err != nil {
+		return nil, fmt.Errorf("re-attach after a broken exec stream: %w", err)
+	}
+	return c.FollowFrom(ctx, sess, lastID, out)
+}

@@ -297,6 +297,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 
 	mux := http.NewServeMux()
 	var metrics http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	var svc *service.Service
 	if c.has("api") {
 		if err := bootstrapAdminKey(ctx, st, dataDir, os.Stdout, log); err != nil {
 			return err
@@ -305,7 +306,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err != nil {
 			return err
 		}
-		svc := service.New(service.Config{
+		svc = service.New(service.Config{
 			Store: st, Signer: signer, Logger: log.With("component", "api"), Network: netCfg,
 			TokenTTL: c.tokenTTL, DefaultCPU: c.defaultCPU, DefaultMemoryMB: c.defaultMemory,
 			MaxCPU: c.maxCPU, MaxMemoryMB: c.maxMemory, BuiltinTemplates: template.Builtins(),
@@ -346,6 +347,9 @@ func serve(ctx context.Context, c *serveConfig) error {
 		n, dp, netMgr, err := newNode(ctx, c, dataDir, st, signer, ln, log, opMetrics)
 		if err != nil {
 			return err
+		}
+		if svc != nil {
+			svc.SetLocalNode(n) // one process: exec reaches this node's agents directly
 		}
 		dpMux := http.NewServeMux()
 		dp.Register(dpMux)

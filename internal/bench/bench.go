@@ -54,6 +54,10 @@ type Result struct {
 	// Ratio is Median / BaselineMedian.
 	Ratio float64 `json:"ratio,omitempty"`
 	Note  string  `json:"note,omitempty"`
+	// Samples and BaselineSamples are the measurements themselves, in the order taken
+	// (what `space bench --html` draws).
+	Samples         []float64 `json:"samples,omitempty"`
+	BaselineSamples []float64 `json:"baseline_samples,omitempty"`
 }
 
 // scenario is one benchmark.
@@ -69,6 +73,7 @@ var scenarios = []scenario{
 	{"files", files},
 	{"memory", memory},
 	{"start-paths", startPaths},
+	{"pool", pool},
 	{"suspend", suspendWake},
 	{"clone", clones},
 	{"density", density},
@@ -136,10 +141,11 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // result builds a row from samples and optional baseline samples.
 func result(scenario, metric, unit string, xs []float64, baseline string, bs []float64) Result {
-	r := Result{Scenario: scenario, Metric: metric, Unit: unit, Runs: len(xs)}
+	r := Result{Scenario: scenario, Metric: metric, Unit: unit, Runs: len(xs), Samples: xs}
 	r.Median, r.P95 = stats(xs)
 	if len(bs) > 0 {
 		r.Baseline = baseline
+		r.BaselineSamples = bs
 		r.BaselineMedian, r.BaselineP95 = stats(bs)
 		if r.BaselineMedian > 0 {
 			r.Ratio = r.Median / r.BaselineMedian

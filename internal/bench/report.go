@@ -48,3 +48,16 @@ func SaveLast(dataDir string, rep Report) error {
 	}
 	return nil
 }
+
+// LoadReport reads a report saved by SaveLast (or written in the same form).
+func LoadReport(path string) (Report, error) {
+	var rep Report
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return rep, fmt.Errorf("read bench report: %w", err)
+	}
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return rep, fmt.Errorf("bench report %s: %w", path, err)
+	}
+	return rep, nil
+}

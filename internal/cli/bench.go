@@ -1,7 +1,9 @@
 package cli
 
 import (
+	"bytes"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -12,6 +14,7 @@ import (
 func (a *app) benchCmd() *cobra.Command {
 	var cfg bench.Config
 	var save bool
+	var htmlFile, from string
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure space against the bare runtime and print a table",
@@ -19,10 +22,29 @@ func (a *app) benchCmd() *cobra.Command {
 against the bare runtime (runsc), and print median, p95 and their ratio. Run it on the
 server's host as root: the baselines use the template's files in the server's store.
 
+With --html FILE it also writes a self-contained HTML page drawing each measurement's
+distribution (inline SVG: every sample, median and p95) next to its baseline's, with
+their ratio; --from renders a saved report (<data-dir>/bench/last.json, or a file of
+the same form) without running anything.
+
 Scenarios: ` + joinNames() + `.`,
-		Example: "  space bench --runs 20\n  space bench --only cold-create -o json",
-		Args:    cobra.NoArgs,
+		Example: "  space bench --runs 20\n  space bench --only cold-create -o json\n" +
+			"  space bench --only pool,exec --html bench.html\n  space bench --from last --html bench.html",
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if from != "" {
+				if htmlFile == "" {
+					return fmt.Errorf("--from renders a saved report: give --html FILE")
+				}
+				if from == "last" {
+					from = bench.LastPath(a.env.DataDir)
+				}
+				rep, err := bench.LoadReport(from)
+				if err != nil {
+					return err
+				}
+				return writeHTMLFile(htmlFile, rep)
+			}
 			c, err := a.connect()
 			if err != nil {
 				return err
@@ -31,13 +53,18 @@ Scenarios: ` + joinNames() + `.`,
 			cfg.DataDir = a.env.DataDir
 			cfg.Progress = a.env.Stderr
 			res, err := bench.Run(cmdContext(cmd), cfg)
+			rep := bench.Report{FinishedAt: time.Now().UTC(), Template: cfg.Template, Runs: cfg.Runs, Only: cfg.Only, Results: res}
+			if err != nil {
+				rep.Error = err.Error()
+			}
 			if save && (err == nil || len(res) > 0) {
-				rep := bench.Report{FinishedAt: time.Now().UTC(), Template: cfg.Template, Runs: cfg.Runs, Only: cfg.Only, Results: res}
-				if err != nil {
-					rep.Error = err.Error()
-				}
 				if serr := bench.SaveLast(cfg.DataDir, rep); serr != nil {
 					fmt.Fprintf(a.env.Stderr, "bench: %v\n", serr)
+				}
+			}
+			if htmlFile != "" && (err == nil || len(res) > 0) {
+				if herr := writeHTMLFile(htmlFile, rep); herr != nil {
+					fmt.Fprintf(a.env.Stderr, "bench: %v\n", herr)
 				}
 			}
 			if err != nil {
@@ -55,7 +82,26 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().StringVar(&cfg.EgressURL, "egress-url", "", "network scenario: a server sandboxes may reach that serves /bytes/{n}, for the egress rows (the bench reaches no other host)")
 	cmd.Flags().StringVar(&cfg.EgressNetns, "egress-host-netns", "", "network scenario: the namespace the host-side egress baseline downloads from (the server's --network-host-netns)")
 	cmd.Flags().BoolVar(&save, "save", true, "save the results to <data-dir>/bench/last.json, where the web console plots them")
+	cmd.Flags().StringVar(&htmlFile, "html", "", "also write the results as a self-contained HTML page with a plot per measurement")
+	cmd.Flags().StringVar(&from, "from", "", "render a saved report (a JSON file, or \"last\" for <data-dir>/bench/last.json) with --html, running nothing")
 	return cmd
+}
+
+// writeHTMLFile writes rep's HTML report to path (atomically).
+func writeHTMLFile(path string, rep bench.Report) error {
+	var buf bytes.Buffer
+	if err := bench.WriteHTML(&buf, rep); err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, buf.Bytes(), 0o644); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
 }
 
 func joinNames() string {

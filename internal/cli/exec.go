@@ -21,7 +21,9 @@ func (a *app) execCmd() *cobra.Command {
 		Short: "Run a command in a sandbox and stream its output",
 		Long: `Run a command in a sandbox. Its stdout and stderr stream to this terminal's stdout
 and stderr, and space exits with the command's exit code (128+N when it died of
-signal N). A dropped connection is resumed from the last byte received.
+signal N). Without -i and -t the command is started and streamed in one request
+(POST /v1/sandboxes/{id}/exec); a dropped connection is resumed from the last byte
+received.
 
 With -i, this terminal's stdin is sent to the command; with -t it runs on a
 pseudo-terminal (raw mode, resized with the terminal).`,
@@ -76,6 +78,21 @@ func (a *app) opCmd() *cobra.Command {
 		}
 		tw := a.table("ID", "KIND", "SANDBOX", "STATE", "MESSAGE", "ERROR")
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", op.ID, op.Kind, op.SandboxID, op.State, op.Message, op.Error)
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if len(op.Timeline) == 0 {
+			return nil
+		}
+		fmt.Fprintln(a.env.Stdout)
+		tw = a.table("PHASE", "AT", "STEP")
+		for i, e := range op.Timeline {
+			step := 0.0
+			if i > 0 {
+				step = e.Ms - op.Timeline[i-1].Ms
+			}
+			fmt.Fprintf(tw, "%s\t+%.1f ms\t%.1f ms\n", e.Phase, e.Ms, step)
+		}
 		return tw.Flush()
 	}
 	get := &cobra.Command{

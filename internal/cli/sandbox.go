@@ -193,6 +193,16 @@ func (a *app) sandboxGet() *cobra.Command {
 			if sb.Error != "" {
 				row("error", sb.Error)
 			}
+			if ops, err := c.SandboxOperations(cmdContext(cmd), sb.ID); err == nil {
+				for _, op := range ops { // newest first
+					if op.Kind == api.OpCreate {
+						if tl := timelineSummary(op.Timeline); tl != "" {
+							row("create timeline", tl)
+						}
+						break
+					}
+				}
+			}
 			return tw.Flush()
 		},
 	}
@@ -242,4 +252,17 @@ func (a *app) sandboxRm() *cobra.Command {
 	}
 	cmd.Flags().BoolVarP(&wait, "wait", "w", false, "wait until each sandbox is deleted")
 	return cmd
+}
+
+// timelineSummary renders an operation's timeline on one line: each phase with its
+// offset from acceptance in milliseconds ("" without one).
+func timelineSummary(tl []api.TimelineEntry) string {
+	parts := make([]string, 0, len(tl))
+	for _, e := range tl {
+		parts = append(parts, fmt.Sprintf("%s %.0f", e.Phase, e.Ms))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return strings.Join(parts, " · ") + " ms"
 }

@@ -270,8 +270,8 @@ func parseFrom(r *http.Request) (int64, error) {
 	return n, nil
 }
 
-// maxEventBytes bounds the output carried by one SSE event.
-const maxEventBytes = 1 << 20
+// MaxEventBytes bounds the output carried by one SSE event.
+const MaxEventBytes = 1 << 20
 
 // attach streams a process's output as SSE, starting a gated process once the stream
 // is connected, so the client sees every byte from the first.
@@ -325,7 +325,7 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	}
 	_ = s.Flush()
 	for {
-		f, err := out.NextMerged(maxEventBytes)
+		f, err := out.NextMerged(MaxEventBytes)
 		if err != nil {
 			if ctx.Err() == nil {
 				d.ended(ctx, s, g, err)
@@ -333,7 +333,7 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 			_ = s.Flush()
 			return nil
 		}
-		if err := writeFrame(s, f, text); err != nil {
+		if err := WriteFrame(s, f, text); err != nil {
 			return nil
 		}
 		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr || f.Type == wire.FrameHeartbeat {
@@ -381,8 +381,10 @@ func lost(s *rest.SSE, pid int, msg string) {
 	_ = s.Flush()
 }
 
-// writeFrame converts one agent frame to an SSE event.
-func writeFrame(s *rest.SSE, f wire.Frame, text bool) error {
+// WriteFrame converts one agent frame to an SSE event (the one conversion, shared by
+// attach streams and the api role's one-request exec): output with its offset (base64,
+// or UTF-8 text when text), gaps, the exit status, and heartbeats as comments.
+func WriteFrame(s *rest.SSE, f wire.Frame, text bool) error {
 	switch f.Type {
 	case wire.FrameStdout, wire.FrameStderr:
 		name := api.EventStdout

@@ -25,6 +25,9 @@ const (
 	startupTimeout = 30 * time.Second
 )
 
+// ID is the node's id (its row in the nodes table).
+func (n *Node) ID() string { return n.cfg.ID }
+
 // Agent returns a client for the agent of a sandbox running on this node (the data
 // plane's way in). It fails with a Conflict fault when the sandbox is not running here.
 func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error) {

@@ -176,6 +176,30 @@ func TestPoolClaimGivesIdentity(t *testing.T) {
 	if out := run(t, s, sb.ID, "echo $OWNER"); strings.TrimSpace(out) != "me" {
 		t.Fatalf("identity: %q", out)
 	}
+	// The create operation's timeline says where the time went, in order.
+	ops, err := s.C.SandboxOperations(ctx(t), sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var create *api.Operation
+	for i := range ops { // newest first: the member's own create (a boot) is older
+		if ops[i].Kind == api.OpCreate && create == nil {
+			create = &ops[i]
+		}
+	}
+	if create == nil {
+		t.Fatalf("no create operation in %+v", ops)
+	}
+	var phases []string
+	for i, e := range create.Timeline {
+		phases = append(phases, e.Phase)
+		if i > 0 && (e.Ms < create.Timeline[i-1].Ms-1 || e.At.IsZero()) { // 1 ms: api and node clocks may round apart
+			t.Errorf("timeline out of order: %+v", create.Timeline)
+		}
+	}
+	if want := "accepted claimed node recorded resumed agent identity reported done"; strings.Join(phases, " ") != want {
+		t.Fatalf("timeline phases %q, want %q", strings.Join(phases, " "), want)
+	}
 }
 
 // A source whose instance vanished while it was checkpointed for clones comes back

@@ -135,6 +135,7 @@ type Node struct {
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
+	marks     timelines
 }
 
 // New returns a node. Run starts it.

@@ -208,6 +208,7 @@ func (n *Node) progress(ctx context.Context, sb *store.Sandbox, msg string) {
 // cost the user, if anything.
 func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, failErr error, note string) {
 	ctx = context.WithoutCancel(ctx)
+	marks := n.marks.take(sb.ID)
 	ops, err := n.st.OpenOperations(ctx, sb.ID)
 	if err != nil {
 		n.log.Warn("list operations", "sandbox", sb.ID, "err", err)
@@ -218,7 +219,7 @@ func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, failErr error, 
 			continue
 		}
 		o := lifecycle.Finish(op.Kind, sb.DesiredState, failErr, note)
-		if err := n.st.UpdateOperation(ctx, op.ID, o.State, o.Message, o.Error); err != nil {
+		if err := n.st.UpdateOperation(ctx, op.ID, o.State, o.Message, o.Error, marks...); err != nil {
 			n.log.Warn("finish operation", "op", op.ID, "err", err)
 			continue
 		}

@@ -41,9 +41,11 @@ type outcome struct {
 // and fails the operations.
 func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Transition, reason string, fn func() (outcome, error)) error {
 	start := time.Now()
+	n.marks.begin(sb.ID)
 	during := lifecycle.During(t)
 	sb = n.report(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t})
 	n.progress(ctx, sb, during)
+	n.marks.mark(sb.ID, "recorded")
 	crash.Point(string(t) + ".recorded")
 	out, err := fn()
 	if err != nil {
@@ -56,6 +58,7 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 	}
 	crash.Point(string(t) + ".acted")
 	sb = n.report(ctx, sb, store.Observed{State: out.state, ObservedGeneration: sb.Generation, Reason: reason, Error: lossError(out.note)})
+	n.marks.mark(sb.ID, "reported")
 	crash.Point(string(t) + ".reported")
 	n.finishOps(ctx, sb, nil, out.note)
 	n.log.Info("sandbox "+out.state, "sandbox", sb.ID, "transition", t, "took", time.Since(start).Round(time.Millisecond))
@@ -69,8 +72,10 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 // member (desired paused) is paused once it runs.
 func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	n.log.Info("creating sandbox", "sandbox", sb.ID, "template", sb.TemplateRef)
+	n.marks.begin(sb.ID)
 	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate})
 	n.progress(ctx, sb, "creating on node "+n.cfg.Name)
+	n.marks.mark(sb.ID, "recorded")
 	crash.Point("create.recorded")
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		n.log.Warn("clean up an earlier create attempt", "sandbox", sb.ID, "err", err)
@@ -107,6 +112,7 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	}
 	crash.Point("create.acted")
 	sb = n.report(ctx, sb, store.Observed{State: state, ObservedGeneration: sb.Generation, StartPath: path, TemplateDigest: digest})
+	n.marks.mark(sb.ID, "reported")
 	crash.Point("create.reported")
 	n.finishOps(ctx, sb, nil, "")
 	n.log.Info("sandbox "+state, "sandbox", sb.ID, "start_path", path)
@@ -140,7 +146,9 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 			err = n.limitDisk(ctx, sb)
 		}
 		if err == nil {
+			n.marks.mark(sb.ID, "disk")
 			if err = n.restoreFrom(ctx, snap, sb, filepath.Join(dir, "checkpoint"), root); err == nil {
+				n.marks.mark(sb.ID, "restored")
 				return "snapshot", nil
 			}
 		}
@@ -155,6 +163,7 @@ func (n *Node) startNew(ctx context.Context, sb *store.Sandbox, digest string) (
 		return "", fmt.Errorf("limit disk: %w", err)
 	}
 	crash.Point("create.disk")
+	n.marks.mark(sb.ID, "disk")
 	if err := n.boot(ctx, sb, root); err != nil {
 		return "", err
 	}
@@ -182,12 +191,15 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 		return fmt.Errorf("start %s instance: %w", n.info.Name, err)
 	}
 	crash.Point("boot.instance")
+	n.marks.mark(sb.ID, "instance")
 	if _, err := n.waitAgent(ctx, sb.ID, n.cfg.AgentReadyTimeout); err != nil {
 		return err
 	}
+	n.marks.mark(sb.ID, "agent")
 	if err := n.setIdentity(ctx, sb); err != nil {
 		return fmt.Errorf("give sandbox its identity: %w", err)
 	}
+	n.marks.mark(sb.ID, "identity")
 	crash.Point("boot.identity")
 	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
 		return err
@@ -262,14 +274,17 @@ func (n *Node) resume(ctx context.Context, sb *store.Sandbox) error {
 		if err := snap.Resume(ctx, sb.ID); err != nil {
 			return outcome{state: api.StatePaused}, fmt.Errorf("resume: %w", err)
 		}
+		n.marks.mark(sb.ID, "resumed")
 		// A claimed warm-pool member gets its owner's identity now.
 		if sb.ClaimedAt != nil && sb.IdentityGeneration == 0 {
 			if _, err := n.waitAgent(ctx, sb.ID, n.cfg.AgentReadyTimeout); err != nil {
 				return outcome{state: api.StateFailed}, err
 			}
+			n.marks.mark(sb.ID, "agent")
 			if err := n.setIdentity(ctx, sb); err != nil {
 				return outcome{state: api.StateFailed}, fmt.Errorf("identity: %w", err)
 			}
+			n.marks.mark(sb.ID, "identity")
 		}
 		n.setReady(sb.ID, true)
 		return outcome{state: api.StateRunning}, nil

@@ -51,6 +51,7 @@ func TestReadmeCurl(t *testing.T) {
 	for _, want := range []string{
 		`"kind":"create"`, `"state":"succeeded"`, `"state":"running"`,
 		"event: start", `"text":"1\n"`, `"text":"2\n"`, `"text":"3\n"`, "event: exit", `"exit_code":0`,
+		`"text":"one-request\n"`, `"exit_code":3`,
 		`"kind":"delete"`,
 	} {
 		if !strings.Contains(text, want) {

@@ -71,6 +71,7 @@ func (a *API) Handler() http.Handler {
 	authed("DELETE /v1/sandboxes/{id}", a.deleteSandbox)
 	authed("GET /v1/sandboxes/{id}/operations", a.listSandboxOperations)
 	authed("POST /v1/sandboxes/{id}/sessions", a.createSession)
+	authed("POST /v1/sandboxes/{id}/exec", a.exec)
 	authed("POST /v1/sandboxes/{id}/pause", a.lifecycle(api.OpPause))
 	authed("POST /v1/sandboxes/{id}/resume", a.lifecycle(api.OpResume))
 	authed("POST /v1/sandboxes/{id}/suspend", a.lifecycle(api.OpSuspend))

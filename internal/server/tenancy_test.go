@@ -172,6 +172,7 @@ var pathCases = map[string]routeCase{
 	"POST /v1/sandboxes/{id}/files/mkdir":               {body: `{"path":"x"}`},
 	"POST /v1/sandboxes/{id}/files/move":                {body: `{"from":"x","to":"y"}`},
 	"POST /v1/sandboxes/{id}/sessions":                  {body: `{"command":"true"}`},
+	"POST /v1/sandboxes/{id}/exec":                      {body: `{"command":"true"}`},
 	"GET /v1/operations/{id}/wait":                      {query: "?timeout=1s"},
 	"PUT /v1/tenants/{name}/quota":                      {body: `{"running_sandboxes":1}`},
 	"POST /v1/dp/sandboxes/{id}/processes/{pid}/stdin":  {body: "x"},

@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacedev/space/internal/fault"
@@ -82,6 +83,8 @@ type Service struct {
 	act    activity
 	events *eventHub
 	rates  *rateLimits
+	fast   *fastPath
+	local  atomic.Pointer[LocalAgents]
 }
 
 // New returns the service. Run must be running for operation waits to wake promptly
@@ -120,6 +123,14 @@ func New(cfg Config) *Service {
 	if cfg.NodeClient == nil {
 		cfg.NodeClient = &http.Client{}
 	}
+	if cfg.NodeClient.Transport == nil {
+		// Calls to nodes' agent proxies are many and small (exec, files, processes):
+		// keep enough idle connections per node that they are reused, not redialled
+		// (http.DefaultTransport keeps 2).
+		t := http.DefaultTransport.(*http.Transport).Clone()
+		t.MaxIdleConnsPerHost = 64
+		cfg.NodeClient = &http.Client{Transport: t, Timeout: cfg.NodeClient.Timeout}
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -127,15 +138,23 @@ func New(cfg Config) *Service {
 		cfg.DefaultQuota = DefaultQuota()
 	}
 	return &Service{cfg: cfg, log: cfg.Logger, st: cfg.Store, ops: newOpWatch(), act: activity{last: map[string]time.Time{}},
-		events: newEventHub(cfg.Store, cfg.Logger), rates: newRateLimits()}
+		events: newEventHub(cfg.Store, cfg.Logger), rates: newRateLimits(), fast: newFastPath()}
 }
 
 // Store returns the store the service works on (for read-only listings by gateways).
 func (s *Service) Store() *store.Store { return s.st }
 
-// Run listens for operation notifications until ctx ends.
+// Run listens for operation notifications until ctx ends, and for the changes of
+// sandboxes, tokens and keys that invalidate the one-request exec's cache (exec.go).
 func (s *Service) Run(ctx context.Context) error {
-	return s.st.Listen(ctx, s.log, func(_, payload string) { s.ops.notify(payload) }, store.ChannelOperations)
+	defer s.fast.stop()
+	return s.st.Listen(ctx, s.log, func(channel, payload string) {
+		if channel == store.ChannelOperations {
+			s.ops.notify(payload)
+			return
+		}
+		s.fast.notify(channel, payload)
+	}, store.ChannelOperations, store.ChannelSandboxes, store.ChannelTokens, store.ChannelKeys)
 }
 
 // Ping checks the database answers.

@@ -25,6 +25,15 @@ type Operation struct {
 	CreatedAt        time.Time
 	UpdatedAt        time.Time
 	DoneAt           *time.Time
+	// Timeline holds the phases recorded for the operation (api.TimelineEntry without
+	// Ms; API() adds "accepted" and "done" and the offsets).
+	Timeline []Mark
+}
+
+// Mark is one recorded phase of an operation.
+type Mark struct {
+	Phase string    `json:"phase"`
+	At    time.Time `json:"at"`
 }
 
 // API converts the row to its wire form.
@@ -40,18 +49,35 @@ func (o *Operation) API() *api.Operation {
 		out.SandboxID, _ = o.Params["source"].(string)
 		out.Snapshot, _ = o.Params["snapshot"].(string)
 	}
+	if len(o.Timeline) > 0 {
+		at := func(phase string, t time.Time) api.TimelineEntry {
+			return api.TimelineEntry{Phase: phase, At: t, Ms: float64(t.Sub(o.CreatedAt).Microseconds()) / 1000}
+		}
+		out.Timeline = append(out.Timeline, at("accepted", o.CreatedAt))
+		for _, m := range o.Timeline {
+			out.Timeline = append(out.Timeline, at(m.Phase, m.At))
+		}
+		if o.DoneAt != nil {
+			out.Timeline = append(out.Timeline, at("done", *o.DoneAt))
+		}
+	}
 	return out
 }
 
 const opCols = `id, kind, coalesce(sandbox_id,''), tenant, target_generation, state, message, error, params,
-	created_at, updated_at, done_at`
+	created_at, updated_at, done_at, timeline`
 
 func scanOp(row pgx.Row) (*Operation, error) {
 	var o Operation
-	var params []byte
+	var params, timeline []byte
 	if err := row.Scan(&o.ID, &o.Kind, &o.SandboxID, &o.Tenant, &o.TargetGeneration, &o.State, &o.Message,
-		&o.Error, &params, &o.CreatedAt, &o.UpdatedAt, &o.DoneAt); err != nil {
+		&o.Error, &params, &o.CreatedAt, &o.UpdatedAt, &o.DoneAt, &timeline); err != nil {
 		return nil, err
+	}
+	if len(timeline) > 2 {
+		if err := json.Unmarshal(timeline, &o.Timeline); err != nil {
+			return nil, fmt.Errorf("decode operation timeline: %w", err)
+		}
 	}
 	if len(params) > 0 {
 		if err := json.Unmarshal(params, &o.Params); err != nil {
@@ -75,9 +101,13 @@ func (t *Tx) InsertOperation(ctx context.Context, op *Operation) error {
 	if op.SandboxID != "" {
 		sb = op.SandboxID
 	}
-	row := t.tx.QueryRow(ctx, `INSERT INTO operations (id, kind, sandbox_id, tenant, target_generation, state, message, params)
-		VALUES ($1,$2,$3,$4,$5,$6,$7,$8) RETURNING `+opCols,
-		op.ID, op.Kind, sb, op.Tenant, op.TargetGeneration, op.State, op.Message, params)
+	timeline, err := marksJSON(op.Timeline)
+	if err != nil {
+		return err
+	}
+	row := t.tx.QueryRow(ctx, `INSERT INTO operations (id, kind, sandbox_id, tenant, target_generation, state, message, params, timeline)
+		VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) RETURNING `+opCols,
+		op.ID, op.Kind, sb, op.Tenant, op.TargetGeneration, op.State, op.Message, params, timeline)
 	got, err := scanOp(row)
 	if err != nil {
 		return fmt.Errorf("insert operation: %w", err)
@@ -132,12 +162,26 @@ func (s *Store) OpenOperationsOfKind(ctx context.Context, kind string) ([]*Opera
 	return collectOps(rows)
 }
 
+// marksJSON encodes recorded phases for the timeline column.
+func marksJSON(marks []Mark) ([]byte, error) {
+	if len(marks) == 0 {
+		return []byte("[]"), nil
+	}
+	return json.Marshal(marks)
+}
+
 // UpdateOperation sets an operation's state and message; a terminal state also sets
-// done_at and the error. Finished operations are never changed again.
-func (s *Store) UpdateOperation(ctx context.Context, id, state, message, errMsg string) error {
-	_, err := s.pool.Exec(ctx, `UPDATE operations SET state=$2, message=$3, error=$4, updated_at=now(),
-		done_at = CASE WHEN $2 IN ('succeeded','failed') THEN now() ELSE NULL END
-		WHERE id=$1 AND done_at IS NULL`, id, state, message, errMsg)
+// done_at and the error. Finished operations are never changed again. marks are
+// appended to its timeline in the same statement.
+func (s *Store) UpdateOperation(ctx context.Context, id, state, message, errMsg string, marks ...Mark) error {
+	timeline, err := marksJSON(marks)
+	if err != nil {
+		return err
+	}
+	_, err = s.pool.Exec(ctx, `UPDATE operations SET state=$2, message=$3, error=$4, updated_at=now(),
+		done_at = CASE WHEN $2 IN ('succeeded','failed') THEN now() ELSE NULL END,
+		timeline = timeline || $5::jsonb
+		WHERE id=$1 AND done_at IS NULL`, id, state, message, errMsg, timeline)
 	if err != nil {
 		return fmt.Errorf("update operation: %w", err)
 	}

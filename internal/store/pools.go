@@ -2,7 +2,9 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -103,28 +105,27 @@ func (s *Store) OrphanPoolMembers(ctx context.Context) ([]*Sandbox, error) {
 // caller's sandbox: tenant, metadata, env, expiry, desired state running, a new
 // generation, and the create operation. It returns nil when the pool has no member ready.
 func (t *Tx) ClaimPoolMember(ctx context.Context, key, digest string, want *Sandbox, op *Operation) (*Sandbox, error) {
-	var id string
-	err := t.tx.QueryRow(ctx, `SELECT id FROM sandboxes WHERE pool_key=$1 AND template_digest=$2 AND state='paused'
-		AND desired_state='paused' AND deleted_at IS NULL ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED`, key, digest).Scan(&id)
-	if err == pgx.ErrNoRows {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("claim pool member: %w", err)
-	}
 	spec, meta, err := encodeSpec(want)
 	if err != nil {
 		return nil, err
 	}
 	idle := idleSeconds(want.IdleTimeout)
-	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET pool_key=NULL, claimed_at=now(), tenant=$2, template_ref=$3, spec=$4,
-		metadata=$5, expires_at=$6, idle_timeout_seconds=$7, desired_state='running', generation=generation+1,
+	// One statement, one round trip: pick the oldest ready member nobody else is
+	// claiming and make it the caller's.
+	row := t.tx.QueryRow(ctx, `UPDATE sandboxes SET pool_key=NULL, claimed_at=now(), tenant=$3, template_ref=$4, spec=$5,
+		metadata=$6, expires_at=$7, idle_timeout_seconds=$8, desired_state='running', generation=generation+1,
 		start_path='pool', created_at=now(), updated_at=now(), last_activity_at=now(), token_epoch=token_epoch+1
-		WHERE id=$1 RETURNING `+sandboxCols, id, want.Tenant, want.TemplateRef, spec, meta, want.ExpiresAt, idle)
+		WHERE id = (SELECT id FROM sandboxes WHERE pool_key=$1 AND template_digest=$2 AND state='paused'
+			AND desired_state='paused' AND deleted_at IS NULL ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED)
+		RETURNING `+sandboxCols, key, digest, want.Tenant, want.TemplateRef, spec, meta, want.ExpiresAt, idle)
 	sb, err := scanSandbox(row)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("claim pool member: %w", err)
 	}
+	op.Timeline = append(op.Timeline, Mark{Phase: "claimed", At: time.Now()})
 	op.SandboxID = sb.ID
 	op.TargetGeneration = sb.Generation
 	op.Tenant = sb.Tenant

@@ -1,0 +1,70 @@
+package server
+
+import (
+	"net/http"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/dataplane"
+	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/rest"
+)
+
+// exec handles POST /v1/sandboxes/{id}/exec: start a command and answer with its
+// output and exit status as one SSE stream, the events of an attach stream from offset
+// 0 (docs/dataplane.md). Errors before the process exists are ordinary JSON errors.
+func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
+	var req api.ExecRequest
+	if err := rest.DecodeJSON(w, r, &req); err != nil {
+		return err
+	}
+	nw, err := noWake(r)
+	if err != nil {
+		return err
+	}
+	text := false
+	switch r.URL.Query().Get("encoding") {
+	case "", "base64":
+	case "text":
+		text = true
+	default:
+		return rest.Invalid("encoding must be base64 or text")
+	}
+	x, err := a.svc.Exec(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw)
+	if err != nil {
+		return err
+	}
+	defer x.Close()
+	s := rest.NewSSE(w)
+	if err := s.Event("", api.EventStart, api.StartEvent{PID: x.PID, ProcessUID: x.UID}); err != nil {
+		return nil
+	}
+	_ = s.Flush()
+	for {
+		f, err := x.Out.NextMerged(dataplane.MaxEventBytes)
+		if err != nil {
+			if r.Context().Err() == nil {
+				// Cut (revoked) or broken: the client re-attaches to pid/process_uid
+				// through a session, from its last event id.
+				msg := "exec stream ended before the process exited"
+				if x.Ctx.Err() != nil {
+					msg = "exec stream was cut: the sandbox's tokens or the API key were revoked, or the listener reconnected"
+				}
+				_ = s.Event("", api.EventError, map[string]string{"message": msg})
+				_ = s.Flush()
+			}
+			return nil
+		}
+		if err := dataplane.WriteFrame(s, f, text); err != nil {
+			return nil
+		}
+		if f.Type == wire.FrameExit {
+			_ = s.Flush()
+			return nil
+		}
+		if !x.Out.Buffered() {
+			if s.Flush() != nil {
+				return nil
+			}
+		}
+	}
+}

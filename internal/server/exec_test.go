@@ -1,0 +1,207 @@
+package server_test
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/service"
+	"github.com/spacedev/space/internal/spacetest"
+)
+
+// execEvent is one event of an exec stream.
+type execEvent struct{ id, name, data string }
+
+// execRaw posts an exec request with key and returns the status and, for a stream,
+// its events.
+func execRaw(t *testing.T, s *spacetest.Space, key, id, query, body string) (int, []execEvent, string) {
+	t.Helper()
+	req, err := http.NewRequest("POST", s.URL+"/v1/sandboxes/"+id+"/exec"+query, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("Content-Type") != "text/event-stream" {
+		var b bytes.Buffer
+		_, _ = b.ReadFrom(resp.Body)
+		return resp.StatusCode, nil, b.String()
+	}
+	var evs []execEvent
+	var cur execEvent
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 4<<20)
+	for sc.Scan() {
+		l := sc.Text()
+		switch {
+		case l == "":
+			if cur.name != "" {
+				evs = append(evs, cur)
+			}
+			cur = execEvent{}
+		case strings.HasPrefix(l, "id: "):
+			cur.id = l[4:]
+		case strings.HasPrefix(l, "event: "):
+			cur.name = l[7:]
+		case strings.HasPrefix(l, "data: "):
+			cur.data = l[6:]
+		}
+	}
+	return resp.StatusCode, evs, ""
+}
+
+// TestExecOneRequest runs commands through POST /v1/sandboxes/{id}/exec: the stream's
+// events and offsets, stdin, text encoding, validation, a byte-exact larger output
+// through the Go client, tenancy with a warm target cache, and the cache's
+// invalidation by a pause (the exec wakes the sandbox) and a delete.
+func TestExecOneRequest(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{})
+
+	code, evs, body := execRaw(t, s, s.AdminKey, sb.ID, "", `{"argv":["sh","-c","echo out; echo err >&2; exit 3"]}`)
+	if code != 200 || len(evs) < 3 {
+		t.Fatalf("exec: %d %v %s", code, evs, body)
+	}
+	var start api.StartEvent
+	if evs[0].name != api.EventStart || json.Unmarshal([]byte(evs[0].data), &start) != nil || start.PID <= 0 || start.ProcessUID == "" {
+		t.Fatalf("first event %+v", evs[0])
+	}
+	streams := map[string]string{}
+	var offset int64
+	for _, ev := range evs[1 : len(evs)-1] {
+		var o api.OutputEvent
+		if err := json.Unmarshal([]byte(ev.data), &o); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := base64.StdEncoding.DecodeString(o.Data)
+		if o.Offset != offset || ev.id != jsonInt(offset+int64(len(b))) {
+			t.Fatalf("event %+v at offset %d: offsets do not chain", ev, offset)
+		}
+		offset += int64(len(b))
+		streams[ev.name] += string(b)
+	}
+	var exit api.ExitEvent
+	last := evs[len(evs)-1]
+	if last.name != api.EventExit || json.Unmarshal([]byte(last.data), &exit) != nil || exit.ExitCode == nil || *exit.ExitCode != 3 || exit.Offset != offset {
+		t.Fatalf("last event %+v", last)
+	}
+	if streams["stdout"] != "out\n" || streams["stderr"] != "err\n" {
+		t.Fatalf("output %q", streams)
+	}
+
+	// stdin is written and closed; text encoding carries UTF-8 as is.
+	code, evs, body = execRaw(t, s, s.AdminKey, sb.ID, "?encoding=text", `{"argv":["cat"],"stdin":"héllo"}`)
+	if code != 200 || len(evs) != 3 || !strings.Contains(evs[1].data, `"text":"héllo"`) || !strings.Contains(evs[2].data, `"exit_code":0`) {
+		t.Fatalf("stdin: %d %+v %s", code, evs, body)
+	}
+
+	// Refused before anything runs.
+	for _, bad := range []struct{ query, body string }{
+		{"", `{"argv":["true"],"command":"true"}`},
+		{"", `{}`},
+		{"", `{"argv":["true"],"stdin":"a","stdin_base64":"YQ=="}`},
+		{"", `{"argv":["true"],"stdin_base64":"%%%"}`},
+		{"", `{"argv":["true"],"pty":{"rows":1,"cols":1}}`},
+		{"?encoding=utf16", `{"argv":["true"]}`},
+	} {
+		if code, _, body := execRaw(t, s, s.AdminKey, sb.ID, bad.query, bad.body); code != 400 {
+			t.Errorf("%s %s: %d %s, want 400", bad.query, bad.body, code, body)
+		}
+	}
+
+	// A larger output arrives byte-exact through the client (which uses the route).
+	var out, errb bytes.Buffer
+	n, err := s.C.Exec(c, sb.ID, api.CreateSessionRequest{Command: "head -c 3000000 /dev/urandom | tee /tmp/r | base64 -w0 >/dev/null; cat /tmp/r"},
+		client.Output{Stdout: &out, Stderr: &errb})
+	if err != nil || n != 0 || out.Len() != 3000000 {
+		t.Fatalf("large output: code %d, err %v, %d bytes, stderr %q", n, err, out.Len(), errb.String())
+	}
+	var sum bytes.Buffer
+	if n, err := s.C.Exec(c, sb.ID, api.CreateSessionRequest{Command: "sha256sum </tmp/r | cut -c1-64"}, client.Output{Stdout: &sum}); err != nil || n != 0 {
+		t.Fatal(n, err)
+	}
+	want := sha256.Sum256(out.Bytes())
+	if strings.TrimSpace(sum.String()) != fmt.Sprintf("%x", want) {
+		t.Fatalf("output differs from what the process wrote: %s vs %x", sum.String(), want)
+	}
+
+	// Another tenant's key gets the answer of a missing sandbox, cache warm or not.
+	other := s.NewKey("other", false, service.KeySpace)
+	if code, _, body := execRaw(t, s, other, sb.ID, "", `{"argv":["true"]}`); code != 404 {
+		t.Fatalf("other tenant: %d %s", code, body)
+	}
+
+	// Revoking the API key cuts its open exec streams (the process is not killed).
+	keyID, member := s.NewKeyRole("default", "member", service.KeySpace)
+	type streamEnd struct {
+		code int
+		evs  []execEvent
+	}
+	ended := make(chan streamEnd, 1)
+	go func() {
+		code, evs, _ := execRaw(t, s, member, sb.ID, "", `{"argv":["sleep","30"]}`)
+		ended <- streamEnd{code, evs}
+	}()
+	s.Eventually(30*time.Second, "the sleep to run", func() bool {
+		procs, err := s.C.ListProcesses(c, sb.ID)
+		for _, p := range procs {
+			if err == nil && p.State == "running" && len(p.Argv) == 2 && p.Argv[0] == "sleep" {
+				return true
+			}
+		}
+		return false
+	})
+	if _, err := s.C.RevokeAPIKey(c, keyID); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-ended:
+		if e.code != 200 || len(e.evs) < 2 || e.evs[len(e.evs)-1].name != api.EventError || !strings.Contains(e.evs[len(e.evs)-1].data, "cut") {
+			t.Fatalf("after the key's revocation: %d %+v", e.code, e.evs)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the exec stream outlived its key's revocation by 10 s")
+	}
+
+	// Pause: the cached target is dropped and the exec wakes the sandbox.
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpPause)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	if code, evs, body := execRaw(t, s, s.AdminKey, sb.ID, "?wake=false", `{"argv":["true"]}`); code != 409 {
+		t.Fatalf("paused, wake=false: %d %v %s", code, evs, body)
+	}
+	if code, evs, body := execRaw(t, s, s.AdminKey, sb.ID, "", `{"argv":["echo","awake"]}`); code != 200 || len(evs) != 3 || !strings.Contains(evs[2].data, `"exit_code":0`) {
+		t.Fatalf("paused: %d %v %s", code, evs, body)
+	}
+
+	// Delete: the route answers 404 at once, however warm the cache was.
+	if op, err = s.C.DeleteSandbox(c, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if code, _, body := execRaw(t, s, s.AdminKey, sb.ID, "", `{"argv":["true"]}`); code != 404 && code != 409 {
+		t.Fatalf("deleting: %d %s", code, body)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	if code, _, body := execRaw(t, s, s.AdminKey, sb.ID, "", `{"argv":["true"]}`); code != 404 {
+		t.Fatalf("deleted: %d %s", code, body)
+	}
+}
+
+func jsonInt(n int64) string { b, _ := json.Marshal(n); return string(b) }

@@ -1,0 +1,289 @@
+package service
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"sync"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/store"
+)
+
+// targetCacheTTL bounds how long the one-request exec reuses what it learnt of a
+// running sandbox (tenant, node, data-plane URL, node token) without reading the
+// database. Every change of the sandbox (ChannelSandboxes), of its token epoch
+// (ChannelTokens) and every reconnect of the listener drops the entry at once; the TTL
+// only bounds the damage of a notification PostgreSQL never delivered. It must stay
+// well below nodeTokenTTL: the cached node token must outlive the entry.
+const targetCacheTTL = 10 * time.Second
+
+// maxExecStdin bounds the stdin an exec request carries in its body.
+const maxExecStdin = 1 << 20
+
+// fastPath is the state of the one-request exec: the targets of running sandboxes
+// (valid while the service's listener is connected) and the open exec streams, which
+// are cut like attach streams when the sandbox's tokens or the caller's API key are
+// revoked.
+type fastPath struct {
+	mu   sync.Mutex
+	live bool // the listener is connected: notifications invalidate the cache
+	// seq counts invalidations: a target read before one is not remembered after it
+	// (the notification of a change may arrive between the read and remember).
+	seq     uint64
+	targets map[string]cachedTarget
+	streams map[*Execution]struct{}
+}
+
+type cachedTarget struct {
+	t      *Target
+	tenant string
+	at     time.Time
+}
+
+func newFastPath() *fastPath {
+	return &fastPath{targets: map[string]cachedTarget{}, streams: map[*Execution]struct{}{}}
+}
+
+// notify handles one notification of the service's listener (see Service.Run).
+func (f *fastPath) notify(channel, payload string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if channel != store.ChannelKeys {
+		f.seq++
+	}
+	switch {
+	case payload == "":
+		// (Re)connected: anything may have changed while no one listened.
+		f.live = true
+		clear(f.targets)
+		if channel == store.ChannelKeys {
+			for x := range f.streams {
+				x.cancel() // the client re-attaches through a session, checked afresh
+			}
+		}
+	case channel == store.ChannelKeys:
+		for x := range f.streams {
+			if x.key == payload {
+				x.cancel()
+			}
+		}
+	case channel == store.ChannelTokens:
+		delete(f.targets, payload)
+		for x := range f.streams {
+			if x.sandbox == payload {
+				x.cancel()
+			}
+		}
+	default: // ChannelSandboxes
+		delete(f.targets, payload)
+	}
+}
+
+// stop marks the listener gone: the cache is not used until it reconnects.
+func (f *fastPath) stop() {
+	f.mu.Lock()
+	f.seq++
+	f.live = false
+	clear(f.targets)
+	f.mu.Unlock()
+}
+
+// lookup returns the cached target of sandbox id for p (nil if none), and the
+// invalidation count to hand to remember after reading the target afresh.
+func (f *fastPath) lookup(p *Principal, id string) (*Target, uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	c, ok := f.targets[id]
+	if !ok || !f.live {
+		return nil, f.seq
+	}
+	if time.Since(c.at) > targetCacheTTL {
+		delete(f.targets, id)
+		return nil, f.seq
+	}
+	if !p.Visible(c.tenant) {
+		return nil, f.seq // the slow path answers exactly like a missing sandbox
+	}
+	return c.t, f.seq
+}
+
+// remember caches t unless an invalidation came after seq (lookup's count, taken
+// before t was read).
+func (f *fastPath) remember(t *Target, seq uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.live && f.seq == seq {
+		f.targets[t.Sandbox.ID] = cachedTarget{t: t, tenant: t.Sandbox.Tenant, at: time.Now()}
+	}
+}
+
+func (f *fastPath) forget(id string) {
+	f.mu.Lock()
+	delete(f.targets, id)
+	f.mu.Unlock()
+}
+
+// LocalAgents reaches the agents of the node that runs in the same process as the api
+// role (space serve with both roles, the default): the one-request exec talks to them
+// directly instead of through the node's HTTP agent proxy.
+type LocalAgents interface {
+	ID() string
+	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
+	Touch(sandboxID string)
+}
+
+// SetLocalNode names the node running in this process (see LocalAgents).
+func (s *Service) SetLocalNode(n LocalAgents) { s.local.Store(&n) }
+
+// execAgent returns a client for t's agent: the in-process node's own when t is on it,
+// else through the node's agent proxy.
+func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client, error) {
+	if l := s.local.Load(); l != nil && t.Node != nil && t.Node.ID == (*l).ID() {
+		a, err := (*l).Agent(ctx, t.Sandbox.ID)
+		if err != nil {
+			return nil, err
+		}
+		(*l).Touch(t.Sandbox.ID) // as the agent proxy does for each request
+		return a, nil
+	}
+	return s.Agent(t), nil
+}
+
+// Execution is a command started by Exec: its process and its output stream from
+// offset 0. Close ends the stream (not the process).
+type Execution struct {
+	PID int
+	UID string
+	// Out is the process's output (stdout, stderr, gaps, heartbeats, then the exit).
+	Out *agentclient.OutputStream
+	// Ctx ends when the stream was cut (revoked tokens or key) or closed.
+	Ctx     context.Context
+	sandbox string
+	key     string
+	cancel  context.CancelFunc
+	untrack func()
+}
+
+// Close ends the output stream.
+func (x *Execution) Close() {
+	x.cancel()
+	if x.Out != nil {
+		_ = x.Out.Close()
+	}
+	x.untrack()
+}
+
+// ExecSpec validates an exec request and turns it into a gated agent spec and the
+// stdin bytes to send (nil: stdin is /dev/null).
+func ExecSpec(req *api.ExecRequest) (*wire.ProcessSpec, []byte, error) {
+	var stdin []byte
+	switch {
+	case req.Stdin != nil && req.StdinBase64 != "":
+		return nil, nil, invalid("give either stdin or stdin_base64, not both")
+	case req.Stdin != nil:
+		stdin = []byte(*req.Stdin)
+	case req.StdinBase64 != "":
+		b, err := base64.StdEncoding.DecodeString(req.StdinBase64)
+		if err != nil {
+			return nil, nil, invalid("stdin_base64 is not valid base64")
+		}
+		stdin = b
+	}
+	if len(stdin) > maxExecStdin {
+		return nil, nil, invalid("stdin is larger than %d bytes; use a session and its stdin endpoint", maxExecStdin)
+	}
+	spec, err := ProcessSpec(&api.CreateSessionRequest{Argv: req.Argv, Command: req.Command, Env: req.Env, Cwd: req.Cwd,
+		User: req.User, Timeout: req.Timeout, Stdin: stdin != nil})
+	if err != nil {
+		return nil, nil, err
+	}
+	return spec, stdin, nil
+}
+
+// Exec starts a command in a running sandbox (waking it unless noWake) and returns its
+// output stream, connected before the process starts so no byte is missed.
+//
+// The path reads the database only when it must: a sandbox it reached in the last
+// seconds is reached again through the node it learnt (see targetCacheTTL) without a
+// query; if that attempt fails before a process exists, the usual path (sandbox row,
+// wake, node row) is taken once.
+func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.ExecRequest, noWake bool) (*Execution, error) {
+	spec, stdin, err := ExecSpec(&req)
+	if err != nil {
+		return nil, err
+	}
+	t, seq := s.fast.lookup(p, id)
+	if t != nil {
+		x, err := s.startExec(ctx, p, t, *spec, stdin)
+		if err == nil {
+			s.touch(id)
+			return x, nil
+		}
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		s.fast.forget(id)
+		_, seq = s.fast.lookup(p, id)
+	}
+	t, err = s.Running(ctx, p, id, noWake)
+	if err != nil {
+		return nil, err
+	}
+	x, err := s.startExec(ctx, p, t, *spec, stdin)
+	if err != nil {
+		return nil, err
+	}
+	s.fast.remember(t, seq)
+	return x, nil
+}
+
+// startExec creates the gated process, connects to its output, then lets it run and
+// feeds it stdin.
+func (s *Service) startExec(ctx context.Context, p *Principal, t *Target, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
+	agent, err := s.execAgent(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	info, err := agent.StartProcess(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	proc := agent.Proc(info.PID, info.UID)
+	sctx, cancel := context.WithCancel(ctx)
+	x := &Execution{PID: info.PID, UID: info.UID, Ctx: sctx, sandbox: t.Sandbox.ID, key: p.KeyID, cancel: cancel}
+	s.fast.mu.Lock()
+	s.fast.streams[x] = struct{}{}
+	s.fast.mu.Unlock()
+	x.untrack = func() {
+		s.fast.mu.Lock()
+		delete(s.fast.streams, x)
+		s.fast.mu.Unlock()
+	}
+	fail := func(err error) (*Execution, error) {
+		// The gated process never ran: end it so it does not wait for an attach.
+		kctx, kcancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer kcancel()
+		_ = proc.Signal(kctx, "KILL")
+		x.Close()
+		return nil, err
+	}
+	if x.Out, err = proc.Output(sctx, 0, true); err != nil {
+		return fail(err)
+	}
+	if err := proc.Start(sctx); err != nil && !fault.Is(err, fault.Conflict) {
+		return fail(err)
+	}
+	if stdin != nil {
+		go func() {
+			if err := proc.WriteStdin(sctx, bytes.NewReader(stdin), true); err != nil && sctx.Err() == nil {
+				s.log.Debug("exec stdin", "sandbox", t.Sandbox.ID, "pid", info.PID, "err", err)
+			}
+		}()
+	}
+	return x, nil
+}
