@@ -45,11 +45,10 @@ type server struct {
 	crashLog string
 	armFile  string
 
-	mu      sync.Mutex
-	cmd     *exec.Cmd
-	done    chan struct{}
-	out     *bytes.Buffer
-	started time.Time // when the running process was started
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+	out  *bytes.Buffer
 }
 
 func newServer(t testing.TB, embedded bool) *server {
@@ -105,14 +104,13 @@ func (s *server) start(env ...string) {
 	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
 		cmd.Stderr = os.Stderr
 	}
-	startAt := time.Now()
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
 	s.mu.Lock()
-	s.cmd, s.done, s.started = cmd, done, startAt
+	s.cmd, s.done = cmd, done
 	s.mu.Unlock()
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
@@ -168,13 +166,6 @@ func (s *server) died(d time.Duration) bool {
 	case <-time.After(d):
 		return false
 	}
-}
-
-// startedAt is when the current (or last) server process was started.
-func (s *server) startedAt() time.Time {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.started
 }
 
 // exited reports whether the server process has ended (without waiting).

@@ -277,12 +277,6 @@ func walk(t *testing.T, action string) {
 					if (!sc.fresh || s.isPID(onceTaker(t, once))) && !s.died(converge) {
 						t.Fatalf("%s: the server did not die at the point", p)
 					}
-					if fi, err := os.Stat(once); err == nil && sc.fresh && !fi.ModTime().Before(s.startedAt()) {
-						// Hit by the process running now, after act returned (a claimed
-						// sandbox's resume, say): it is dying. Wait for it, so that it is
-						// restarted below rather than left dead.
-						s.died(converge)
-					}
 					if s.exited() {
 						s.arm(false)
 						s.start()
