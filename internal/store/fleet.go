@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -10,6 +11,9 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
 )
+
+// NodeDiskFloorMB is the least disk, in MiB, a sandbox is charged on its node.
+const NodeDiskFloorMB = 64
 
 // Resources is an amount of what nodes offer sandboxes: vCPUs, memory and disk.
 type Resources struct {
@@ -22,15 +26,17 @@ type Resources struct {
 // placed on node n take of it. CPU and memory: sandboxes that hold (or are about to
 // hold) the node's memory — neither failed nor resting suspended or stopped.
 // Disk is thin-provisioned (copy-on-write), so a sandbox is charged its measured
-// exclusive use, at least DefaultDiskEstimateMB, plus its memory while it is (being)
-// suspended (the memory snapshot); the disk_mb limit is the tenant quota's business.
+// exclusive use, at least NodeDiskFloorMB, plus its memory while it is (being)
+// suspended (the memory snapshot); the disk_mb limit is the sandbox's disk quota's
+// and the tenant quota's business (a 1 GiB floor per sandbox there would cap a 16 GiB
+// store at 14 sandboxes).
 var usedSQL = `(SELECT ARRAY[
 		coalesce(sum((u.spec->>'cpu')::bigint) FILTER (WHERE u.holds), 0),
 		coalesce(sum((u.spec->>'memory_mb')::bigint) FILTER (WHERE u.holds), 0),
 		coalesce(sum(u.disk), 0)]::bigint[]
 	FROM (SELECT s.spec,
 		s.state NOT IN ('failed','deleted') AND (s.desired_state IN ('running','paused') OR s.state NOT IN ('suspended','stopped')) AS holds,
-		GREATEST(s.disk_exclusive_bytes / 1048576, ` + diskEstimate + `)
+		GREATEST(s.disk_exclusive_bytes / 1048576, ` + strconv.Itoa(NodeDiskFloorMB) + `)
 			+ CASE WHEN s.state IN ('suspending','suspended') OR s.desired_state = 'suspended' THEN (s.spec->>'memory_mb')::bigint ELSE 0 END AS disk
 		FROM sandboxes s WHERE s.node_id = n.id AND s.deleted_at IS NULL) u)`
 

@@ -55,9 +55,9 @@ func TestNodeCapacityAndUsage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Memory and vCPUs: only the running one. Disk: the 1 GiB estimate of each, plus
-	// the suspended one's memory snapshot.
-	want := store.Resources{CPU: 2, MemoryMB: 1024, DiskMB: 3*store.DefaultDiskEstimateMB + 2048}
+	// Memory and vCPUs: only the running one. Disk: the floor of each (nothing
+	// measured yet), plus the suspended one's memory snapshot.
+	want := store.Resources{CPU: 2, MemoryMB: 1024, DiskMB: 3*store.NodeDiskFloorMB + 2048}
 	if got.Allocatable != n.Allocatable || got.Used != want || got.Sandboxes != 3 {
 		t.Fatalf("node %+v: allocatable %+v used %+v, want %+v", got, got.Allocatable, got.Used, want)
 	}

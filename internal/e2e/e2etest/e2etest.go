@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -28,7 +29,6 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/runtime/gvisor"
-	"github.com/spacedev/space/internal/storage"
 	"github.com/spacedev/space/internal/template/templatetest"
 	"github.com/spacedev/space/internal/testenv"
 )
@@ -88,6 +88,9 @@ func FreeAddr(t testing.TB) string {
 	return ln.Addr().String()
 }
 
+// storeSize is the size of the servers' store images.
+const storeSize = 16 << 30
+
 // Start starts space serve on a fresh data directory. Everything it made is undone
 // when t ends (the server stopped, its sandboxes destroyed, its mounts removed).
 func Start(t testing.TB, o Options) *Server { return StartWith(t, o, nil) }
@@ -111,15 +114,7 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 		prepare(dataDir)
 	}
 	if !o.NoBase {
-		st, err := storage.Open(context.Background(), storage.Config{DataDir: dataDir, ImageSizeBytes: 16 << 30})
-		if err != nil {
-			t.Fatal(err)
-		}
-		templatetest.Base(t, st)
-		for _, name := range o.Builtins {
-			templatetest.Builtin(t, st, name)
-		}
-		st.Close()
+		templatetest.SeedStore(t, dataDir, storeSize, o.Builtins...)
 	}
 	s.URL = "http://" + s.Addr
 	s.launch()
@@ -136,7 +131,7 @@ func (s *Server) launch() {
 	// Sandbox networking stays off unless a test turns it on (with a fake internet as
 	// the host: internal/e2e/network_test.go): the machine's own namespace is never
 	// touched.
-	args := []string{"serve", "--data-dir", s.DataDir, "--listen", s.Addr, "--store-size", "17179869184", "--network", "off"}
+	args := []string{"serve", "--data-dir", s.DataDir, "--listen", s.Addr, "--store-size", strconv.FormatInt(storeSize, 10), "--network", "off"}
 	if s.DBURL != "" {
 		args = append(args, "--database-url", s.DBURL)
 	}

@@ -7,7 +7,9 @@ package templatetest
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"os/exec"
@@ -235,4 +237,73 @@ func lockCache(t testing.TB) func() {
 		t.Fatalf("templatetest: lock cache: %v", err)
 	}
 	return func() { f.Close() }
+}
+
+// SeedStore puts at dataDir/store.img a btrfs store image of imageSize bytes that
+// holds base and the given builtins, for a space serve started on dataDir to mount.
+// Importing base into a fresh store takes seconds per server (a btrfs receive of
+// hundreds of MiB and tens of thousands of files); instead a golden image is made
+// once per cache content (in the test cache, next to the releases it was made from)
+// and each store is a sparse copy of it with a new file system id (btrfstune -m), so
+// that stores mounted side by side are distinct file systems.
+func SeedStore(t testing.TB, dataDir string, imageSize int64, builtins ...string) {
+	t.Helper()
+	RequireStore(t)
+	names := append([]string{template.BaseTemplate}, builtins...)
+	h := sha256.New()
+	fmt.Fprintf(h, "size=%d\n", imageSize)
+	for _, n := range names {
+		fmt.Fprintf(h, "%s\n", filepath.Base(cachePath(t, n)))
+	}
+	golden := filepath.Join(CacheDir(t), fmt.Sprintf("golden-%x.img", h.Sum(nil)[:6]))
+	if _, err := os.Stat(golden); err != nil || Rebuild() {
+		makeGolden(t, golden, imageSize, names)
+	}
+	if err := os.MkdirAll(dataDir, 0o755); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	image := filepath.Join(dataDir, "store.img")
+	if out, err := exec.Command("cp", "--sparse=always", golden, image).CombinedOutput(); err != nil {
+		t.Fatalf("templatetest: copy the golden store image: %v: %s", err, out)
+	}
+	if out, err := exec.Command("btrfstune", "-f", "-m", image).CombinedOutput(); err != nil {
+		t.Fatalf("templatetest: give the store image its own id: %v: %s", err, out)
+	}
+}
+
+// makeGolden builds the golden image of names (importing or building each) and
+// publishes it at golden by a rename, removing golden images of older cache content.
+func makeGolden(t testing.TB, golden string, imageSize int64, names []string) {
+	t.Helper()
+	tmp, err := os.MkdirTemp(CacheDir(t), "golden-build-")
+	if err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	defer os.RemoveAll(tmp)
+	ctx := context.Background()
+	st, err := storage.Open(ctx, storage.Config{DataDir: tmp, ImageSizeBytes: imageSize})
+	if err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	for _, n := range names {
+		Builtin(t, st, n)
+	}
+	if err := st.Unmount(ctx); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	if err := os.Rename(filepath.Join(tmp, "store.img"), golden); err != nil {
+		t.Fatalf("templatetest: %v", err)
+	}
+	// Golden images older than the base release in the cache were made from an
+	// older base: nothing will use them again.
+	base, err := os.Stat(cachePath(t, template.BaseTemplate))
+	if err != nil {
+		return
+	}
+	old, _ := filepath.Glob(filepath.Join(CacheDir(t), "golden-*.img"))
+	for _, p := range old {
+		if fi, err := os.Stat(p); err == nil && fi.ModTime().Before(base.ModTime()) {
+			os.Remove(p)
+		}
+	}
 }
