@@ -221,7 +221,8 @@ func TestE2BWire(t *testing.T) {
 	code, m, _ = do("GET", "/v1/processes", nil, envd)
 	wantError("agent path through envd", 404, code, m)
 	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "8080"})
-	if code != 502 || !strings.Contains(fmt.Sprint(m["message"]), "port 8080 is not reachable") {
+	// E2B's own words for a closed port, with space's detail.
+	if code != 502 || m["message"] != "The sandbox is running but port is not open" || !strings.Contains(fmt.Sprint(m["detail"]), "port 8080") {
 		t.Errorf("closed port: %d %v", code, m)
 	}
 	code, m, _ = do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": "nosuchsandbox00000000", "E2b-Sandbox-Port": "49983",
