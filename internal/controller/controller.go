@@ -188,6 +188,11 @@ func (c *Controller) pass(ctx context.Context) {
 	c.pools(ctx)
 	c.schedule(ctx)
 	c.expire(ctx)
+	if n, err := c.st.FinishOrphanOperations(ctx); err != nil {
+		c.log.Warn("finish the operations of deleted sandboxes", "err", err)
+	} else if n > 0 {
+		c.log.Info("ended the open operations of deleted sandboxes", "count", n)
+	}
 }
 
 // markDead marks nodes that missed their heartbeats dead, fences them and settles

@@ -257,3 +257,30 @@ func TestRemoveNode(t *testing.T) {
 		t.Fatalf("heartbeat of a removed node: %v", err)
 	}
 }
+
+// A sandbox recorded deleted whose operations could not be ended (the database went
+// away between the two writes) has them ended by the controller's resync.
+func TestFinishOrphanOperations(t *testing.T) {
+	st, ctx := open(t)
+	n := &store.Node{ID: "n1", Name: "one", Runtime: "fake", DataPlaneURL: "http://n1"}
+	if err := st.RegisterNode(ctx, n); err != nil {
+		t.Fatal(err)
+	}
+	sb, op := newSandbox(t, ctx, st, &store.Sandbox{NodeID: "n1", DesiredState: api.StateDeleted})
+	live, liveOp := newSandbox(t, ctx, st, &store.Sandbox{NodeID: "n1"})
+	if _, err := st.ReportObserved(ctx, sb.ID, "n1", store.Observed{State: api.StateDeleted, ObservedGeneration: sb.Generation, Deleted: true}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := st.GetOperation(ctx, op.ID); err != nil || got.DoneAt != nil {
+		t.Fatalf("before: %+v %v", got, err)
+	}
+	if n, err := st.FinishOrphanOperations(ctx); err != nil || n != 1 {
+		t.Fatalf("finished %d: %v", n, err)
+	}
+	if got, err := st.GetOperation(ctx, op.ID); err != nil || got.DoneAt == nil || got.State != api.OpFailed {
+		t.Fatalf("the deleted sandbox's open operation: %+v %v", got, err)
+	}
+	if got, err := st.GetOperation(ctx, liveOp.ID); err != nil || got.DoneAt != nil {
+		t.Fatalf("a live sandbox's (%s) operation was ended: %+v %v", live.ID, got, err)
+	}
+}

@@ -288,3 +288,32 @@ func collectOps(rows pgx.Rows) ([]*Operation, error) {
 	}
 	return out, rows.Err()
 }
+
+// FinishOrphanOperations ends the open operations of deleted sandboxes: a delete
+// succeeded, anything else failed (the sandbox is gone). A node records a sandbox's
+// deletion and then its operations in two statements; when the database goes away
+// between them nothing else would ever end those operations (a deleted sandbox is
+// never planned again), so the controller's resync does. It returns how many it ended.
+func (s *Store) FinishOrphanOperations(ctx context.Context) (int, error) {
+	rows, err := s.pool.Query(ctx, `UPDATE operations o SET
+			state = CASE WHEN o.kind = 'delete' THEN 'succeeded' ELSE 'failed' END,
+			message = CASE WHEN o.kind = 'delete' THEN 'deleted' ELSE 'failed' END,
+			error = CASE WHEN o.kind = 'delete' THEN o.error ELSE 'the sandbox was deleted before this operation ended' END,
+			updated_at = now(), done_at = now()
+		FROM sandboxes s
+		WHERE o.sandbox_id = s.id AND o.done_at IS NULL AND s.deleted_at IS NOT NULL
+		RETURNING o.id`)
+	if err != nil {
+		return 0, fmt.Errorf("finish orphan operations: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, fmt.Errorf("finish orphan operations: %w", err)
+	}
+	for _, id := range ids {
+		if _, err := s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelOperations, id); err != nil {
+			return len(ids), err
+		}
+	}
+	return len(ids), nil
+}
