@@ -233,17 +233,8 @@ func (s *Store) SetSandboxLimit(ctx context.Context, id string, bytes int64) err
 	if err != nil {
 		return fault.Wrap(fault.Invalid, err)
 	}
-	if bytes < 0 {
-		return fault.New(fault.Invalid, "disk limit %d is negative", bytes)
-	}
-	if !s.quota.on {
-		return fault.New(fault.Unavailable, "per-sandbox disk limits are off in this store: %s", s.quota.reason)
-	}
-	if err := ctx.Err(); err != nil {
+	if err := s.checkLimit(ctx, id, dir, bytes); err != nil {
 		return err
-	}
-	if _, err := os.Lstat(dir); err != nil {
-		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
 	if err := s.ensureGroup(dir); err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
@@ -252,11 +243,7 @@ func (s *Store) SetSandboxLimit(ctx context.Context, id string, bytes int64) err
 	if err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
-	limit := uint64(bytes)
-	if bytes == 0 {
-		limit = qgroupLimitClear
-	}
-	if err := s.limit(g, limit); err != nil {
+	if err := s.limit(g, bytes); err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
 	s.log.DebugContext(ctx, "storage: sandbox disk limit set", "id", id, "qgroup", qgroupName(g), "bytes", bytes)
@@ -275,6 +262,23 @@ func (s *Store) SetRootfsLimit(ctx context.Context, id string, bytes int64) erro
 	if err != nil {
 		return fault.Wrap(fault.Invalid, err)
 	}
+	if err := s.checkLimit(ctx, id, root, bytes); err != nil {
+		return err
+	}
+	vol, err := subvolumeIDOf(root)
+	if err != nil {
+		return fmt.Errorf("storage: sandbox %s: %w", id, err)
+	}
+	if err := s.limit(vol, bytes); err != nil {
+		return fmt.Errorf("storage: sandbox %s rootfs: %w", id, err)
+	}
+	s.log.DebugContext(ctx, "storage: sandbox rootfs limit set", "id", id, "qgroup", qgroupName(vol), "bytes", bytes)
+	return nil
+}
+
+// checkLimit is what setting a sandbox's limit of bytes at path needs: a non-negative
+// size, quotas on, and path present.
+func (s *Store) checkLimit(ctx context.Context, id, path string, bytes int64) error {
 	if bytes < 0 {
 		return fault.New(fault.Invalid, "disk limit %d is negative", bytes)
 	}
@@ -284,32 +288,25 @@ func (s *Store) SetRootfsLimit(ctx context.Context, id string, bytes int64) erro
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if _, err := os.Lstat(root); err != nil {
+	if _, err := os.Lstat(path); err != nil {
 		return fmt.Errorf("storage: sandbox %s: %w", id, err)
 	}
-	vol, err := subvolumeIDOf(root)
-	if err != nil {
-		return fmt.Errorf("storage: sandbox %s: %w", id, err)
-	}
-	limit := uint64(bytes)
-	if bytes == 0 {
-		limit = qgroupLimitClear
-	}
-	if err := s.limit(vol, limit); err != nil {
-		return fmt.Errorf("storage: sandbox %s rootfs: %w", id, err)
-	}
-	s.log.DebugContext(ctx, "storage: sandbox rootfs limit set", "id", id, "qgroup", qgroupName(vol), "bytes", bytes)
 	return nil
 }
 
-// limit sets qgroup g's limit. Quota ioctls go through the store root: one on a
-// directory inside a sandbox at its limit would be charged to the sandbox, and fail.
-func (s *Store) limit(g, maxExcl uint64) error {
+// limit sets qgroup g's limit to bytes (0: no limit). Quota ioctls go through the
+// store root: one on a directory inside a sandbox at its limit would be charged to the
+// sandbox, and fail.
+func (s *Store) limit(g uint64, bytes int64) error {
 	root, err := openDir(s.root)
 	if err != nil {
 		return err
 	}
 	defer root.Close()
+	maxExcl := uint64(bytes)
+	if bytes == 0 {
+		maxExcl = qgroupLimitClear
+	}
 	return limitQgroup(root, g, maxExcl)
 }
 

@@ -94,11 +94,7 @@ func (b *ReleaseBuild) SetLimit(ctx context.Context, bytes int64) error {
 	if err != nil {
 		return fmt.Errorf("storage: build limit: %w", err)
 	}
-	limit := uint64(bytes)
-	if bytes == 0 {
-		limit = qgroupLimitClear
-	}
-	if err := b.s.limit(qgroupID(0, id), limit); err != nil {
+	if err := b.s.limit(qgroupID(0, id), bytes); err != nil {
 		return fmt.Errorf("storage: build limit: %w", err)
 	}
 	b.limited = bytes != 0

@@ -76,7 +76,7 @@ func (s *Store) DeleteSandbox(ctx context.Context, id string) error {
 	if vol != 0 {
 		// Deleting the nested subvolumes is charged to the volume: at its limit it
 		// would fail.
-		if err := s.limit(qgroupID(1, vol), qgroupLimitClear); err != nil {
+		if err := s.limit(qgroupID(1, vol), 0); err != nil {
 			s.log.DebugContext(ctx, "storage: lift disk limit before delete", "id", id, "err", err)
 		}
 	}
