@@ -327,8 +327,12 @@ func TestPushResumesAfterInterruption(t *testing.T) {
 	second := px.blobUploads.Load()
 	blobs := int64(len(layerDigests(t, reg, art.Digest))) + 1 // and the config
 	t.Logf("blobs: %d; uploaded before the interruption %d, on resumption %d (%d bytes of %d)", blobs, first, second, art.Uploaded, art.Size)
-	if first < 8 || first+second != blobs {
-		t.Errorf("uploads: %d before, %d after, %d blobs: every blob must be uploaded exactly once", first, second, blobs)
+	// An upload the interruption cut may still have been committed by the registry
+	// (the proxy then saw no 201 for it, and the resumed push found the blob there):
+	// such a blob is counted in neither phase. None may be uploaded twice, and every
+	// one is there (the pull below checks the release's digest).
+	if first < 8 || first+second > blobs || first+second < blobs-2 {
+		t.Errorf("uploads: %d before, %d after, %d blobs: no blob may be uploaded twice, and the rest must be", first, second, blobs)
 	}
 	if art.Uploaded >= art.Size*3/4 {
 		t.Errorf("resumed push uploaded %d of %d bytes", art.Uploaded, art.Size)
