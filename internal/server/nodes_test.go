@@ -26,7 +26,7 @@ func TestNodeVerbs(t *testing.T) {
 	}
 	n := nodes[0]
 	if n.Capacity != (api.NodeResources{CPU: 4, MemoryMB: 2048, DiskMB: 8192}) || n.Used.CPU != 1 || n.Used.MemoryMB != 512 ||
-		n.Used.DiskMB < 1024 || n.Sandboxes != 1 || n.Cordoned {
+		n.Used.DiskMB < store.NodeDiskFloorMB || n.Sandboxes != 1 || n.Cordoned {
 		t.Fatalf("node %+v", n)
 	}
 
