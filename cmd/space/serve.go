@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/term"
 
+	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/cli"
 	"github.com/spacedev/space/internal/controller"
@@ -97,6 +98,7 @@ type serveConfig struct {
 	placement      string
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
+	registry       artifact.Config
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -209,6 +211,10 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.net.netnsDir, "netns-dir", "", "where sandbox network namespaces are pinned (default /run/netns, where `ip netns` finds them)")
 	f.StringVar(&c.net.hostNetns, "network-host-netns", "", "network namespace that plays the host for sandbox networking (tests: a fake internet); default: space's own")
 	_ = f.MarkHidden("network-host-netns")
+	f.StringVar(&c.registry.Registry, "registry", os.Getenv("SPACE_REGISTRY"), "node: OCI registry (host[:port]/prefix) that template releases and snapshots are shared through, so every node can start and wake them (env SPACE_REGISTRY; empty: artifacts stay on this node; docs/operations.md, \"Registry\")")
+	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
+	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
+	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node: allow plain HTTP to a registry that is not on a loopback address")
 	return cmd
 }
 
@@ -528,6 +534,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		builder    node.TemplateBuilder
 		storeBytes int64
 		reserve    float64
+		artifacts  *artifact.Client
 	)
 	if c.runtime == "fake" {
 		if rt, disk, err = testRuntime(dataDir, agent, log); err != nil {
@@ -553,6 +560,19 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		}
 		builder = &template.Builder{Store: store, Logger: log.With("component", "template"), Mirror: c.mirror,
 			CacheDir: filepath.Join(dataDir, "cache", "debootstrap"), Sources: c.sources}
+		if c.registry.Registry != "" {
+			rc := c.registry
+			rc.Password = os.Getenv("SPACE_REGISTRY_PASSWORD")
+			rc.Logger = log.With("component", "artifact")
+			if artifacts, err = artifact.New(rc, store); err != nil {
+				return nil, nil, nil, fmt.Errorf("--registry: %w", err)
+			}
+			if err := artifacts.Check(ctx); err != nil {
+				// Not fatal: the registry may come up after the node; what needs it fails
+				// with this error meanwhile.
+				log.Warn("registry not reachable yet", "registry", artifacts.Registry(), "err", err)
+			}
+		}
 	}
 	log.Info("runtime selected", "reason", why)
 	capacity, err := node.ParseCapacity(c.capacity, node.DefaultCapacity(node.HostMemoryMB(), storeBytes, reserve))
@@ -605,6 +625,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		DefaultCPU:        c.defaultCPU,
 		DefaultMemoryMB:   c.defaultMemory,
 		Capacity:          capacity,
+		Artifacts:         artifacts,
 	})
 	if err != nil {
 		if netMgr != nil {

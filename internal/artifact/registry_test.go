@@ -2,9 +2,6 @@ package artifact_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"fmt"
 	"io"
 	"log"
 	"net"
@@ -13,7 +10,6 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -32,87 +28,11 @@ type registry struct {
 	storage string // its filesystem storage root
 }
 
-// startRegistry runs /usr/bin/docker-registry with a config written here; it is stopped
-// when the test ends. Skips without the binary.
+// startRegistry runs Debian's docker-registry for the test (testenv.StartRegistry).
 func startRegistry(t *testing.T) *registry {
 	t.Helper()
-	bin := testenv.RequireBinary(t, "docker-registry", "the Debian package docker-registry: scripts/setup.sh installs it")
-	dir := t.TempDir()
-	r := &registry{storage: filepath.Join(dir, "data")}
-	secret := make([]byte, 16)
-	rand.Read(secret)
-	var lastErr error
-	for attempt := 0; attempt < 5; attempt++ {
-		r.addr = freeAddr(t)
-		cfg := fmt.Sprintf(`version: 0.1
-log:
-  level: warn
-  accesslog:
-    disabled: true
-storage:
-  filesystem:
-    rootdirectory: %s
-  delete:
-    enabled: true
-  maintenance:
-    uploadpurging:
-      enabled: false
-http:
-  addr: %s
-  secret: %s
-`, r.storage, r.addr, hex.EncodeToString(secret))
-		cfgPath := filepath.Join(dir, "config.yml")
-		if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		logf, err := os.Create(filepath.Join(dir, fmt.Sprintf("registry-%d.log", attempt)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cmd := exec.Command(bin, "serve", cfgPath)
-		cmd.Stdout, cmd.Stderr = logf, logf
-		if err := cmd.Start(); err != nil {
-			t.Fatalf("start docker-registry: %v", err)
-		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait(); logf.Close() }()
-		if lastErr = waitReady(r.addr, exited); lastErr == nil {
-			t.Cleanup(func() {
-				cmd.Process.Kill()
-				<-exited
-			})
-			return r
-		}
-		cmd.Process.Kill()
-		<-exited
-		log, _ := os.ReadFile(logf.Name())
-		lastErr = fmt.Errorf("%w: %s", lastErr, log)
-	}
-	t.Fatalf("docker-registry did not start: %v", lastErr)
-	return nil
-}
-
-// waitReady waits until the registry answers /v2/ (or exits).
-func waitReady(addr string, exited <-chan error) error {
-	deadline := time.Now().Add(30 * time.Second)
-	client := &http.Client{Timeout: time.Second}
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for time.Now().Before(deadline) {
-		resp, err := client.Get("http://" + addr + "/v2/")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		select {
-		case err := <-exited:
-			return fmt.Errorf("docker-registry exited: %v", err)
-		case <-tick.C:
-		}
-	}
-	return fmt.Errorf("docker-registry on %s not ready after 30s", addr)
+	r := testenv.StartRegistry(t)
+	return &registry{addr: r.Addr, storage: r.Storage}
 }
 
 func freeAddr(t *testing.T) string {

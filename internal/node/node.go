@@ -21,6 +21,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/network"
@@ -100,6 +101,10 @@ type Config struct {
 	// Capacity is what the node offers its sandboxes, published at registration for
 	// the scheduler (0 in a field: unbounded; space serve --capacity, DefaultCapacity).
 	Capacity store.Resources
+	// Artifacts is the fleet's shared artifact store (space serve --registry): template
+	// releases and snapshots are pushed there and pulled from it on demand. nil: this
+	// node keeps its artifacts to itself (the single-machine default).
+	Artifacts *artifact.Client
 }
 
 // Node is a running node role.
