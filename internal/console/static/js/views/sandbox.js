@@ -502,7 +502,9 @@ class PTYSession {
     try {
       await this.post('stdin', new TextEncoder().encode(chunk), 'application/octet-stream');
     } catch (err) {
-      if (!this.ctrl.signal.aborted) this.onStatus('Input failed: ' + err.message);
+      // Input typed just before the shell exited (Enter's trailing newline, say) can
+      // reach a process that is gone; that must not hide the exit status.
+      if (!this.ctrl.signal.aborted && !this.ended) this.onStatus('Input failed: ' + err.message);
     } finally {
       this.sending = false;
       if (this.queue) this.pump();
@@ -512,7 +514,7 @@ class PTYSession {
   resize(size) {
     if (this.ended) return;
     this.post('resize', JSON.stringify(size), 'application/json').catch((err) => {
-      if (!this.ctrl.signal.aborted) this.onStatus('Resize failed: ' + err.message);
+      if (!this.ctrl.signal.aborted && !this.ended) this.onStatus('Resize failed: ' + err.message);
     });
   }
 
