@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/guest/agentclient"
@@ -138,6 +139,9 @@ type Node struct {
 
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
+	// builtins shares one wait for a builtin template among this node's creates
+	// (templates.go): one database connection waits for the fleet-wide build lock.
+	builtins  singleflight.Group
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
