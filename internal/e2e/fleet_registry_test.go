@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -124,4 +125,25 @@ func TestFleetTemplateRegistry(t *testing.T) {
 		t.Fatalf("the lost release is still recorded as in the registry: %+v %v", r, err)
 	}
 	_ = n1
+}
+
+// TestBenchTemplatePullFigures prints `space bench --only template-pull` for
+// docs/benchmarks.md (a server with a registry; the pull goes into an empty store); it
+// runs only when SPACE_BENCH_RUNS is set:
+// SPACE_BENCH_RUNS=5 go test -run TestBenchTemplatePullFigures -v ./internal/e2e/
+func TestBenchTemplatePullFigures(t *testing.T) {
+	runs := os.Getenv("SPACE_BENCH_RUNS")
+	if runs == "" {
+		t.Skip("set SPACE_BENCH_RUNS to measure")
+	}
+	reg := testenv.StartRegistry(t)
+	s := start(t, options{Args: []string{"--registry", reg.Addr + "/space"}})
+	out, stderr, code := s.cli(t, "bench", "--runs", runs, "--only", "template-pull", "--registry", reg.Addr+"/space")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s\n%s", code, stderr, s.Log())
+	}
+	if !strings.Contains(out, "template-pull") {
+		t.Fatalf("no template-pull row:\n%s\n%s", out, stderr)
+	}
+	t.Logf("\n%s", out)
 }
