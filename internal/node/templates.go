@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -164,6 +165,10 @@ func (n *Node) buildBuiltin(ctx context.Context, sb *store.Sandbox, name string)
 	}
 	n.progress(ctx, sb, "waiting for template "+ref+" (first use in the fleet: built once by one node, then pulled from the registry)")
 	v, err, _ := n.builtins.Do(name, func() (any, error) { return n.builtinOnce(ctx, sb, name) })
+	if err != nil && ctx.Err() == nil && errors.Is(err, context.Canceled) {
+		// The create whose wait this one shared went away: wait for ourselves.
+		v, err, _ = n.builtins.Do(name, func() (any, error) { return n.builtinOnce(ctx, sb, name) })
+	}
 	if err != nil {
 		return "", err
 	}

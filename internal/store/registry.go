@@ -50,15 +50,30 @@ func (s *Store) WithLock(ctx context.Context, key string, fn func(ctx context.Co
 	if err != nil {
 		return unavailable(err)
 	}
-	defer conn.Release()
+	hijacked := false
+	defer func() {
+		if !hijacked {
+			conn.Release()
+		}
+	}()
 	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock(hashtextextended($1, 0))`, key); err != nil {
 		// A cancelled wait may leave the connection in any state: drop it.
+		hijacked = true
 		_ = conn.Hijack().Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("wait for lock %s: %w", key, unavailable(err))
 	}
+	unlocked := false
+	defer func() {
+		if !unlocked {
+			// fn panicked, or the unlock failed: the lock must not stay with a pooled
+			// connection.
+			hijacked = true
+			_ = conn.Hijack().Close(context.WithoutCancel(ctx))
+		}
+	}()
 	ferr := fn(ctx)
-	if _, err := conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtextextended($1, 0))`, key); err != nil {
-		_ = conn.Hijack().Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock(hashtextextended($1, 0))`, key); err == nil {
+		unlocked = true
 	}
 	return ferr
 }
