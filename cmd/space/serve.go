@@ -217,7 +217,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
 	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
 	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node: allow plain HTTP to a registry that is not on a loopback address")
-	f.DurationVar(&c.registryGCGrace, "registry-gc-grace", controller.DefaultGCGrace, "controller: how long a template release artifact stays in the registry after nothing references it and after its push, before the leader deletes it (longer than the longest push or pull; docs/operations.md, \"Registry\")")
+	f.DurationVar(&c.registryGCGrace, "registry-gc-grace", controller.DefaultGCGrace, "controller, node: how long a template release artifact stays in the registry after nothing references it and after its push before the leader deletes it, and a release nothing uses stays in a node's store before the node removes it (it can pull it again); longer than the longest push or pull (docs/operations.md, \"Garbage collection\")")
 	return cmd
 }
 
@@ -641,6 +641,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		DefaultMemoryMB:   c.defaultMemory,
 		Capacity:          capacity,
 		Artifacts:         artifacts,
+		ReleaseCacheGrace: c.registryGCGrace,
 	})
 	if err != nil {
 		if netMgr != nil {

@@ -83,6 +83,7 @@ func (n *Node) runBuilds(ctx context.Context) {
 			n.runQueuedBuilds(ctx, b)
 		}
 		n.pushUnshared(ctx)
+		n.evictReleases(ctx)
 	}
 }
 

@@ -64,3 +64,45 @@ func TestReleaseFromAnUnreachableRegistry(t *testing.T) {
 		t.Fatal("the node is recorded as holding a release it failed to pull")
 	}
 }
+
+// A node removes from its store a release it can pull again that nothing uses; a
+// release a pending sandbox is pinned to stays.
+func TestNodeEvictsUnusedReleases(t *testing.T) {
+	ac, err := artifact.New(artifact.Config{Registry: "127.0.0.1:1/space"}, nil) // never contacted
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := spacetest.Start(t, spacetest.Options{NoController: true, Node: func(c *node.Config) { c.Artifacts = ac }})
+	c := t.Context()
+	unused, pending := "sha256:"+strings.Repeat("ab", 32), "sha256:"+strings.Repeat("cd", 32)
+	for _, d := range []string{unused, pending} {
+		rel, err := s.Disk.AddRelease("py", d, spacetest.BaseConfig, map[string]string{"f": "x"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Store.PutRelease(c, &store.Release{Digest: rel.Digest, Name: "py", Config: spacetest.BaseConfig,
+			Registry: "sha256:" + strings.Repeat("ef", 32)}, "", s.NodeID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db := s.Store.DB()
+	defer db.Close()
+	if _, err := db.ExecContext(c, `UPDATE template_releases SET created_at = now() - interval '2 hours' WHERE digest IN ($1, $2)`, unused, pending); err != nil {
+		t.Fatal(err)
+	}
+	// Not placed (no controller): it waits for a node, pinned to the release.
+	if _, err := s.C.CreateSandbox(c, api.CreateSandboxRequest{Template: "py@" + pending}, ""); err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(30*time.Second, "the unused release to be evicted", func() bool {
+		held, _ := s.Store.NodeReleases(c)
+		return !s.Disk.HasRelease(unused) && !held[s.NodeID][unused]
+	})
+	held, _ := s.Store.NodeReleases(c)
+	if !s.Disk.HasRelease(pending) || !held[s.NodeID][pending] {
+		t.Fatal("the release a pending sandbox needs was evicted")
+	}
+	if !s.Disk.HasRelease(s.Base) {
+		t.Fatal("base (tagged) was evicted")
+	}
+}

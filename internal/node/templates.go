@@ -151,6 +151,49 @@ func (n *Node) pushUnshared(ctx context.Context) {
 	}
 }
 
+// DefaultReleaseCacheGrace is Config.ReleaseCacheGrace's default.
+const DefaultReleaseCacheGrace = time.Hour
+
+// evictReleases removes from this node's store the releases it may pull again and
+// nothing uses (store.EvictableReleases: in the registry, no tag, no sandbox, snapshot
+// or build, nothing for ReleaseCacheGrace). Without a registry nothing is evicted: a
+// node's releases exist nowhere else. A create that is resolving a release or making
+// its disk from one holds releaseUse: the pass then waits for the next resync.
+func (n *Node) evictReleases(ctx context.Context) {
+	if n.cfg.Artifacts == nil {
+		return
+	}
+	grace := n.cfg.ReleaseCacheGrace
+	digests, err := n.st.EvictableReleases(ctx, n.cfg.ID, grace)
+	if err != nil {
+		if ctx.Err() == nil {
+			n.log.Warn("list releases to evict", "err", err)
+		}
+		return
+	}
+	for _, d := range digests {
+		if !n.releaseUse.TryLock() {
+			return
+		}
+		ok, err := n.st.ForgetNodeRelease(ctx, n.cfg.ID, d, grace)
+		if err == nil && ok && n.disk.HasRelease(d) {
+			err = n.disk.DeleteRelease(ctx, d)
+			if err != nil {
+				// The files stay; record that the node still holds them.
+				_ = n.st.AddNodeRelease(context.WithoutCancel(ctx), n.cfg.ID, d)
+			}
+		}
+		n.releaseUse.Unlock()
+		if err != nil {
+			n.log.Warn("evict release", "digest", d, "err", err)
+			return
+		}
+		if ok {
+			n.log.Info("evicted unused template release from this node's store (it is in the registry)", "digest", d)
+		}
+	}
+}
+
 // buildBuiltin makes the builtin template name:latest usable on this node.
 //
 // With a registry it is built once per fleet: the build runs under a fleet-wide lock

@@ -109,7 +109,7 @@ func (s *Store) ReleaseGCSweep(ctx context.Context, inRegistry, kept []string, g
 			return fmt.Errorf("mark unreferenced releases: %w", err)
 		}
 		rows, err := tx.tx.Query(ctx, `SELECT digest FROM registry_release_gc WHERE unreferenced_since < now() - $1::interval ORDER BY digest`,
-			fmt.Sprintf("%d microseconds", grace.Microseconds()))
+			interval(grace))
 		if err != nil {
 			return err
 		}
@@ -123,4 +123,42 @@ func (s *Store) ReleaseGCSweep(ctx context.Context, inRegistry, kept []string, g
 func (s *Store) ReleaseGCDeleted(ctx context.Context, digest string) error {
 	_, err := s.pool.Exec(ctx, `DELETE FROM registry_release_gc WHERE digest=$1`, digest)
 	return err
+}
+
+// evictableRelease is the condition under which node $1 may remove release d (a
+// column or parameter) from its store: the registry has it (the node can pull it
+// again), no tag points at it, no sandbox that is not deleted — or was deleted less than
+// $2 ago — was made from it (pending ones included, also by a name@digest reference),
+// no snapshot was taken of it, no unfinished build starts from it, and it was
+// registered more than $2 ago.
+const evictableRelease = `r.registry_digest <> '' AND r.created_at < now() - $2::interval
+	AND NOT EXISTS (SELECT 1 FROM template_tags t WHERE t.digest=r.digest)
+	AND NOT EXISTS (SELECT 1 FROM sandboxes sb WHERE (sb.template_digest=r.digest OR sb.template_ref LIKE '%@' || r.digest)
+		AND (sb.deleted_at IS NULL OR sb.deleted_at > now() - $2::interval))
+	AND NOT EXISTS (SELECT 1 FROM snapshots sn WHERE sn.template_digest=r.digest)
+	AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.kind='` + api.OpTemplateBuild + `' AND o.done_at IS NULL AND o.params->>'from_digest'=r.digest)`
+
+func interval(d time.Duration) string { return fmt.Sprintf("%d microseconds", d.Microseconds()) }
+
+// EvictableReleases lists the releases a node holds that it may remove from its store
+// (node cache collection; see evictableRelease), oldest first.
+func (s *Store) EvictableReleases(ctx context.Context, nodeID string, grace time.Duration) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT r.digest FROM template_releases r JOIN node_releases n ON n.digest=r.digest
+		WHERE n.node_id=$1 AND `+evictableRelease+` ORDER BY r.created_at, r.digest`, nodeID, interval(grace))
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// ForgetNodeRelease records that a node no longer holds a release, if the release is
+// still evictable (checked again in the same statement); false: it is not (anymore),
+// and the node must keep it.
+func (s *Store) ForgetNodeRelease(ctx context.Context, nodeID, digest string, grace time.Duration) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `DELETE FROM node_releases n USING template_releases r
+		WHERE n.node_id=$1 AND n.digest=$3 AND r.digest=n.digest AND `+evictableRelease, nodeID, interval(grace), digest)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
 }

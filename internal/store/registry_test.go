@@ -149,3 +149,44 @@ func TestReleaseGCSweep(t *testing.T) {
 		t.Fatalf("after the delete: %v", got)
 	}
 }
+
+// TestEvictableReleases: a node may drop from its store only a release it can pull
+// again that nothing uses and nothing used for the grace period.
+func TestEvictableReleases(t *testing.T) {
+	st, ctx := open(t)
+	registerNode(t, ctx, st, "n1")
+	d := func(c byte) string { return "sha256:" + hex64(c) }
+	unused, tagged, unshared, pending, recentlyDeleted, fresh := d('1'), d('2'), d('3'), d('4'), d('5'), d('6')
+	for _, r := range []struct {
+		digest, tag, registry string
+	}{{unused, "", "m"}, {tagged, "latest", "m"}, {unshared, "", ""}, {pending, "", "m"}, {recentlyDeleted, "", "m"}, {fresh, "", "m"}} {
+		reg := ""
+		if r.registry != "" {
+			reg = "sha256:" + hex64('f')
+		}
+		if err := st.PutRelease(ctx, &store.Release{Digest: r.digest, Name: "py", Registry: reg}, r.tag, "n1"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exec(t, st, `UPDATE template_releases SET created_at = now() - interval '2 hours' WHERE digest <> $1`, fresh)
+	newSandbox(t, ctx, st, &store.Sandbox{TemplateRef: "py@" + pending})
+	gone, _ := newSandbox(t, ctx, st, &store.Sandbox{TemplateRef: "py@" + recentlyDeleted, TemplateDigest: recentlyDeleted})
+	exec(t, st, `UPDATE sandboxes SET deleted_at = now() - interval '10 minutes', state='deleted' WHERE id=$1`, gone.ID)
+	got, err := st.EvictableReleases(ctx, "n1", time.Hour)
+	if err != nil || !slices.Equal(got, []string{unused}) {
+		t.Fatalf("evictable: %v %v, want only %s", got, err, unused)
+	}
+	if ok, err := st.ForgetNodeRelease(ctx, "n1", pending, time.Hour); err != nil || ok {
+		t.Fatalf("forgot a release a pending sandbox needs: %v %v", ok, err)
+	}
+	if ok, err := st.ForgetNodeRelease(ctx, "n1", unused, time.Hour); err != nil || !ok {
+		t.Fatalf("forget the unused release: %v %v", ok, err)
+	}
+	if held, _ := st.NodeReleases(ctx); held["n1"][unused] || !held["n1"][pending] {
+		t.Fatalf("node releases after the eviction: %v", held["n1"])
+	}
+	// Longer ago than the grace period, the deleted sandbox no longer keeps its release.
+	if got, _ := st.EvictableReleases(ctx, "n1", time.Minute); !slices.Equal(got, []string{recentlyDeleted}) {
+		t.Fatalf("evictable with a 1 min grace: %v", got)
+	}
+}
