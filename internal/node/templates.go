@@ -270,6 +270,13 @@ func (n *Node) buildBuiltinHere(ctx context.Context, sb *store.Sandbox, name str
 	if d, ok, err := n.registerLocalBuiltin(ctx, sb, name); err != nil || ok {
 		return d, err
 	}
+	if parent := template.BuiltinParent(name); parent != "" && n.cfg.Artifacts != nil {
+		// The parent as the fleet has it (pulled, or built once and pushed), rather than
+		// a build of this node's own.
+		if _, err := n.buildBuiltin(ctx, sb, parent); err != nil {
+			return "", fmt.Errorf("template %s starts from %s: %w", ref, parent, err)
+		}
+	}
 	n.progress(ctx, sb, "waiting for template "+ref+" to be built on node "+n.cfg.Name+" (first use; a few minutes)")
 	n.buildMu.Lock()
 	defer n.buildMu.Unlock()
