@@ -46,6 +46,13 @@ func TestReleaseSharing(t *testing.T) {
 	if got, _ := st.UnsharedNodeReleases(ctx, "n1"); !slices.Equal(got, []string{d1}) {
 		t.Fatalf("unshared releases of n1 after the registry lost it: %v", got)
 	}
+	// Any node can get a release in the registry (a build from it may go anywhere).
+	if ok, err := st.NodeCanGetRelease(ctx, "n2", d2); err != nil || !ok {
+		t.Fatalf("n2 can get the shared release: %v %v", ok, err)
+	}
+	if ok, err := st.NodeCanGetRelease(ctx, "n2", d1); err != nil || ok {
+		t.Fatalf("n2 can get n1's unshared release: %v %v", ok, err)
+	}
 	// A node that pulled a release holds it: placement prefers it.
 	if err := st.AddNodeRelease(ctx, "n2", d1); err != nil {
 		t.Fatal(err)

@@ -178,3 +178,12 @@ func (s *Store) NodeHasRelease(ctx context.Context, nodeID, digest string) (bool
 	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM node_releases WHERE node_id=$1 AND digest=$2)`, nodeID, digest).Scan(&ok)
 	return ok, err
 }
+
+// NodeCanGetRelease reports whether a node holds the release's artifacts or can pull
+// them: the release is in the fleet's registry.
+func (s *Store) NodeCanGetRelease(ctx context.Context, nodeID, digest string) (bool, error) {
+	var ok bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM node_releases WHERE node_id=$1 AND digest=$2)
+		OR EXISTS (SELECT 1 FROM template_releases WHERE digest=$2 AND registry_digest <> '')`, nodeID, digest).Scan(&ok)
+	return ok, err
+}
