@@ -214,9 +214,9 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.net.hostNetns, "network-host-netns", "", "network namespace that plays the host for sandbox networking (tests: a fake internet); default: space's own")
 	_ = f.MarkHidden("network-host-netns")
 	f.StringVar(&c.registry.Registry, "registry", os.Getenv("SPACE_REGISTRY"), "node, controller: OCI registry (host[:port]/prefix) that template releases and snapshots are shared through, so every node can start and wake them, and whose unreferenced releases the controller deletes (env SPACE_REGISTRY; empty: artifacts stay on this node; docs/operations.md, \"Registry\")")
-	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
-	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
-	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node: allow plain HTTP to a registry that is not on a loopback address")
+	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node, controller: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
+	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node, controller: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
+	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node, controller: allow plain HTTP to a registry that is not on a loopback address")
 	f.DurationVar(&c.registryGCGrace, "registry-gc-grace", controller.DefaultGCGrace, "controller, node: how long a template release artifact stays in the registry after nothing references it and after its push before the leader deletes it, and a release nothing uses stays in a node's store before the node removes it (it can pull it again); longer than the longest push or pull (docs/operations.md, \"Garbage collection\")")
 	return cmd
 }
