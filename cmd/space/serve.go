@@ -99,6 +99,8 @@ type serveConfig struct {
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
 	registry       artifact.Config
+	// registryGCGrace: how long an unreferenced release artifact stays in the registry.
+	registryGCGrace time.Duration
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -211,10 +213,11 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.net.netnsDir, "netns-dir", "", "where sandbox network namespaces are pinned (default /run/netns, where `ip netns` finds them)")
 	f.StringVar(&c.net.hostNetns, "network-host-netns", "", "network namespace that plays the host for sandbox networking (tests: a fake internet); default: space's own")
 	_ = f.MarkHidden("network-host-netns")
-	f.StringVar(&c.registry.Registry, "registry", os.Getenv("SPACE_REGISTRY"), "node: OCI registry (host[:port]/prefix) that template releases and snapshots are shared through, so every node can start and wake them (env SPACE_REGISTRY; empty: artifacts stay on this node; docs/operations.md, \"Registry\")")
-	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
-	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
-	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node: allow plain HTTP to a registry that is not on a loopback address")
+	f.StringVar(&c.registry.Registry, "registry", os.Getenv("SPACE_REGISTRY"), "node, controller: OCI registry (host[:port]/prefix) that template releases and snapshots are shared through, so every node can start and wake them, and whose unreferenced releases the controller deletes (env SPACE_REGISTRY; empty: artifacts stay on this node; docs/operations.md, \"Registry\")")
+	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node, controller: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
+	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node, controller: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
+	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node, controller: allow plain HTTP to a registry that is not on a loopback address")
+	f.DurationVar(&c.registryGCGrace, "registry-gc-grace", controller.DefaultGCGrace, "controller, node: how long a template release artifact stays in the registry after nothing references it and after its push before the leader deletes it, and a release nothing uses stays in a node's store before the node removes it (it can pull it again); longer than the longest push or pull (docs/operations.md, \"Garbage collection\")")
 	return cmd
 }
 
@@ -345,8 +348,20 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err != nil {
 			return fmt.Errorf("--placement: %w", err)
 		}
+		var reg controller.Registry
+		if c.registry.Registry != "" {
+			rc := c.registry
+			rc.Password = os.Getenv("SPACE_REGISTRY_PASSWORD")
+			rc.Logger = log.With("component", "artifact")
+			ac, err := artifact.New(rc, nil) // lists and deletes only
+			if err != nil {
+				return fmt.Errorf("--registry: %w", err)
+			}
+			reg = ac
+		}
 		ctl := controller.New(controller.Config{Store: st, Logger: log.With("component", "controller"),
-			Placement: policy, PlaceTimeout: c.placeTimeout, NodeTimeout: c.nodeTimeout})
+			Placement: policy, PlaceTimeout: c.placeTimeout, NodeTimeout: c.nodeTimeout,
+			Registry: reg, GCGrace: c.registryGCGrace})
 		run("controller", ctl.Run)
 	}
 	if c.has("node") {
@@ -626,6 +641,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		DefaultMemoryMB:   c.defaultMemory,
 		Capacity:          capacity,
 		Artifacts:         artifacts,
+		ReleaseCacheGrace: c.registryGCGrace,
 	})
 	if err != nil {
 		if netMgr != nil {

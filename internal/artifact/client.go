@@ -96,7 +96,8 @@ type Client struct {
 }
 
 // New checks cfg and returns a client for the store st. It does not contact the
-// registry.
+// registry. st may be nil for a client that only lists, deletes and checks (the
+// controller's garbage collection): such a client must not push or pull.
 func New(cfg Config, st *storage.Store) (*Client, error) {
 	reg := strings.TrimSpace(cfg.Registry)
 	if reg == "" {
@@ -164,9 +165,6 @@ func New(cfg Config, st *storage.Store) (*Client, error) {
 	base := cfg.Transport
 	if base == nil {
 		base = remote.DefaultTransport.(*http.Transport).Clone()
-	}
-	if st == nil {
-		return nil, errors.New("artifact: a store is required")
 	}
 	log := cfg.Logger
 	if log == nil {

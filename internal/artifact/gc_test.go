@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/spacedev/space/internal/artifact"
@@ -128,7 +129,7 @@ func TestCredentials(t *testing.T) {
 func TestNewValidatesConfig(t *testing.T) {
 	for _, tc := range []struct {
 		cfg artifact.Config
-		ok  bool // valid (New then fails only for the missing store)
+		ok  bool // valid
 	}{
 		{artifact.Config{Registry: "registry.example.com/space"}, true},
 		{artifact.Config{Registry: "https://registry.example.com:5000/a/b"}, true},
@@ -149,13 +150,20 @@ func TestNewValidatesConfig(t *testing.T) {
 		{artifact.Config{Registry: "registry.example.com/space", ChunkSize: 100}, false},
 		{artifact.Config{Registry: "registry.example.com/space", Jobs: -1}, false},
 	} {
-		_, err := artifact.New(tc.cfg, nil)
-		if err == nil {
-			t.Errorf("%+v: accepted without a store", tc.cfg)
+		// Without a store: a client that lists, deletes and checks only.
+		c, err := artifact.New(tc.cfg, nil)
+		if tc.ok != (err == nil) || err != nil && !fault.Is(err, fault.Invalid) {
+			t.Errorf("%+v: %v", tc.cfg, err)
+		}
+		if err != nil {
 			continue
 		}
-		if invalid := fault.Is(err, fault.Invalid); invalid == tc.ok {
-			t.Errorf("%+v: %v", tc.cfg, err)
+		digest := "sha256:" + strings.Repeat("ab", 32)
+		if _, err := c.PushRelease(t.Context(), digest); err == nil {
+			t.Errorf("%+v: a client without a store pushed", tc.cfg)
+		}
+		if _, err := c.PullRelease(t.Context(), digest); err == nil {
+			t.Errorf("%+v: a client without a store pulled", tc.cfg)
 		}
 	}
 }

@@ -33,6 +33,9 @@ const partRootfs = "rootfs"
 // An interrupted push leaves only blobs, no tag; pushing again uploads only the blobs
 // still missing.
 func (c *Client) PushRelease(ctx context.Context, digest string) (Artifact, error) {
+	if c.st == nil {
+		return Artifact{}, errors.New("artifact: this client has no store to push from or pull into")
+	}
 	if err := storage.ValidateDigest(digest); err != nil {
 		return Artifact{}, fault.Wrap(fault.Invalid, err)
 	}
@@ -118,6 +121,9 @@ func (o *op) pushRelease(ctx context.Context, p *remote.Pusher, rel storage.Rele
 // nothing behind; a store without room for it fails with an error of kind
 // fault.InsufficientStorage, and an unreachable registry with fault.Unavailable.
 func (c *Client) PullRelease(ctx context.Context, digest string) (storage.Release, error) {
+	if c.st == nil {
+		return storage.Release{}, errors.New("artifact: this client has no store to push from or pull into")
+	}
 	if err := storage.ValidateDigest(digest); err != nil {
 		return storage.Release{}, fault.Wrap(fault.Invalid, err)
 	}

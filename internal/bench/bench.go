@@ -37,6 +37,11 @@ type Config struct {
 	// EgressNetns is the network namespace the host-side egress baseline downloads
 	// from (the server's --network-host-netns, when it has one).
 	EgressNetns string
+	// Registry is the server's registry (space serve --registry), for the
+	// template-pull scenario (empty skips it); RegistryInsecure as its
+	// --registry-insecure. Credentials come from the same environment as the server's.
+	Registry         string
+	RegistryInsecure bool
 }
 
 // Result is one row of the report.
@@ -78,6 +83,7 @@ var scenarios = []scenario{
 	{"clone", clones},
 	{"density", density},
 	{"network", networkBench},
+	{"template-pull", templatePull},
 }
 
 // Names lists the scenarios.

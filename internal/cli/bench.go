@@ -81,6 +81,8 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().StringVar(&cfg.Template, "template", "base", "template for the sandboxes")
 	cmd.Flags().StringVar(&cfg.EgressURL, "egress-url", "", "network scenario: a server sandboxes may reach that serves /bytes/{n}, for the egress rows (the bench reaches no other host)")
 	cmd.Flags().StringVar(&cfg.EgressNetns, "egress-host-netns", "", "network scenario: the namespace the host-side egress baseline downloads from (the server's --network-host-netns)")
+	cmd.Flags().StringVar(&cfg.Registry, "registry", os.Getenv("SPACE_REGISTRY"), "template-pull scenario: the server's registry (space serve --registry; env SPACE_REGISTRY, credentials from SPACE_REGISTRY_USERNAME/PASSWORD/DOCKER_CONFIG); empty skips the scenario")
+	cmd.Flags().BoolVar(&cfg.RegistryInsecure, "registry-insecure", false, "template-pull scenario: allow plain HTTP to a registry that is not on a loopback address")
 	cmd.Flags().BoolVar(&save, "save", true, "save the results to <data-dir>/bench/last.json, where the web console plots them")
 	cmd.Flags().StringVar(&htmlFile, "html", "", "also write the results as a self-contained HTML page with a plot per measurement")
 	cmd.Flags().StringVar(&from, "from", "", "render a saved report (a JSON file, or \"last\" for <data-dir>/bench/last.json) with --html, running nothing")

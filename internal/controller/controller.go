@@ -45,6 +45,13 @@ type Config struct {
 	PlaceTimeout time.Duration
 	// Placement is the placement policy (default Spread).
 	Placement Policy
+	// Registry is the fleet's artifact store (space serve --registry), whose
+	// unreferenced release artifacts the leader deletes (gc.go); nil: none.
+	Registry Registry
+	// GCGrace is how long a release artifact stays after nothing references it and
+	// after its push (default DefaultGCGrace); GCInterval how often the leader looks
+	// (default DefaultGCInterval).
+	GCGrace, GCInterval time.Duration
 }
 
 // Controller runs the control loops.
@@ -68,6 +75,12 @@ func New(cfg Config) *Controller {
 	}
 	if cfg.Retention == 0 {
 		cfg.Retention = DefaultRetention
+	}
+	if cfg.GCGrace == 0 {
+		cfg.GCGrace = DefaultGCGrace
+	}
+	if cfg.GCInterval == 0 {
+		cfg.GCInterval = DefaultGCInterval
 	}
 	if cfg.PlaceTimeout == 0 {
 		cfg.PlaceTimeout = DefaultPlaceTimeout
@@ -159,6 +172,10 @@ func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
 	defer ttl.Stop()
 	purge := time.NewTicker(10 * time.Minute)
 	defer purge.Stop()
+	gcCtx, stopGC := context.WithCancel(ctx)
+	gcDone := make(chan struct{})
+	go func() { defer close(gcDone); c.collectReleases(gcCtx) }()
+	defer func() { stopGC(); <-gcDone }()
 	c.pass(ctx)
 	for {
 		select {

@@ -28,8 +28,9 @@ import (
 // Build sandboxes get at least these resources (more if the template asks for more).
 const buildMemoryMB = 2048
 
-// runBuilds executes the template builds queued for this node, one at a time, and
-// removes the files of releases deleted from the database, until ctx ends. It first
+// runBuilds executes the template builds queued for this node, one at a time, removes
+// the files of releases deleted from the database and pushes the releases it holds
+// that are not in the registry yet (with one), until ctx ends. It first
 // publishes the node's template source allowlist (the API picks build nodes by it).
 // Work is found through notifications on store.BuildChannel and, as a safety net, a
 // periodic look at the queue.
@@ -81,6 +82,8 @@ func (n *Node) runBuilds(ctx context.Context) {
 		if canBuild {
 			n.runQueuedBuilds(ctx, b)
 		}
+		n.pushUnshared(ctx)
+		n.evictReleases(ctx)
 	}
 }
 
@@ -170,9 +173,14 @@ func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operat
 		return
 	}
 	crash.Point("build.built")
+	// With a registry the release is pushed before it is recorded: once its tag exists,
+	// every node can pull it. A failed push leaves a build that only this node holds
+	// until pushUnshared gets it into the registry.
+	manifest := n.pushRelease(ctx, rel.Digest, logLine)
 	cfgJSON, err := json.Marshal(cfg)
 	if err == nil {
-		err = n.st.PutRelease(bg, &store.Release{Digest: rel.Digest, Name: spec.Name, Config: cfgJSON, SizeBytes: rel.SizeBytes}, spec.Tag, n.cfg.ID)
+		err = n.st.PutRelease(bg, &store.Release{Digest: rel.Digest, Name: spec.Name, Config: cfgJSON, SizeBytes: rel.SizeBytes,
+			Registry: manifest}, spec.Tag, n.cfg.ID)
 	}
 	if err != nil {
 		finish(api.OpFailed, "failed", fmt.Errorf("record release %s: %w", rel.Digest, err))
@@ -180,7 +188,11 @@ func (n *Node) runBuild(ctx context.Context, b TemplateBuilder, op *store.Operat
 	}
 	crash.Point("build.recorded")
 	n.afterBuild(ctx, rel)
-	finish(api.OpSucceeded, fmt.Sprintf("built %s: %s", spec.Ref(), rel.Digest), nil)
+	msg := fmt.Sprintf("built %s: %s", spec.Ref(), rel.Digest)
+	if n.cfg.Artifacts != nil && manifest == "" {
+		msg += fmt.Sprintf(" (only on node %s: the push to the registry failed; retried)", n.cfg.Name)
+	}
+	finish(api.OpSucceeded, msg, nil)
 	n.log.Info("template built", "template", spec.Ref(), "digest", rel.Digest, "took", time.Since(start).Round(time.Millisecond))
 }
 
@@ -215,6 +227,14 @@ func (n *Node) buildInput(ctx context.Context, op *store.Operation) (*template.S
 	cfg, err := template.ParseConfig(rel.Config)
 	if err != nil {
 		return nil, nil, err
+	}
+	if !n.disk.HasRelease(d) && n.cfg.Artifacts != nil && rel.Registry != "" {
+		if _, err := n.cfg.Artifacts.PullRelease(ctx, d); err != nil {
+			return nil, nil, fmt.Errorf("pull parent template %s (%s) from registry %s: %w", spec.From.Template, d, n.cfg.Artifacts.Registry(), err)
+		}
+		if err := n.st.AddNodeRelease(ctx, n.cfg.ID, d); err != nil {
+			return nil, nil, err
+		}
 	}
 	if !n.disk.HasRelease(d) {
 		return nil, nil, fault.New(fault.NotFound, "parent template %s (%s) is not on node %s", spec.From.Template, d, n.cfg.Name)

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/guest/agentclient"
@@ -105,6 +106,10 @@ type Config struct {
 	// releases and snapshots are pushed there and pulled from it on demand. nil: this
 	// node keeps its artifacts to itself (the single-machine default).
 	Artifacts *artifact.Client
+	// ReleaseCacheGrace is how long a release nothing uses stays in this node's store
+	// before the node removes it (only with Artifacts: it can pull it again; default
+	// DefaultReleaseCacheGrace). templates.go, evictReleases.
+	ReleaseCacheGrace time.Duration
 }
 
 // Node is a running node role.
@@ -141,12 +146,22 @@ type Node struct {
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
+
+	// builtins shares one wait for a builtin template among this node's creates
+	// (templates.go): one database connection waits for the fleet-wide build lock.
+	builtins singleflight.Group
+	// releaseUse is held (read) while a create resolves its release and makes its disk
+	// from it, and (write) while the node removes a release from its cache.
+	releaseUse sync.RWMutex
 }
 
 // New returns a node. Run starts it.
 func New(cfg Config) (*Node, error) {
 	if cfg.Store == nil || cfg.Runtime == nil || cfg.Storage == nil {
 		return nil, errors.New("node: Config.Store, Runtime and Storage are required")
+	}
+	if cfg.ReleaseCacheGrace == 0 {
+		cfg.ReleaseCacheGrace = DefaultReleaseCacheGrace
 	}
 	if cfg.Resync == 0 {
 		cfg.Resync = DefaultResync

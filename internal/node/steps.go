@@ -89,9 +89,11 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 		digest = sb.TemplateDigest
 		path, err = n.startFromSnapshot(ctx, sb)
 	default:
+		n.releaseUse.RLock() // the release stays until the disk is made from it
 		if digest, err = n.resolveTemplate(ctx, sb); err == nil {
 			path, err = n.startNew(ctx, sb, digest)
 		}
+		n.releaseUse.RUnlock()
 	}
 	if err == nil && sb.DesiredState == api.StatePaused {
 		err = n.pauseInstance(ctx, sb.ID)

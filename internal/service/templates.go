@@ -255,7 +255,8 @@ func (s *Service) resolveRelease(ctx context.Context, tenant, raw string) (strin
 
 // pickBuildNode returns the alive, uncordoned node with the fewest unfinished builds
 // (then the fewest sandboxes) whose published allowlist admits the spec's sources and
-// which holds the parent release, if any. A spec no node admits is fault.Forbidden.
+// which holds the parent release, if any, or can pull it from the registry. A spec no
+// node admits is fault.Forbidden.
 func (s *Service) pickBuildNode(ctx context.Context, spec *template.Spec, parent string) (*store.Node, error) {
 	nodes, err := s.st.ListNodes(ctx)
 	if err != nil {
@@ -289,7 +290,7 @@ func (s *Service) pickBuildNode(ctx context.Context, spec *template.Spec, parent
 			continue
 		}
 		if parent != "" {
-			has, err := s.st.NodeHasRelease(ctx, n.ID, parent)
+			has, err := s.st.NodeCanGetRelease(ctx, n.ID, parent) // holds it, or it is in the registry
 			if err != nil {
 				return nil, err
 			}

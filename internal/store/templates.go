@@ -23,6 +23,12 @@ type Release struct {
 	// Tenant owns the release ("" = shared: builtin templates, operators' builds).
 	// Listings set it to the owner of the tags listed.
 	Tenant string
+	// Registry is the manifest digest of the release's artifact in the fleet's registry
+	// ("" while it is only on the nodes that hold it; see MarkReleaseShared).
+	Registry string
+	// KeepTag makes PutRelease point the tag at the release only when the tag does not
+	// exist yet (builtin templates: the first release registered keeps the tag).
+	KeepTag bool
 }
 
 // PutRelease records a release and points name:tag at it, in one transaction, and
@@ -45,11 +51,18 @@ func (s *Store) PutRelease(ctx context.Context, r *Release, tag, nodeID string) 
 				return fmt.Errorf("find the build's owner: %w", err)
 			}
 		}
-		if _, err := tx.tx.Exec(ctx, `INSERT INTO template_releases (digest, name, config, size_bytes, tenant) VALUES ($1,$2,$3,$4,$5)
-			ON CONFLICT (digest) DO NOTHING`, r.Digest, r.Name, cfg, r.SizeBytes, owner); err != nil {
+		if _, err := tx.tx.Exec(ctx, `INSERT INTO template_releases (digest, name, config, size_bytes, tenant, registry_digest, pushed_at)
+			VALUES ($1,$2,$3,$4,$5,$6, CASE WHEN $6 = '' THEN NULL ELSE now() END)
+			ON CONFLICT (digest) DO UPDATE SET registry_digest=$6, pushed_at=now()
+				WHERE $6 <> '' AND template_releases.registry_digest = ''`, r.Digest, r.Name, cfg, r.SizeBytes, owner, r.Registry); err != nil {
 			return fmt.Errorf("insert release: %w", err)
 		}
-		if tag != "" {
+		if tag != "" && r.KeepTag {
+			if _, err := tx.tx.Exec(ctx, `INSERT INTO template_tags (tenant, name, tag, digest) VALUES ($1,$2,$3,$4)
+				ON CONFLICT (tenant, name, tag) DO NOTHING`, owner, r.Name, tag, r.Digest); err != nil {
+				return fmt.Errorf("set tag: %w", err)
+			}
+		} else if tag != "" {
 			if _, err := tx.tx.Exec(ctx, `INSERT INTO template_tags (tenant, name, tag, digest) VALUES ($1,$2,$3,$4)
 				ON CONFLICT (tenant, name, tag) DO UPDATE SET digest=$4, updated_at=now()`, owner, r.Name, tag, r.Digest); err != nil {
 				return fmt.Errorf("set tag: %w", err)
@@ -98,8 +111,8 @@ func (s *Store) ResolvePoolTag(ctx context.Context, p Pool) (string, error) {
 // GetRelease returns a release by digest.
 func (s *Store) GetRelease(ctx context.Context, digest string) (*Release, error) {
 	var r Release
-	err := s.pool.QueryRow(ctx, `SELECT digest, name, config, size_bytes, created_at, tenant FROM template_releases WHERE digest=$1`, digest).
-		Scan(&r.Digest, &r.Name, &r.Config, &r.SizeBytes, &r.CreatedAt, &r.Tenant)
+	err := s.pool.QueryRow(ctx, `SELECT digest, name, config, size_bytes, created_at, tenant, registry_digest FROM template_releases WHERE digest=$1`, digest).
+		Scan(&r.Digest, &r.Name, &r.Config, &r.SizeBytes, &r.CreatedAt, &r.Tenant, &r.Registry)
 	if err != nil {
 		return nil, notFound(err, "template release", digest)
 	}
@@ -163,5 +176,14 @@ func (s *Store) TemplateOwner(ctx context.Context, tenant, name string) (owner s
 func (s *Store) NodeHasRelease(ctx context.Context, nodeID, digest string) (bool, error) {
 	var ok bool
 	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM node_releases WHERE node_id=$1 AND digest=$2)`, nodeID, digest).Scan(&ok)
+	return ok, err
+}
+
+// NodeCanGetRelease reports whether a node holds the release's artifacts or can pull
+// them: the release is in the fleet's registry.
+func (s *Store) NodeCanGetRelease(ctx context.Context, nodeID, digest string) (bool, error) {
+	var ok bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM node_releases WHERE node_id=$1 AND digest=$2)
+		OR EXISTS (SELECT 1 FROM template_releases WHERE digest=$2 AND registry_digest <> '')`, nodeID, digest).Scan(&ok)
 	return ok, err
 }
