@@ -36,7 +36,6 @@ import (
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
-	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker"
 	"github.com/spacedev/space/internal/runtime/gvisor"
@@ -87,7 +86,6 @@ type serveConfig struct {
 	fcKernel       string
 	fcUser         string
 	e2bListen      string
-	e2bListenSet   bool
 	e2bDomain      string
 	e2bSignedTTL   time.Duration
 	metricsListen  string
@@ -99,6 +97,7 @@ type serveConfig struct {
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
 	registry       artifact.Config
+	nodeTakeOver   bool
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -131,7 +130,6 @@ that have none of their own (-1: unlimited).`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c.dataDir = env.DataDir
 			c.roles = strings.Split(roles, ",")
-			c.e2bListenSet = cmd.Flags().Changed("e2b-listen")
 			for q, v := range c.quota {
 				if v < store.Unlimited || v == 0 && (q == store.QuotaRate || q == store.QuotaBurst) {
 					return fmt.Errorf("--quota-%s %d: want -1 (unlimited) or a positive number", strings.ReplaceAll(q, "_", "-"), v)
@@ -215,6 +213,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.registry.Username, "registry-username", os.Getenv("SPACE_REGISTRY_USERNAME"), "node: registry user name (env SPACE_REGISTRY_USERNAME); the password is read from SPACE_REGISTRY_PASSWORD only, to keep it out of ps")
 	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
 	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node: allow plain HTTP to a registry that is not on a loopback address")
+	f.BoolVar(&c.nodeTakeOver, "node-takeover", false, "node: register even though another installation (host, data directory, store) registered this node id — only when the data directory was moved and its old copy runs nowhere (docs/operations.md, \"Copied node ids\")")
 	return cmd
 }
 
@@ -241,6 +240,14 @@ func serve(ctx context.Context, c *serveConfig) error {
 		return fmt.Errorf("data dir: %w", err)
 	}
 	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
+
+	// Every listener is bound before anything starts: one that cannot bind stops serve.
+	lns, err := c.bindListeners()
+	if err != nil {
+		return err
+	}
+	defer lns.close()
+	ln := lns.main
 
 	dbURL := c.databaseURL
 	var pg *pgmanaged.Server
@@ -279,12 +286,6 @@ func serve(ctx context.Context, c *serveConfig) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	opMetrics := node.NewOperationMetrics(reg)
 
-	ln, err := net.Listen("tcp", c.listen)
-	if err != nil {
-		return fmt.Errorf("listen: %w", err)
-	}
-	defer ln.Close()
-
 	// Every role runs in this group: the first that fails stops the others, and
 	// serve returns once all have ended.
 	g, gctx := errgroup.WithContext(ctx)
@@ -302,6 +303,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 	}
 
 	mux := http.NewServeMux()
+	var health *node.Node // this process's node, if it runs one
 	var metrics http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	var svc *service.Service
 	if c.has("api") {
@@ -324,20 +326,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 		metrics = a.MetricsHandler()
 		run("api", svc.Run)
 		mux.Handle("/", a.Handler())
-		if c.e2bListen != "" {
+		if lns.e2b != nil {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
 				Domain: c.e2bDomain, Network: c.net.enabled(), BuiltinTemplates: template.Builtins(), MaxSignedURLTTL: c.e2bSignedTTL})
 			if err != nil {
 				return err
 			}
-			if eln, err := net.Listen("tcp", c.e2bListen); err == nil {
-				defer eln.Close()
-				run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, eln) })
-			} else if c.e2bListenSet {
-				return fmt.Errorf("--e2b-listen: %w", err)
-			} else {
-				log.Warn("E2B-compatible API not started: its default address is taken", "listen", c.e2bListen, "err", err)
-			}
+			run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, lns.e2b) })
 		}
 	}
 	if c.has("controller") {
@@ -354,6 +349,8 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err != nil {
 			return err
 		}
+		n.RegisterMetrics(reg)
+		health = n
 		if svc != nil {
 			svc.SetLocalNode(n) // one process: exec reaches this node's agents directly
 		}
@@ -362,16 +359,10 @@ func serve(ctx context.Context, c *serveConfig) error {
 		n.RegisterRoutes(dpMux)
 		mux.Handle("/v1/dp/", dataplane.CORS(dpMux))
 		mux.Handle("/internal/", dpMux)
+		mux.Handle("GET /healthz", nodeHealthz(n))
 		if !c.has("api") {
-			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-				hctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-				defer cancel()
-				if err := st.Ping(hctx); err != nil {
-					rest.WriteJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy", "database": err.Error()})
-					return
-				}
-				rest.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-			})
+			// The api's /metrics needs an operator key on --listen; so does a node's.
+			mux.Handle("GET /metrics", operatorOnly(st, log.With("component", "node"), metrics))
 		}
 		run("node", func(ctx context.Context) error {
 			err := n.Run(ctx)
@@ -385,14 +376,12 @@ func serve(ctx context.Context, c *serveConfig) error {
 		run("data plane", dp.Run)
 	}
 
-	if c.metricsListen != "" {
-		mln, err := net.Listen("tcp", c.metricsListen)
-		if err != nil {
-			return fmt.Errorf("--metrics-listen: %w", err)
-		}
-		defer mln.Close()
+	if mln := lns.metrics; mln != nil {
 		mmux := http.NewServeMux()
 		mmux.Handle("GET /metrics", metrics)
+		if health != nil {
+			mmux.Handle("GET /healthz", nodeHealthz(health))
+		}
 		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 		g.Go(func() error {
@@ -591,6 +580,10 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	storeRoot := ""
+	if sr, ok := disk.(interface{ Root() string }); ok {
+		storeRoot = sr.Root()
+	}
 	name := c.nodeName
 	if name == "" {
 		if name, err = os.Hostname(); err != nil {
@@ -626,6 +619,8 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		DefaultMemoryMB:   c.defaultMemory,
 		Capacity:          capacity,
 		Artifacts:         artifacts,
+		Fingerprint:       node.Fingerprint(dataDir, storeFingerprintID(storeRoot)),
+		TakeOver:          c.nodeTakeOver,
 	})
 	if err != nil {
 		if netMgr != nil {

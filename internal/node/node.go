@@ -105,6 +105,13 @@ type Config struct {
 	// releases and snapshots are pushed there and pulled from it on demand. nil: this
 	// node keeps its artifacts to itself (the single-machine default).
 	Artifacts *artifact.Client
+	// Fingerprint identifies this installation of the node (Fingerprint): a
+	// registration of the node's id from another installation is refused
+	// (store.ErrCopiedNode). '' skips the check.
+	Fingerprint string
+	// TakeOver accepts a changed fingerprint (space serve --node-takeover: the data
+	// directory was moved and its old copy runs nowhere).
+	TakeOver bool
 }
 
 // Node is a running node role.
@@ -141,6 +148,7 @@ type Node struct {
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
+	health    healthState
 }
 
 // New returns a node. Run starts it.
@@ -223,14 +231,21 @@ func (n *Node) Run(ctx context.Context) error {
 		details[k] = v
 	}
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
-		Allocatable: n.cfg.Capacity}
+		Allocatable: n.cfg.Capacity, Fingerprint: n.cfg.Fingerprint, TakeOver: n.cfg.TakeOver}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {
 		return err
 	}
+	n.mu.Lock()
 	n.epoch = reg.Epoch
+	n.mu.Unlock()
+	n.health.set(func(h *healthState) { h.registered, h.hbOK = true, time.Now() })
 	if reg.DeadReason != "" {
 		n.log.Warn("node returns after being marked dead; its lost sandboxes stay failed and what is left of them is reclaimed",
 			"node", n.cfg.Name, "was", reg.DeadReason)
+	}
+	if n.cfg.TakeOver {
+		n.log.Warn("node took over its id with --node-takeover: its fingerprint is now this installation's",
+			"node", n.cfg.Name, "fingerprint", n.cfg.Fingerprint)
 	}
 	n.log.Info("node registered", "node", n.cfg.Name, "id", n.cfg.ID, "epoch", n.epoch, "runtime", info.Name, "version", info.Version,
 		"capacity_cpu", n.cfg.Capacity.CPU, "capacity_memory_mb", n.cfg.Capacity.MemoryMB, "capacity_disk_mb", n.cfg.Capacity.DiskMB,
@@ -271,6 +286,11 @@ func (n *Node) Run(ctx context.Context) error {
 	g.Go(func() error { return n.heartbeat(gctx) })
 	g.Go(func() error { return n.runSnapshots(gctx) })
 	g.Go(func() error { return n.runSamples(gctx) })
+	g.Go(func() error {
+		<-gctx.Done()
+		n.health.set(func(h *healthState) { h.stopping = true })
+		return nil
+	})
 	runErr := g.Wait()
 	if ctx.Err() != nil && errors.Is(runErr, context.Canceled) {
 		runErr = nil
@@ -310,7 +330,8 @@ func every(ctx context.Context, period time.Duration, fn func(context.Context)) 
 func (n *Node) heartbeat(ctx context.Context) error {
 	t := time.NewTicker(n.cfg.Heartbeat)
 	defer t.Stop()
-	for {
+	n.probeRuntime(ctx)
+	for beat := 1; ; beat++ {
 		select {
 		case <-ctx.Done():
 			return nil
@@ -321,13 +342,27 @@ func (n *Node) heartbeat(ctx context.Context) error {
 			diskLow = err.Error()
 		}
 		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
+		n.health.set(func(h *healthState) {
+			h.diskLow = diskLow
+			switch {
+			case err == nil:
+				h.hbOK, h.hbErr = time.Now(), ""
+			case ctx.Err() == nil:
+				h.hbErr = err.Error()
+				h.hbFailures++
+			}
+		})
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
+			n.health.set(func(h *healthState) { h.fenced = err.Error() })
 			return fmt.Errorf("node %s was fenced (another process took over its id, or it was marked dead after missed "+
 				"heartbeats, or removed): it stops and, restarted, registers again and reclaims what it holds: %w", n.cfg.Name, err)
 		default:
 			n.log.Warn("heartbeat failed", "err", err)
+		}
+		if beat%runtimeProbeEvery == 0 {
+			n.probeRuntime(ctx)
 		}
 	}
 }
