@@ -259,6 +259,7 @@ func (n *Node) Run(ctx context.Context) error {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
 	close(n.adopted)
+	n.reportReleases(ctx)
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { n.runBuilds(gctx); return nil })
@@ -367,8 +368,30 @@ func (n *Node) heartbeat(ctx context.Context) error {
 	}
 }
 
+// reportReleases records in the store the template releases this node's disk holds
+// (its cache, for the scheduler and space node list), whichever way they came.
+func (n *Node) reportReleases(ctx context.Context) {
+	rels, err := n.disk.ListReleases()
+	if err != nil {
+		n.log.Debug("list releases", "err", err)
+		return
+	}
+	digests := make([]string, 0, len(rels))
+	for _, r := range rels {
+		digests = append(digests, r.Digest)
+	}
+	if added, err := n.st.AddNodeReleases(ctx, n.cfg.ID, digests); err != nil {
+		if ctx.Err() == nil {
+			n.log.Debug("report releases", "err", err)
+		}
+	} else if added > 0 {
+		n.log.Info("reported template releases held on disk", "new", added)
+	}
+}
+
 // resync kicks every sandbox assigned to this node.
 func (n *Node) resync(ctx context.Context) {
+	n.reportReleases(ctx)
 	list, err := n.st.ListSandboxes(ctx, store.SandboxFilter{NodeID: n.cfg.ID, IncludePool: true})
 	if err != nil {
 		if ctx.Err() == nil {

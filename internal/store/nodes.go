@@ -207,3 +207,21 @@ func (s *Store) GetNode(ctx context.Context, id string) (*Node, error) {
 	}
 	return n, nil
 }
+
+// AddNodeReleases records that node nodeID holds the template releases digests (those
+// the fleet knows: others are skipped) and returns how many it had not recorded. A
+// node reports what its store holds at start and at each resync, so that the
+// scheduler's preference for nodes holding a release and `space node list` see
+// releases it got by any path.
+func (s *Store) AddNodeReleases(ctx context.Context, nodeID string, digests []string) (int, error) {
+	if len(digests) == 0 {
+		return 0, nil
+	}
+	tag, err := s.pool.Exec(ctx, `INSERT INTO node_releases (node_id, digest)
+		SELECT $1, r.digest FROM template_releases r WHERE r.digest = ANY($2)
+		ON CONFLICT DO NOTHING`, nodeID, digests)
+	if err != nil {
+		return 0, fmt.Errorf("record node releases: %w", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
