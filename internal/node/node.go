@@ -342,7 +342,11 @@ func (n *Node) heartbeat(ctx context.Context) error {
 		if err := n.disk.CheckSpace(0); err != nil {
 			diskLow = err.Error()
 		}
+		hb0 := time.Now()
 		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
+		if took := time.Since(hb0); took > n.cfg.Heartbeat && ctx.Err() == nil {
+			n.log.Warn("heartbeat slow: the node may be marked dead if they keep taking this long", "took", took.Round(time.Millisecond))
+		}
 		n.health.set(func(h *healthState) {
 			h.diskLow = diskLow
 			switch {
