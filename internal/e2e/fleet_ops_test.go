@@ -3,6 +3,8 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net"
 	"os"
@@ -140,7 +142,13 @@ func TestFleetOps(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(copyDir, "node-id"), id1, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = syscall.Unmount(filepath.Join(copyDir, "store"), 0) })
+	t.Cleanup(func() {
+		_ = syscall.Unmount(filepath.Join(copyDir, "store"), 0)
+		sum := sha256.Sum256([]byte(copyDir))
+		root := filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6]))
+		_ = syscall.Unmount(filepath.Join(root, "null-netns"), syscall.MNT_DETACH)
+		_ = os.RemoveAll(root)
+	})
 	before := byName["fleet-1"]
 	code, out := runServe(t, 90*time.Second, []string{"SPACE_DATABASE_URL=" + db}, "--roles", "node", "--data-dir", copyDir,
 		"--node-name", "fleet-copy", "--listen", freeAddr(t), "--network", "off", "--store-size", fmt.Sprint(1<<30))
