@@ -79,7 +79,7 @@ space node show NODE shows one node with its runtime details.`,
 			if n.DeadReason != "" {
 				fmt.Fprintf(w, "dead:        %s\n", n.DeadReason)
 			}
-			fmt.Fprintf(w, "heartbeat:   %s ago\ndata plane:  %s\nruntime:     %s\n", ago(n.HeartbeatAt), n.DataPlaneURL, n.Runtime)
+			fmt.Fprintf(w, "heartbeat:   %s\ndata plane:  %s\nruntime:     %s\n", ago(n.HeartbeatAt), n.DataPlaneURL, n.Runtime)
 			fmt.Fprintf(w, "sandboxes:   %d\ncpu:         %s\nmemory:      %s MiB\ndisk:        %s MiB\n", n.Sandboxes,
 				usedOf(int64(n.Used.CPU), int64(n.Capacity.CPU)), usedOf(n.Used.MemoryMB, n.Capacity.MemoryMB), usedOf(n.Used.DiskMB, n.Capacity.DiskMB))
 			fmt.Fprintf(w, "releases:    %s\nsnapshots:   %s\ndetails:     %s\n", cacheOf(n.Cache.Releases, n.Cache.ReleaseBytes),
