@@ -179,7 +179,7 @@ that have none of their own (-1: unlimited).`,
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", node.DefaultAgentReadyTimeout, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", service.DefaultIdleTimeout, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
-	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables)")
+	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables; like --listen and --metrics-listen, an address that cannot be bound stops serve)")
 	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
 	f.DurationVar(&c.e2bSignedTTL, "e2b-signed-url-max-ttl", e2b.DefaultMaxSignedURLTTL, "longest lifetime of a signed E2B file URL (its signature_expiration at most this far ahead; URLs without one are refused)")
 	f.StringVar(&c.metricsListen, "metrics-listen", os.Getenv("SPACE_METRICS_LISTEN"), "serve GET /metrics without authentication on this address, for Prometheus (env SPACE_METRICS_LISTEN; on --listen, /metrics needs an operator key)")

@@ -45,7 +45,9 @@ type healthFacts struct {
 	hbOK       time.Time // last successful heartbeat
 	hbErr      string    // last heartbeat error ('' when it succeeded)
 	hbFailures int64     // failed heartbeats since start
-	runtimeErr string    // last runtime probe's error
+	runtimeErr string    // why the runtime is unusable ('' while it answers)
+	// runtimeFails counts the runtime probes that failed in a row.
+	runtimeFails int
 	diskLow    string    // why the store refuses new disk use
 	stopping   bool
 }
@@ -126,7 +128,8 @@ func (n *Node) currentEpoch() int64 {
 	return n.epoch
 }
 
-// probeRuntime records whether the runtime answers (it lists its instances).
+// probeRuntime records whether the runtime answers (it lists its instances, within
+// 10 s); it is unusable after two failed probes in a row.
 func (n *Node) probeRuntime(ctx context.Context) {
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -134,11 +137,16 @@ func (n *Node) probeRuntime(ctx context.Context) {
 	if ctx.Err() != nil {
 		return
 	}
-	msg := ""
-	if err != nil {
-		msg = "unusable: " + err.Error()
-	}
-	n.health.set(func(h *healthState) { h.runtimeErr = msg })
+	n.health.set(func(h *healthState) {
+		if err == nil {
+			h.runtimeErr, h.runtimeFails = "", 0
+			return
+		}
+		// One slow answer on a loaded host is not an unusable runtime: two in a row are.
+		if h.runtimeFails++; h.runtimeFails >= 2 {
+			h.runtimeErr = fmt.Sprintf("unusable (%d probes in a row failed): %v", h.runtimeFails, err)
+		}
+	})
 }
 
 // Fingerprint identifies one installation of a node (store.Node.Fingerprint): the
