@@ -48,8 +48,8 @@ type healthFacts struct {
 	runtimeErr string    // why the runtime is unusable ('' while it answers)
 	// runtimeFails counts the runtime probes that failed in a row.
 	runtimeFails int
-	diskLow    string    // why the store refuses new disk use
-	stopping   bool
+	diskLow      string // why the store refuses new disk use
+	stopping     bool
 }
 
 func (h *healthState) set(fn func(h *healthState)) {
