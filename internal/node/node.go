@@ -345,7 +345,9 @@ func (n *Node) heartbeat(ctx context.Context) error {
 		hb0 := time.Now()
 		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
 		if took := time.Since(hb0); took > n.cfg.Heartbeat && ctx.Err() == nil {
-			n.log.Warn("heartbeat slow: the node may be marked dead if they keep taking this long", "took", took.Round(time.Millisecond))
+			inUse, size, waited := n.st.PoolUse()
+			n.log.Warn("heartbeat slow: the node may be marked dead if they keep taking this long", "took", took.Round(time.Millisecond),
+				"db_conns_in_use", inUse, "db_pool_size", size, "db_acquires_waited", waited)
 		}
 		n.health.set(func(h *healthState) {
 			h.diskLow = diskLow

@@ -225,3 +225,11 @@ func (s *Store) AddNodeReleases(ctx context.Context, nodeID string, digests []st
 	}
 	return int(tag.RowsAffected()), nil
 }
+
+// PoolUse says how busy this process's connection pool is: connections in use, its
+// size, and how many acquisitions had to wait so far (a slow heartbeat logs it, to tell
+// a starved pool from a slow server).
+func (s *Store) PoolUse() (inUse, size int32, waited int64) {
+	st := s.pool.p.Stat()
+	return st.AcquiredConns(), st.MaxConns(), st.EmptyAcquireCount()
+}
