@@ -11,7 +11,9 @@
 # Run as root after scripts/setup.sh. Settings (environment):
 #   SPACE_FLEET_DIR        state directory (default /var/tmp/space-fleet)
 #   SPACE_FLEET_SUBNET     first three octets of the fleet's /24, in the test-only range
-#                          198.18.0.0/15 (default 198.19.64): the host side is .1, node i .(10+i)
+#                          198.18.0.0/15 (default 198.19.64): the host side is .1, node i
+#                          .(10+i); bridge, namespaces and links are named after its last
+#                          octet (spf64br, spf64-n<i>, spf64h<i>/spf64n<i>)
 #   SPACE_FLEET_PG_PORT    PostgreSQL's port (default 55432)
 #   SPACE_FLEET_SEED       btrfs store image every node starts from (so that each has the
 #                          base template without building it); default: the newest golden
@@ -25,7 +27,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 dir=${SPACE_FLEET_DIR:-/var/tmp/space-fleet}
 subnet=${SPACE_FLEET_SUBNET:-198.19.64}
 pg_port=${SPACE_FLEET_PG_PORT:-55432}
-bridge=spfleet0
+# Names derive from the subnet's third octet: fleets on different subnets coexist.
+tag=spf${subnet##*.}
+bridge=${tag}br
 host_ip=$subnet.1
 api_url=http://$host_ip:7700
 bin=$dir/bin/space
@@ -41,7 +45,7 @@ case "$subnet" in
 esac
 
 node_ip() { echo "$subnet.$((10 + $1))"; }
-node_ns() { echo "space-fleet-$1"; }
+node_ns() { echo "$tag-n$1"; }
 pg_bindir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
 
 # alive PIDFILE: whether the process in PIDFILE runs.
@@ -89,6 +93,7 @@ up() {
   if alive "$dir/api.pid" || [ -f "$dir/nodes" ]; then
     die "a fleet is up in $dir (scripts/fleet.sh down first)"
   fi
+  ip link show "$bridge" >/dev/null 2>&1 && die "subnet $subnet.0/24 is in use by another fleet (bridge $bridge exists): pick another SPACE_FLEET_SUBNET"
   command -v docker-registry >/dev/null || die "docker-registry not found: run scripts/setup.sh"
   [ -n "$(pg_bindir)" ] || die "PostgreSQL server binaries not found under /usr/lib/postgresql: run scripts/setup.sh"
   id postgres >/dev/null 2>&1 || die "no postgres user (Debian's postgresql package makes it): run scripts/setup.sh"
@@ -101,7 +106,7 @@ up() {
   say "building space into $dir/bin"
   (cd "$repo" && PATH="/usr/local/go/bin:$PATH" go build -o "$dir/bin/" ./cmd/space ./cmd/space-agent)
 
-  say "network: bridge $bridge $host_ip/24, $n namespaces"
+  say "network: bridge $bridge $host_ip/24, $n namespaces $tag-n1…"
   ip link add "$bridge" type bridge
   ip addr add "$host_ip/24" dev "$bridge"
   ip link set "$bridge" up
@@ -110,11 +115,11 @@ up() {
     local ns
     ns=$(node_ns "$i")
     ip netns add "$ns"
-    ip link add "spf-h$i" type veth peer name "spf-n$i" netns "$ns"
-    ip link set "spf-h$i" master "$bridge" up
+    ip link add "${tag}h$i" type veth peer name "${tag}n$i" netns "$ns"
+    ip link set "${tag}h$i" master "$bridge" up
     ip -n "$ns" link set lo up
-    ip -n "$ns" addr add "$(node_ip "$i")/24" dev "spf-n$i"
-    ip -n "$ns" link set "spf-n$i" up
+    ip -n "$ns" addr add "$(node_ip "$i")/24" dev "${tag}n$i"
+    ip -n "$ns" link set "${tag}n$i" up
     ip -n "$ns" route add default via "$host_ip"
   done
 
@@ -131,10 +136,9 @@ up() {
 local all postgres peer
 host  space space $host_ip/32 scram-sha-256
 host  space space $subnet.0/24 scram-sha-256
-host  space space 127.0.0.1/32 scram-sha-256
 EOF
   runuser -u postgres -- "$pgbin/pg_ctl" -D "$pgdir/data" -l "$pgdir/postgres.log" -w -t 60 start \
-    -o "-c listen_addresses=127.0.0.1,$host_ip -c port=$pg_port -c unix_socket_directories=$pgdir/run -c max_connections=300" >/dev/null
+    -o "-c listen_addresses=$host_ip -c port=$pg_port -c unix_socket_directories=$pgdir/run -c max_connections=300" >/dev/null
   local pw
   pw=$(head -c 24 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' | head -c 32)
   umask 077
@@ -259,8 +263,8 @@ down() {
   local i n
   n=$(nodes_count)
   # Nodes there may be more of than recorded (a failed up): every namespace of ours.
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^space-fleet-[0-9]*$' || true); do
-    i=${ns#space-fleet-}
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$tag-n[0-9]*\$" || true); do
+    i=${ns#"$tag"-n}
     [ "$i" -gt "$n" ] && n=$i
   done
   for ((i = 1; i <= n; i++)); do stop "node$i"; done
@@ -272,7 +276,7 @@ down() {
   for ((i = 1; i <= n; i++)); do
     cleanup_node "$dir/node$i"
     ip netns del "$(node_ns "$i")" 2>/dev/null || true
-    ip link del "spf-h$i" 2>/dev/null || true
+    ip link del "${tag}h$i" 2>/dev/null || true
   done
   ip link del "$bridge" 2>/dev/null || true
   [ -d "$dir/api" ] && cleanup_node "$dir/api"

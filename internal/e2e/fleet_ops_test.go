@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/testenv"
 )
@@ -378,4 +379,100 @@ func TestFleetOps(t *testing.T) {
 		}
 	}
 	t.Logf("fleet-3 fenced, returned refused, restarted (%v)", time.Since(t4).Round(time.Millisecond))
+}
+
+// TestFleetScript brings a local fleet up with scripts/fleet.sh (two nodes, each in
+// its own network namespace, on a subnet of its own), runs `echo hi` in a sandbox
+// through it, checks a node's /healthz and /metrics, and takes it down again: nothing
+// of it is left.
+func TestFleetScript(t *testing.T) {
+	requireHost(t)
+	script, err := filepath.Abs("../../scripts/fleet.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const subnet = "198.19.65"
+	dir := fmt.Sprintf("/var/tmp/space-fleet-test-%d", os.Getpid())
+	env := append(os.Environ(), "SPACE_FLEET_DIR="+dir, "SPACE_FLEET_SUBNET="+subnet, "SPACE_FLEET_PG_PORT=55433",
+		"SPACE_FLEET_NODE_ARGS=--capacity memory=1024")
+	fleet := func(d time.Duration, args ...string) (int, string) {
+		cmd := exec.Command(script, args...)
+		cmd.Env = env
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.WaitDelay = time.Second
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		timer := time.AfterFunc(d, func() { _ = cmd.Process.Kill() })
+		defer timer.Stop()
+		_ = cmd.Wait()
+		return cmd.ProcessState.ExitCode(), out.String()
+	}
+	downed := false
+	t.Cleanup(func() {
+		if !downed {
+			fleet(2*time.Minute, "down")
+		}
+	})
+	t0 := time.Now()
+	code, out := fleet(5*time.Minute, "up", "2")
+	if code != 0 {
+		t.Fatalf("fleet.sh up 2: exit %d\n%s", code, out)
+	}
+	url := "http://" + subnet + ".1:7700"
+	if !strings.Contains(out, "export SPACE_URL="+url) || !strings.Contains(out, "export SPACE_DATA_DIR="+dir+"/api") {
+		t.Fatalf("fleet.sh up does not say how to point the CLI at the fleet:\n%s", out)
+	}
+	t.Logf("fleet.sh up 2: %v", time.Since(t0).Round(time.Millisecond))
+	key, err := os.ReadFile(filepath.Join(dir, "api", "admin.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := client.New(url, strings.TrimSpace(string(key)))
+	list, err := c.ListNodes(ctx(t, 30*time.Second))
+	if err != nil || len(list) != 2 {
+		t.Fatalf("nodes: %v %v", list, err)
+	}
+	for _, n := range list {
+		i := strings.TrimPrefix(n.Name, "node")
+		if n.State != "alive" || n.DataPlaneURL != fmt.Sprintf("http://%s.1%s:7701", subnet, i) || n.Capacity.MemoryMB != 1024 {
+			t.Fatalf("node %+v", n)
+		}
+	}
+	sb, err := c.CreateAndWait(ctx(t, 3*time.Minute), api.CreateSandboxRequest{MemoryMB: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stdout bytes.Buffer
+	if code, err := c.Exec(ctx(t, time.Minute), sb.ID, api.CreateSessionRequest{Argv: []string{"echo", "hi"}}, client.Output{Stdout: &stdout}); err != nil || code != 0 || stdout.String() != "hi\n" {
+		t.Fatalf("exec echo hi in the fleet: %d %q %v", code, stdout.String(), err)
+	}
+	if code, body := status(t, "GET", "http://"+subnet+".11:9470/healthz", "", nil); code != 200 || !strings.Contains(body, `"status":"ok"`) {
+		t.Fatalf("node1 /healthz: %d %s", code, body)
+	}
+	if code, body := status(t, "GET", "http://"+subnet+".11:9470/metrics", "", nil); code != 200 || !strings.Contains(body, `space_node_up{node="node1"} 1`) {
+		t.Fatalf("node1 /metrics: %d %s", code, body)
+	}
+	if code, _ := status(t, "GET", "http://"+subnet+".11:7701/metrics", "", nil); code != 401 {
+		t.Fatalf("node1 /metrics on --listen without a key: %d, want 401", code)
+	}
+	t1 := time.Now()
+	downed = true
+	if code, out := fleet(2*time.Minute, "down"); code != 0 {
+		t.Fatalf("fleet.sh down: exit %d\n%s", code, out)
+	}
+	t.Logf("fleet.sh down: %v", time.Since(t1).Round(time.Millisecond))
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("fleet.sh down left %s: %v", dir, err)
+	}
+	if out, _ := exec.Command("ip", "netns", "list").Output(); strings.Contains(string(out), "spf65-n") {
+		t.Errorf("fleet.sh down left namespaces:\n%s", out)
+	}
+	if err := exec.Command("ip", "link", "show", "spf65br").Run(); err == nil {
+		t.Error("fleet.sh down left the bridge")
+	}
+	if code, out := fleet(time.Minute, "down"); code != 0 {
+		t.Errorf("fleet.sh down again: exit %d\n%s", code, out)
+	}
 }
