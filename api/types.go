@@ -479,6 +479,17 @@ type Node struct {
 	// what its sandboxes take of it (docs/operations.md, "Capacity and placement").
 	Capacity NodeResources `json:"capacity"`
 	Used     NodeResources `json:"used"`
+	// Cache is what the node holds on its disk that a sandbox placed there can start
+	// or wake from without fetching it.
+	Cache NodeCache `json:"cache"`
+}
+
+// NodeCache is what a node holds: template releases and named snapshots.
+type NodeCache struct {
+	Releases      int   `json:"releases"`
+	ReleaseBytes  int64 `json:"release_bytes"`
+	Snapshots     int   `json:"snapshots"`
+	SnapshotBytes int64 `json:"snapshot_bytes"`
 }
 
 // NodeResources is an amount of what a node offers its sandboxes.

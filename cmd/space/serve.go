@@ -36,7 +36,6 @@ import (
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
-	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker"
 	"github.com/spacedev/space/internal/runtime/gvisor"
@@ -87,7 +86,6 @@ type serveConfig struct {
 	fcKernel       string
 	fcUser         string
 	e2bListen      string
-	e2bListenSet   bool
 	e2bDomain      string
 	e2bSignedTTL   time.Duration
 	metricsListen  string
@@ -101,6 +99,7 @@ type serveConfig struct {
 	registry       artifact.Config
 	// registryGCGrace: how long an unreferenced release artifact stays in the registry.
 	registryGCGrace time.Duration
+	nodeTakeOver    bool
 }
 
 func serveCmd(env *cli.Env) *cobra.Command {
@@ -133,7 +132,6 @@ that have none of their own (-1: unlimited).`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c.dataDir = env.DataDir
 			c.roles = strings.Split(roles, ",")
-			c.e2bListenSet = cmd.Flags().Changed("e2b-listen")
 			for q, v := range c.quota {
 				if v < store.Unlimited || v == 0 && (q == store.QuotaRate || q == store.QuotaBurst) {
 					return fmt.Errorf("--quota-%s %d: want -1 (unlimited) or a positive number", strings.ReplaceAll(q, "_", "-"), v)
@@ -183,7 +181,7 @@ that have none of their own (-1: unlimited).`,
 	f.DurationVar(&c.agentReadyWait, "agent-timeout", node.DefaultAgentReadyTimeout, "how long a new sandbox's agent may take to answer")
 	f.DurationVar(&c.idleTimeout, "idle-timeout", service.DefaultIdleTimeout, "suspend sandboxes after this long without activity (per-sandbox idle_timeout overrides)")
 	f.BoolVar(&c.baseSnapshots, "base-snapshots", true, "restore new sandboxes from a snapshot of their booted template instead of booting")
-	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables)")
+	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables; like --listen and --metrics-listen, an address that cannot be bound stops serve)")
 	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
 	f.DurationVar(&c.e2bSignedTTL, "e2b-signed-url-max-ttl", e2b.DefaultMaxSignedURLTTL, "longest lifetime of a signed E2B file URL (its signature_expiration at most this far ahead; URLs without one are refused)")
 	f.StringVar(&c.metricsListen, "metrics-listen", os.Getenv("SPACE_METRICS_LISTEN"), "serve GET /metrics without authentication on this address, for Prometheus (env SPACE_METRICS_LISTEN; on --listen, /metrics needs an operator key)")
@@ -218,6 +216,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.registry.DockerConfig, "registry-docker-config", os.Getenv("SPACE_REGISTRY_DOCKER_CONFIG"), "node, controller: Docker config.json whose auths entry or credential helper has the registry's credentials (env SPACE_REGISTRY_DOCKER_CONFIG)")
 	f.BoolVar(&c.registry.Insecure, "registry-insecure", false, "node, controller: allow plain HTTP to a registry that is not on a loopback address")
 	f.DurationVar(&c.registryGCGrace, "registry-gc-grace", controller.DefaultGCGrace, "controller, node: how long a template release artifact stays in the registry after nothing references it and after its push before the leader deletes it, and a release nothing uses stays in a node's store before the node removes it (it can pull it again); longer than the longest push or pull (docs/operations.md, \"Garbage collection\")")
+	f.BoolVar(&c.nodeTakeOver, "node-takeover", false, "node: register even though another installation (host, data directory, store) registered this node id — only when the data directory was moved and its old copy runs nowhere (docs/operations.md, \"Copied node ids\")")
 	return cmd
 }
 
@@ -244,6 +243,14 @@ func serve(ctx context.Context, c *serveConfig) error {
 		return fmt.Errorf("data dir: %w", err)
 	}
 	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
+
+	// Every listener is bound before anything starts: one that cannot bind stops serve.
+	lns, err := c.bindListeners()
+	if err != nil {
+		return err
+	}
+	defer lns.close()
+	ln := lns.main
 
 	dbURL := c.databaseURL
 	var pg *pgmanaged.Server
@@ -282,12 +289,6 @@ func serve(ctx context.Context, c *serveConfig) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	opMetrics := node.NewOperationMetrics(reg)
 
-	ln, err := net.Listen("tcp", c.listen)
-	if err != nil {
-		return fmt.Errorf("listen: %w", err)
-	}
-	defer ln.Close()
-
 	// Every role runs in this group: the first that fails stops the others, and
 	// serve returns once all have ended.
 	g, gctx := errgroup.WithContext(ctx)
@@ -305,6 +306,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 	}
 
 	mux := http.NewServeMux()
+	var health *node.Node // this process's node, if it runs one
 	var metrics http.Handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	var svc *service.Service
 	if c.has("api") {
@@ -327,20 +329,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 		metrics = a.MetricsHandler()
 		run("api", svc.Run)
 		mux.Handle("/", a.Handler())
-		if c.e2bListen != "" {
+		if lns.e2b != nil {
 			gw, err := e2b.New(ctx, e2b.Config{API: svc, Store: st, Logger: log.With("component", "e2b"),
 				Domain: c.e2bDomain, Network: c.net.enabled(), BuiltinTemplates: template.Builtins(), MaxSignedURLTTL: c.e2bSignedTTL})
 			if err != nil {
 				return err
 			}
-			if eln, err := net.Listen("tcp", c.e2bListen); err == nil {
-				defer eln.Close()
-				run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, eln) })
-			} else if c.e2bListenSet {
-				return fmt.Errorf("--e2b-listen: %w", err)
-			} else {
-				log.Warn("E2B-compatible API not started: its default address is taken", "listen", c.e2bListen, "err", err)
-			}
+			run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, lns.e2b) })
 		}
 	}
 	if c.has("controller") {
@@ -369,6 +364,8 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if err != nil {
 			return err
 		}
+		n.RegisterMetrics(reg)
+		health = n
 		if svc != nil {
 			svc.SetLocalNode(n) // one process: exec reaches this node's agents directly
 		}
@@ -377,16 +374,10 @@ func serve(ctx context.Context, c *serveConfig) error {
 		n.RegisterRoutes(dpMux)
 		mux.Handle("/v1/dp/", dataplane.CORS(dpMux))
 		mux.Handle("/internal/", dpMux)
+		mux.Handle("GET /healthz", nodeHealthz(n))
 		if !c.has("api") {
-			mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-				hctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-				defer cancel()
-				if err := st.Ping(hctx); err != nil {
-					rest.WriteJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "unhealthy", "database": err.Error()})
-					return
-				}
-				rest.WriteJSON(w, http.StatusOK, map[string]string{"status": "ok"})
-			})
+			// The api's /metrics needs an operator key on --listen; so does a node's.
+			mux.Handle("GET /metrics", operatorOnly(st, log.With("component", "node"), metrics))
 		}
 		run("node", func(ctx context.Context) error {
 			err := n.Run(ctx)
@@ -400,14 +391,12 @@ func serve(ctx context.Context, c *serveConfig) error {
 		run("data plane", dp.Run)
 	}
 
-	if c.metricsListen != "" {
-		mln, err := net.Listen("tcp", c.metricsListen)
-		if err != nil {
-			return fmt.Errorf("--metrics-listen: %w", err)
-		}
-		defer mln.Close()
+	if mln := lns.metrics; mln != nil {
 		mmux := http.NewServeMux()
 		mmux.Handle("GET /metrics", metrics)
+		if health != nil {
+			mmux.Handle("GET /healthz", nodeHealthz(health))
+		}
 		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 		g.Go(func() error {
@@ -606,6 +595,10 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	storeRoot := ""
+	if sr, ok := disk.(interface{ Root() string }); ok {
+		storeRoot = sr.Root()
+	}
 	name := c.nodeName
 	if name == "" {
 		if name, err = os.Hostname(); err != nil {
@@ -642,6 +635,8 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		Capacity:          capacity,
 		Artifacts:         artifacts,
 		ReleaseCacheGrace: c.registryGCGrace,
+		Fingerprint:       node.Fingerprint(dataDir, storeFingerprintID(storeRoot)),
+		TakeOver:          c.nodeTakeOver,
 	})
 	if err != nil {
 		if netMgr != nil {

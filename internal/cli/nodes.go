@@ -2,13 +2,14 @@ package cli
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/spf13/cobra"
 
 	"github.com/spacedev/space/api"
 )
 
-// nodesCmd is `space node`: list, cordon, uncordon, rm (operator key).
+// nodesCmd is `space node`: list, show, cordon, uncordon, rm (operator key).
 func (a *app) nodesCmd() *cobra.Command {
 	cmd := &cobra.Command{Use: "node", Aliases: []string{"nodes"}, Short: "Inspect and manage nodes (operator key)",
 		Long: `Inspect and manage the fleet's nodes (an operator key is needed).
@@ -26,8 +27,10 @@ replacement can register under the same --node-name (docs/operations.md).`}
 		Long: `List nodes. CPU, MEMORY (MiB) and DISK (MiB) show used/capacity: what the
 sandboxes placed on the node take of what it offers ("-": unbounded). vCPUs and
 memory count sandboxes that hold the node's memory (not suspended, stopped or
-failed); disk counts each sandbox's measured use, at least 1 GiB, plus the memory
-snapshot of a suspended one.`,
+failed); disk counts each sandbox's measured use, at least 64 MiB, plus the memory
+snapshot of a suspended one. RELEASES and SNAPSHOTS are the node's cache: the
+template releases and the ready named snapshots it holds (count and size).
+space node show NODE shows one node with its runtime details.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c, err := a.connect()
@@ -38,12 +41,50 @@ snapshot of a suspended one.`,
 			if err != nil {
 				return err
 			}
-			return printList(a, nodes, []string{"NAME", "STATE", "RUNTIME", "CPU", "MEMORY", "DISK", "SANDBOXES", "HEARTBEAT", "DATA PLANE", "DETAILS"},
+			return printList(a, nodes, []string{"NAME", "STATE", "RUNTIME", "CPU", "MEMORY", "DISK", "SANDBOXES", "RELEASES", "SNAPSHOTS", "HEARTBEAT", "DATA PLANE"},
 				func(n api.Node) []any {
 					return []any{n.Name, nodeState(n), n.Runtime, usedOf(int64(n.Used.CPU), int64(n.Capacity.CPU)),
 						usedOf(n.Used.MemoryMB, n.Capacity.MemoryMB), usedOf(n.Used.DiskMB, n.Capacity.DiskMB),
-						n.Sandboxes, ago(n.HeartbeatAt), n.DataPlaneURL, details(n.RuntimeInfo)}
+						n.Sandboxes, cacheOf(n.Cache.Releases, n.Cache.ReleaseBytes), cacheOf(n.Cache.Snapshots, n.Cache.SnapshotBytes),
+						ago(n.HeartbeatAt), n.DataPlaneURL}
 				})
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
+		Use:   "show NODE",
+		Short: "Show one node: state, capacity, usage, cache and runtime details",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.connect()
+			if err != nil {
+				return err
+			}
+			nodes, err := c.ListNodes(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			i := slices.IndexFunc(nodes, func(n api.Node) bool { return n.Name == args[0] })
+			if i < 0 {
+				i = slices.IndexFunc(nodes, func(n api.Node) bool { return n.ID == args[0] })
+			}
+			if i < 0 {
+				return fmt.Errorf("node %q not found (space node list shows the nodes)", args[0])
+			}
+			n := nodes[i]
+			if a.json() {
+				return a.printJSON(n)
+			}
+			w := a.env.Stdout
+			fmt.Fprintf(w, "name:        %s\nid:          %s\nstate:       %s\n", n.Name, n.ID, nodeState(n))
+			if n.DeadReason != "" {
+				fmt.Fprintf(w, "dead:        %s\n", n.DeadReason)
+			}
+			fmt.Fprintf(w, "heartbeat:   %s\ndata plane:  %s\nruntime:     %s\n", ago(n.HeartbeatAt), n.DataPlaneURL, n.Runtime)
+			fmt.Fprintf(w, "sandboxes:   %d\ncpu:         %s\nmemory:      %s MiB\ndisk:        %s MiB\n", n.Sandboxes,
+				usedOf(int64(n.Used.CPU), int64(n.Capacity.CPU)), usedOf(n.Used.MemoryMB, n.Capacity.MemoryMB), usedOf(n.Used.DiskMB, n.Capacity.DiskMB))
+			fmt.Fprintf(w, "releases:    %s\nsnapshots:   %s\ndetails:     %s\n", cacheOf(n.Cache.Releases, n.Cache.ReleaseBytes),
+				cacheOf(n.Cache.Snapshots, n.Cache.SnapshotBytes), details(n.RuntimeInfo))
+			return nil
 		},
 	})
 	cordon := func(on bool) *cobra.Command {
@@ -103,6 +144,14 @@ again, it registers as a new node and reclaims everything it holds.`,
 		},
 	})
 	return cmd
+}
+
+// cacheOf renders a count of cached artifacts and their size.
+func cacheOf(n int, bytes int64) string {
+	if n == 0 {
+		return "0"
+	}
+	return fmt.Sprintf("%d (%s)", n, humanBytes(bytes))
 }
 
 func nodeState(n api.Node) string {

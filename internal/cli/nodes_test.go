@@ -42,6 +42,19 @@ func TestNodeCommands(t *testing.T) {
 		!strings.Contains(out, "0/-") {
 		t.Fatalf("node list: %v\n%s", err, out)
 	}
+	if !strings.Contains(out, "RELEASES") || !strings.Contains(out, "SNAPSHOTS") {
+		t.Fatalf("node list shows no cache columns:\n%s", out)
+	}
+	for _, ref := range []string{name, s.NodeID} {
+		out, err := run(t, s, "node", "show", ref)
+		if err != nil || !strings.Contains(out, "id:          "+s.NodeID) || !strings.Contains(out, "memory:      0/4096 MiB") ||
+			!strings.Contains(out, "releases:") {
+			t.Fatalf("node show %s: %v\n%s", ref, err, out)
+		}
+	}
+	if _, err := run(t, s, "node", "show", "nosuch"); err == nil || !strings.Contains(err.Error(), "not found") {
+		t.Fatalf("node show of an unknown node: %v", err)
+	}
 	if out, err := run(t, s, "node", "cordon", name); err != nil || strings.TrimSpace(out) != name+" alive,cordoned" {
 		t.Fatalf("cordon: %v %q", err, out)
 	}

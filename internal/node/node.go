@@ -110,6 +110,13 @@ type Config struct {
 	// before the node removes it (only with Artifacts: it can pull it again; default
 	// DefaultReleaseCacheGrace). templates.go, evictReleases.
 	ReleaseCacheGrace time.Duration
+	// Fingerprint identifies this installation of the node (Fingerprint): a
+	// registration of the node's id from another installation is refused
+	// (store.ErrCopiedNode). '' skips the check.
+	Fingerprint string
+	// TakeOver accepts a changed fingerprint (space serve --node-takeover: the data
+	// directory was moved and its old copy runs nowhere).
+	TakeOver bool
 }
 
 // Node is a running node role.
@@ -153,6 +160,7 @@ type Node struct {
 	// releaseUse is held (read) while a create resolves its release and makes its disk
 	// from it, and (write) while the node removes a release from its cache.
 	releaseUse sync.RWMutex
+	health     healthState
 }
 
 // New returns a node. Run starts it.
@@ -238,14 +246,21 @@ func (n *Node) Run(ctx context.Context) error {
 		details[k] = v
 	}
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
-		Allocatable: n.cfg.Capacity}
+		Allocatable: n.cfg.Capacity, Fingerprint: n.cfg.Fingerprint, TakeOver: n.cfg.TakeOver}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {
 		return err
 	}
+	n.mu.Lock()
 	n.epoch = reg.Epoch
+	n.mu.Unlock()
+	n.health.set(func(h *healthState) { h.registered, h.hbOK = true, time.Now() })
 	if reg.DeadReason != "" {
 		n.log.Warn("node returns after being marked dead; its lost sandboxes stay failed and what is left of them is reclaimed",
 			"node", n.cfg.Name, "was", reg.DeadReason)
+	}
+	if n.cfg.TakeOver {
+		n.log.Warn("node took over its id with --node-takeover: its fingerprint is now this installation's",
+			"node", n.cfg.Name, "fingerprint", n.cfg.Fingerprint)
 	}
 	n.log.Info("node registered", "node", n.cfg.Name, "id", n.cfg.ID, "epoch", n.epoch, "runtime", info.Name, "version", info.Version,
 		"capacity_cpu", n.cfg.Capacity.CPU, "capacity_memory_mb", n.cfg.Capacity.MemoryMB, "capacity_disk_mb", n.cfg.Capacity.DiskMB,
@@ -259,6 +274,7 @@ func (n *Node) Run(ctx context.Context) error {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
 	close(n.adopted)
+	n.reportReleases(ctx)
 
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { n.runBuilds(gctx); return nil })
@@ -286,6 +302,11 @@ func (n *Node) Run(ctx context.Context) error {
 	g.Go(func() error { return n.heartbeat(gctx) })
 	g.Go(func() error { return n.runSnapshots(gctx) })
 	g.Go(func() error { return n.runSamples(gctx) })
+	g.Go(func() error {
+		<-gctx.Done()
+		n.health.set(func(h *healthState) { h.stopping = true })
+		return nil
+	})
 	runErr := g.Wait()
 	if ctx.Err() != nil && errors.Is(runErr, context.Canceled) {
 		runErr = nil
@@ -325,7 +346,8 @@ func every(ctx context.Context, period time.Duration, fn func(context.Context)) 
 func (n *Node) heartbeat(ctx context.Context) error {
 	t := time.NewTicker(n.cfg.Heartbeat)
 	defer t.Stop()
-	for {
+	n.probeRuntime(ctx)
+	for beat := 1; ; beat++ {
 		select {
 		case <-ctx.Done():
 			return nil
@@ -335,20 +357,62 @@ func (n *Node) heartbeat(ctx context.Context) error {
 		if err := n.disk.CheckSpace(0); err != nil {
 			diskLow = err.Error()
 		}
+		hb0 := time.Now()
 		err := n.st.Heartbeat(ctx, n.cfg.ID, n.epoch, diskLow)
+		if took := time.Since(hb0); took > n.cfg.Heartbeat && ctx.Err() == nil {
+			inUse, size, waited := n.st.PoolUse()
+			n.log.Warn("heartbeat slow: the node may be marked dead if they keep taking this long", "took", took.Round(time.Millisecond),
+				"db_conns_in_use", inUse, "db_pool_size", size, "db_acquires_waited", waited)
+		}
+		n.health.set(func(h *healthState) {
+			h.diskLow = diskLow
+			switch {
+			case err == nil:
+				h.hbOK, h.hbErr = time.Now(), ""
+			case ctx.Err() == nil:
+				h.hbErr = err.Error()
+				h.hbFailures++
+			}
+		})
 		switch {
 		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, store.ErrFenced):
+			n.health.set(func(h *healthState) { h.fenced = err.Error() })
 			return fmt.Errorf("node %s was fenced (another process took over its id, or it was marked dead after missed "+
 				"heartbeats, or removed): it stops and, restarted, registers again and reclaims what it holds: %w", n.cfg.Name, err)
 		default:
 			n.log.Warn("heartbeat failed", "err", err)
 		}
+		if beat%runtimeProbeEvery == 0 {
+			n.probeRuntime(ctx)
+		}
+	}
+}
+
+// reportReleases records in the store the template releases this node's disk holds
+// (its cache, for the scheduler and space node list), whichever way they came.
+func (n *Node) reportReleases(ctx context.Context) {
+	rels, err := n.disk.ListReleases()
+	if err != nil {
+		n.log.Debug("list releases", "err", err)
+		return
+	}
+	digests := make([]string, 0, len(rels))
+	for _, r := range rels {
+		digests = append(digests, r.Digest)
+	}
+	if added, err := n.st.AddNodeReleases(ctx, n.cfg.ID, digests); err != nil {
+		if ctx.Err() == nil {
+			n.log.Debug("report releases", "err", err)
+		}
+	} else if added > 0 {
+		n.log.Info("reported template releases held on disk", "new", added)
 	}
 }
 
 // resync kicks every sandbox assigned to this node.
 func (n *Node) resync(ctx context.Context) {
+	n.reportReleases(ctx)
 	list, err := n.st.ListSandboxes(ctx, store.SandboxFilter{NodeID: n.cfg.ID, IncludePool: true})
 	if err != nil {
 		if ctx.Err() == nil {

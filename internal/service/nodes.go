@@ -15,7 +15,9 @@ func resources(r store.Resources) api.NodeResources {
 func nodeAPI(n *store.Node) api.Node {
 	return api.Node{ID: n.ID, Name: n.Name, Runtime: n.Runtime, RuntimeInfo: n.RuntimeInfo,
 		DataPlaneURL: n.DataPlaneURL, State: n.State, HeartbeatAt: n.HeartbeatAt, Sandboxes: n.Sandboxes,
-		Cordoned: n.Cordoned, DeadReason: n.DeadReason, Capacity: resources(n.Allocatable), Used: resources(n.Used)}
+		Cordoned: n.Cordoned, DeadReason: n.DeadReason, Capacity: resources(n.Allocatable), Used: resources(n.Used),
+		Cache: api.NodeCache{Releases: n.Cache.Releases, ReleaseBytes: n.Cache.ReleaseBytes,
+			Snapshots: n.Cache.Snapshots, SnapshotBytes: n.Cache.SnapshotBytes}}
 }
 
 // Cordon cordons (on) or uncordons the node named (or with the id) ref: a cordoned

@@ -284,3 +284,92 @@ func TestFinishOrphanOperations(t *testing.T) {
 		t.Fatalf("a live sandbox's (%s) operation was ended: %+v %v", live.ID, got, err)
 	}
 }
+
+// TestCopiedNodeIDRefused: a registration of a known node id from another
+// installation (another fingerprint) is refused and changes nothing; a restart of the
+// same installation, an old row without a fingerprint, and a take-over asked for are
+// accepted. The cache columns count the releases and ready snapshots a node holds.
+func TestCopiedNodeIDRefused(t *testing.T) {
+	st, ctx := open(t)
+	orig := &store.Node{ID: "n1", Name: "one", Runtime: "fake", DataPlaneURL: "http://n1", Fingerprint: "host-a:/srv/space:fs1"}
+	if err := st.RegisterNode(ctx, orig); err != nil {
+		t.Fatal(err)
+	}
+	running, _ := newSandbox(t, ctx, st, &store.Sandbox{NodeID: "n1"})
+	observe(t, st, running, api.StateRunning)
+
+	// The same installation restarting (after kill -9 too) registers again.
+	again := &store.Node{ID: "n1", Name: "one", Runtime: "fake", DataPlaneURL: "http://n1", Fingerprint: "host-a:/srv/space:fs1"}
+	if err := st.RegisterNode(ctx, again); err != nil {
+		t.Fatalf("restart of the same installation refused: %v", err)
+	}
+	if again.Epoch != orig.Epoch+1 {
+		t.Fatalf("restart epoch %d, want %d", again.Epoch, orig.Epoch+1)
+	}
+
+	// A copy on another host, even under another name and URL, is refused.
+	copied := &store.Node{ID: "n1", Name: "two", Runtime: "fake", DataPlaneURL: "http://n2", Fingerprint: "host-b:/srv/space:fs1"}
+	err := st.RegisterNode(ctx, copied)
+	if !errors.Is(err, store.ErrCopiedNode) || fault.KindOf(err) != fault.Conflict {
+		t.Fatalf("copied node id: got %v (kind %v), want a conflict wrapping ErrCopiedNode", err, fault.KindOf(err))
+	}
+	for _, want := range []string{"space node rm one", "node-id", "--node-takeover"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q does not name the remedy %q", err, want)
+		}
+	}
+	n, err := st.FindNode(ctx, "n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Name != "one" || n.DataPlaneURL != "http://n1" || n.Epoch != again.Epoch || n.Fingerprint != "host-a:/srv/space:fs1" {
+		t.Fatalf("a refused registration changed the row: %+v", n)
+	}
+	if sb, err := st.GetSandbox(ctx, running.ID); err != nil || sb.State != api.StateRunning {
+		t.Fatalf("the original node's sandbox after a refused copy: %+v %v", sb, err)
+	}
+	// The original keeps heartbeating: it was not fenced.
+	if err := st.Heartbeat(ctx, "n1", again.Epoch, ""); err != nil {
+		t.Fatalf("original node fenced by a refused copy: %v", err)
+	}
+
+	// A take-over asked for is accepted, and fences the original.
+	moved := &store.Node{ID: "n1", Name: "one", Runtime: "fake", DataPlaneURL: "http://n1b", Fingerprint: "host-a:/data/space:fs1", TakeOver: true}
+	if err := st.RegisterNode(ctx, moved); err != nil {
+		t.Fatalf("take-over: %v", err)
+	}
+	if err := st.Heartbeat(ctx, "n1", again.Epoch, ""); !errors.Is(err, store.ErrFenced) {
+		t.Fatalf("old incarnation after a take-over: %v, want fenced", err)
+	}
+	if n, _ := st.FindNode(ctx, "n1"); n == nil || n.Fingerprint != "host-a:/data/space:fs1" {
+		t.Fatalf("take-over did not record the new fingerprint: %+v", n)
+	}
+
+	// A row registered without a fingerprint takes the first one presented.
+	legacy := &store.Node{ID: "n3", Name: "three", Runtime: "fake", DataPlaneURL: "http://n3"}
+	if err := st.RegisterNode(ctx, legacy); err != nil {
+		t.Fatal(err)
+	}
+	legacy.Fingerprint = "host-c:/srv/space:fs3"
+	if err := st.RegisterNode(ctx, legacy); err != nil {
+		t.Fatalf("first fingerprint on an old row: %v", err)
+	}
+	legacy.Fingerprint = "host-d:/srv/space:fs3"
+	if err := st.RegisterNode(ctx, legacy); !errors.Is(err, store.ErrCopiedNode) {
+		t.Fatalf("after the first fingerprint, another is refused: %v", err)
+	}
+
+	// Cache: a release the node holds and a ready snapshot on it.
+	if err := st.PutRelease(ctx, &store.Release{Digest: "sha256:" + strings.Repeat("a", 64), Name: "base", SizeBytes: 5 << 20}, "latest", "n1"); err != nil {
+		t.Fatal(err)
+	}
+	snapshotOf(t, st, running, "kept", false) // ready, of 1 byte
+	snapshotOf(t, st, running, "taking", true)
+	n, err = st.FindNode(ctx, "one")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (store.NodeCache{Releases: 1, ReleaseBytes: 5 << 20, Snapshots: 1, SnapshotBytes: 1}); n.Cache != want {
+		t.Fatalf("cache %+v, want %+v", n.Cache, want)
+	}
+}

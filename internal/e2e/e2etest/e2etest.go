@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -138,6 +139,11 @@ func (s *Server) launch() {
 	s.mu.Lock()
 	o := s.opts
 	s.mu.Unlock()
+	if !slices.Contains(o.Args, "--e2b-listen") {
+		// Its default address is shared by every server on the host: a taken
+		// listener stops serve.
+		args = append(args, "--e2b-listen", "")
+	}
 	args = append(args, o.Args...)
 	cmd := exec.Command(s.Bin, args...)
 	cmd.Env = append(os.Environ(), o.Env...)
