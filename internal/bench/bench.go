@@ -37,6 +37,9 @@ type Config struct {
 	// EgressNetns is the network namespace the host-side egress baseline downloads
 	// from (the server's --network-host-netns, when it has one).
 	EgressNetns string
+	// ScaleMax caps the scale scenario's largest step (of 10, 50, 100, 200 idle
+	// sandboxes); 0 means 200.
+	ScaleMax int
 }
 
 // Result is one row of the report.
@@ -77,6 +80,7 @@ var scenarios = []scenario{
 	{"suspend", suspendWake},
 	{"clone", clones},
 	{"density", density},
+	{"scale", scale},
 	{"network", networkBench},
 }
 

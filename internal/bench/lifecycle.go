@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -207,58 +206,4 @@ func clones(ctx context.Context, cfg *Config) ([]Result, error) {
 			result("clone", fmt.Sprintf("disk each clone adds (of %d)", n), "KiB", bytes, "", nil))
 	}
 	return out, nil
-}
-
-// density creates 50 idle sandboxes and reports the host memory (RSS of each sandbox's
-// runtime processes) per sandbox.
-func density(ctx context.Context, cfg *Config) ([]Result, error) {
-	const n = 50
-	var ids []string
-	defer func() {
-		for _, id := range ids {
-			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
-		}
-	}()
-	for i := 0; i < n; i++ {
-		sb, err := cfg.Client.CreateAndWait(ctx, api.CreateSandboxRequest{Template: cfg.Template, Metadata: map[string]string{"space-bench": "density"}})
-		if err != nil {
-			return nil, err
-		}
-		ids = append(ids, sb.ID)
-	}
-	time.Sleep(2 * time.Second) // let the sandboxes settle to idle before measuring
-	var per []float64
-	for _, id := range ids {
-		per = append(per, float64(rssOf(id))/1024)
-	}
-	r := result("density", fmt.Sprintf("host RSS per idle sandbox (%d sandboxes)", n), "MiB", per, "", nil)
-	r.Note = "sum of the RSS of the host processes whose command line names the sandbox (runsc sandbox, gofer)"
-	return []Result{r}, nil
-}
-
-// rssOf sums the RSS (KiB) of host processes whose command line mentions id.
-func rssOf(id string) int {
-	ents, _ := os.ReadDir("/proc")
-	total := 0
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil || !strings.Contains(string(cmd), id) {
-			continue
-		}
-		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-		if err != nil {
-			continue
-		}
-		for _, l := range strings.Split(string(st), "\n") {
-			if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
-				kb, _ := strconv.Atoi(f[1])
-				total += kb
-			}
-		}
-	}
-	return total
 }
