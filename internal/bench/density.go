@@ -356,7 +356,7 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bare runsc: %w", err)
 	}
-	const bl = "bare runsc, default flags, idle sleep"
+	const bl = "bare runsc idle"
 	n := float64(len(set.ids))
 	out := []Result{
 		result("density", "PSS per idle sandbox: Sentry + gofer", "MiB", pss, bl, base.pss),
