@@ -36,9 +36,15 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
 		}
 	}()
+	// autoBooted counts the snapshot-path creates the node booted instead (it measured
+	// its base snapshot restores slower than its boots: internal/node/startpath.go).
+	var autoBooted, snapTries int
 	measure := func(req api.CreateSandboxRequest, want string) ([]float64, error) {
 		var xs []float64
-		for i := 0; i < cfg.Runs; i++ {
+		for i := 0; len(xs) < cfg.Runs; i++ {
+			if want == "snapshot" && i >= 4*cfg.Runs {
+				break // the node keeps booting: report the restores it did
+			}
 			d, sb, err := createToPass(ctx, cfg, req)
 			if sb != nil {
 				created = append(created, sb.ID)
@@ -46,10 +52,18 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 			if err != nil {
 				return nil, err
 			}
-			if got, _ := cfg.Client.GetSandbox(ctx, sb.ID); got != nil && got.StartPath != want {
+			got, _ := cfg.Client.GetSandbox(ctx, sb.ID)
+			if want == "snapshot" {
+				snapTries++
+			}
+			switch {
+			case got == nil || got.StartPath == want:
+				xs = append(xs, d)
+			case want == "snapshot" && got.StartPath == "boot":
+				autoBooted++
+			default:
 				return nil, fmt.Errorf("expected start path %s, got %s (is the base snapshot built? is a pool set?)", want, got.StartPath)
 			}
-			xs = append(xs, d)
 			// Delete as we go so the host's load stays the same across runs.
 			if err := deleteAndWait(ctx, cfg.Client, sb.ID); err != nil {
 				return nil, err
@@ -96,9 +110,13 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		pool = append(pool, xs...)
 	}
+	snapRow := result("start", "snapshot: create → `python3 -c pass` exit", "ms", snap, "boot", boot)
+	if autoBooted > 0 {
+		snapRow.Note = fmt.Sprintf("auto booted %d of %d creates: the node measured its base snapshot restores slower than its boots", autoBooted, snapTries)
+	}
 	return []Result{
 		result("start", "boot: create → `python3 -c pass` exit", "ms", boot, "", nil),
-		result("start", "snapshot: create → `python3 -c pass` exit", "ms", snap, "boot", boot),
+		snapRow,
 		result("start", "pool: create → `python3 -c pass` exit", "ms", pool, "boot", boot),
 	}, nil
 }

@@ -141,6 +141,7 @@ type Node struct {
 	snapJobs  snapshotJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
+	starts    startTimes // recent start durations by path (startpath.go)
 }
 
 // New returns a node. Run starts it.
