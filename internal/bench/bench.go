@@ -113,7 +113,8 @@ func Run(ctx context.Context, cfg Config) ([]Result, error) {
 		}
 		res, err := s.run(ctx, &cfg)
 		if err != nil {
-			return out, fmt.Errorf("%s: %w", s.name, err)
+			// Keep what the scenario finished (the scale steps before the failing one).
+			return append(out, res...), fmt.Errorf("%s: %w", s.name, err)
 		}
 		if cfg.Progress != nil {
 			fmt.Fprintf(cfg.Progress, "bench: %s done\n", s.name)

@@ -229,18 +229,19 @@ func mib(kb int) float64 { return float64(kb) / 1024 }
 
 // idleSet is a set of idle sandboxes the density and scale scenarios create.
 type idleSet struct {
-	cfg *Config
-	ids []string
+	cfg  *Config
+	ids  []string
+	path map[string]string // each sandbox's start path
 }
 
-// grow creates sandboxes until the set holds n (a few at a time), and returns the
-// create latencies (ms) of the new ones.
-func (s *idleSet) grow(ctx context.Context, n int, tag string) ([]float64, error) {
+// grow creates sandboxes like req until the set holds n (a few at a time), and returns
+// the create latencies (ms) of the new ones.
+func (s *idleSet) grow(ctx context.Context, n int, tag string, req api.CreateSandboxRequest) ([]float64, error) {
 	const parallel = 4
 	type res struct {
-		id  string
-		ms  float64
-		err error
+		id, path string
+		ms       float64
+		err      error
 	}
 	var lat []float64
 	for len(s.ids) < n {
@@ -249,10 +250,12 @@ func (s *idleSet) grow(ctx context.Context, n int, tag string) ([]float64, error
 		for i := 0; i < k; i++ {
 			go func() {
 				start := time.Now()
-				sb, err := s.cfg.Client.CreateAndWait(ctx, api.CreateSandboxRequest{Template: s.cfg.Template, Metadata: map[string]string{"space-bench": tag}})
+				req := req
+				req.Template, req.Metadata = s.cfg.Template, map[string]string{"space-bench": tag}
+				sb, err := s.cfg.Client.CreateAndWait(ctx, req)
 				r := res{ms: ms(time.Since(start)), err: err}
 				if sb != nil {
-					r.id = sb.ID
+					r.id, r.path = sb.ID, sb.StartPath
 				}
 				ch <- r
 			}()
@@ -262,6 +265,10 @@ func (s *idleSet) grow(ctx context.Context, n int, tag string) ([]float64, error
 			r := <-ch
 			if r.id != "" {
 				s.ids = append(s.ids, r.id)
+				if s.path == nil {
+					s.path = map[string]string{}
+				}
+				s.path[r.id] = r.path
 			}
 			if r.err != nil && firstErr == nil {
 				firstErr = r.err
@@ -299,17 +306,22 @@ func (s *idleSet) deleteAll(ctx context.Context) {
 // density breaks the host memory of idle sandboxes down: per sandbox the Sentry (with
 // the platform's stubs) and the gofer, RSS and PSS, the guest memory inside the Sentry's
 // figure (its shared memory file), the agent as the sandbox sees it, the sandbox's
-// cgroup, and per sandbox the server's growth and the host's MemAvailable drop. The
-// baseline is the bare runtime in the same run: `runsc run -detach` of the template's
-// root filesystem with runsc's default flags, running `sleep` (what runsc itself costs
-// for an idle container).
+// cgroup, and per sandbox the server's growth and the host's MemAvailable drop. Half
+// the sandboxes boot (fresh_boot), half take the default path (the base snapshot, when
+// the node uses it): the main figures are reported per start path. The baseline is the
+// bare runtime in the same run: `runsc run -detach` of the template's root filesystem
+// with runsc's default flags, running `sleep` (what runsc itself costs for an idle
+// container).
 func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	set := &idleSet{cfg: cfg}
 	defer set.deleteAll(ctx)
 	srv := serverPid(cfg.DataDir)
 	srvBefore := readProcMem(srv)
 	availBefore := memAvailable()
-	if _, err := set.grow(ctx, densityCount, "density"); err != nil {
+	if _, err := set.grow(ctx, densityCount, "density", api.CreateSandboxRequest{FreshBoot: true}); err != nil {
+		return nil, err
+	}
+	if _, err := set.grow(ctx, 2*densityCount, "density", api.CreateSandboxRequest{}); err != nil {
 		return nil, err
 	}
 	if err := sleepCtx(ctx, settle); err != nil {
@@ -318,24 +330,31 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	availAfter := memAvailable()
 	srvAfter := readProcMem(srv)
 	all := listProcs()
-	var rss, pss, sRSS, sPSS, sGuest, sOwn, gRSS, gPSS, cg, agent []float64
+	type byPath struct{ pss, cg, own []float64 }
+	paths := map[string]*byPath{}
+	var rss, sRSS, sPSS, sGuest, gRSS, gPSS, agent []float64
 	for _, id := range set.ids {
 		sp, gp := sandboxProcs(all, id)
 		if len(sp) == 0 {
 			return nil, fmt.Errorf("no Sentry process found for sandbox %s (is the runtime gVisor?)", id)
 		}
 		s, g := sumMem(sp), sumMem(gp)
+		p := paths[set.path[id]]
+		if p == nil {
+			p = &byPath{}
+			paths[set.path[id]] = p
+		}
+		p.pss = append(p.pss, mib(s.PSS+g.PSS))
+		p.own = append(p.own, mib(s.PSSAnon))
+		if c := cgroupMemory(sp[0]); c >= 0 {
+			p.cg = append(p.cg, mib(c))
+		}
 		rss = append(rss, mib(s.RSS+g.RSS))
-		pss = append(pss, mib(s.PSS+g.PSS))
 		sRSS = append(sRSS, mib(s.RSS))
 		sPSS = append(sPSS, mib(s.PSS))
 		sGuest = append(sGuest, mib(s.PSSShmem))
-		sOwn = append(sOwn, mib(s.PSSAnon))
 		gRSS = append(gRSS, mib(g.RSS))
 		gPSS = append(gPSS, mib(g.PSS))
-		if c := cgroupMemory(sp[0]); c >= 0 {
-			cg = append(cg, mib(c))
-		}
 	}
 	// The agent's own view last: the command that reads it adds a process for a moment.
 	for _, id := range set.ids {
@@ -357,21 +376,32 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 		return nil, fmt.Errorf("bare runsc: %w", err)
 	}
 	const bl = "bare runsc idle"
+	var out []Result
+	for _, path := range []string{"boot", "snapshot", "pool", ""} {
+		p := paths[path]
+		if p == nil {
+			continue
+		}
+		name := map[string]string{"boot": "booted", "snapshot": "restored from the base snapshot", "pool": "from the pool", "": "start path unknown"}[path]
+		out = append(out,
+			result("density", "PSS per idle sandbox, "+name+": Sentry + gofer", "MiB", p.pss, bl, base.pss),
+			result("density", "cgroup memory per idle sandbox, "+name, "MiB", p.cg, bl, base.cg),
+			result("density", "Sentry own anonymous memory (PSS), "+name, "MiB", p.own, bl, base.sOwn),
+		)
+	}
+	if len(out) > 0 {
+		out[0].Note = fmt.Sprintf("%d idle sandboxes (%d fresh boots, then the default path), read %s after the last started; PSS splits shared pages (the runsc binary) among the processes mapping them; the cgroup holds the Sentry's and the gofer's memory, the guest's and kernel memory", len(set.ids), densityCount, settle)
+	}
 	n := float64(len(set.ids))
-	out := []Result{
-		result("density", "PSS per idle sandbox: Sentry + gofer", "MiB", pss, bl, base.pss),
+	out = append(out,
 		result("density", "RSS per idle sandbox: Sentry + gofer", "MiB", rss, bl, base.rss),
 		result("density", "Sentry PSS (with platform stubs)", "MiB", sPSS, bl, base.sPSS),
 		result("density", "Sentry: guest memory (memory file, PSS)", "MiB", sGuest, bl, base.sGuest),
-		result("density", "Sentry: own anonymous memory (PSS)", "MiB", sOwn, bl, base.sOwn),
 		result("density", "Sentry RSS", "MiB", sRSS, bl, base.sRSS),
 		result("density", "gofer PSS", "MiB", gPSS, bl, base.gPSS),
 		result("density", "gofer RSS", "MiB", gRSS, bl, base.gRSS),
 		result("density", "agent RSS inside the sandbox", "MiB", agent, "", nil),
-	}
-	if len(cg) > 0 {
-		out = append(out, result("density", "sandbox cgroup memory.current", "MiB", cg, bl, base.cg))
-	}
+	)
 	if srv > 0 {
 		r := result("density", "space serve PSS growth per sandbox", "MiB", []float64{mib(srvAfter.PSS-srvBefore.PSS) / n}, "", nil)
 		r.Note = fmt.Sprintf("space serve PSS %.1f MiB before, %.1f MiB with %d idle sandboxes", mib(srvBefore.PSS), mib(srvAfter.PSS), len(set.ids))
@@ -379,7 +409,6 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	}
 	r := result("density", "host MemAvailable drop per sandbox", "MiB", []float64{mib(availBefore-availAfter) / n}, "", nil)
 	r.Note = "the whole host's MemAvailable before and after creating them: includes kernel memory and page cache, and whatever else ran meanwhile"
-	out[0].Note = fmt.Sprintf("%d idle sandboxes, read %s after the last started; PSS splits shared pages (the runsc binary) among the processes mapping them", len(set.ids), settle)
 	return append(out, r), nil
 }
 

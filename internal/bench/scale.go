@@ -14,6 +14,13 @@ import (
 // scaleSteps are the counts of idle sandboxes the scale scenario measures at.
 var scaleSteps = []int{10, 50, 100, 200}
 
+// scaleMemoryMB is the memory limit of the scale scenario's idle sandboxes: an idle
+// sandbox uses a few tens of MiB whatever its limit, and the node places sandboxes by
+// their limits (a default-sized 512 MiB sandbox would stop the count at the node's
+// memory capacity long before 200 on a small host). They boot (fresh_boot), so that
+// every step measures the same start path.
+const scaleMemoryMB = 128
+
 // scaleSettle is how long a step's sandboxes are left idle before memory is read.
 const scaleSettle = 3 * time.Second
 
@@ -49,7 +56,7 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		k := n - len(set.ids)
 		start := time.Now()
-		lat, err := set.grow(ctx, n, "scale")
+		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB})
 		if err != nil {
 			return out, err
 		}
