@@ -24,8 +24,8 @@ const scaleMemoryMB = 128
 // scaleSettle is how long a step's sandboxes are left idle before memory is read.
 const scaleSettle = 3 * time.Second
 
-// scale creates idle sandboxes on the server in steps of 10, 50, 100 and 200 (up to
-// cfg.ScaleMax) and at each step reports how fast they were created, the API's latency
+// scale creates idle sandboxes on the server in steps of 10, 50, 100 and 200 (those
+// below cfg.ScaleMax, then cfg.ScaleMax) and at each step reports how fast they were created, the API's latency
 // while they exist (GET of a sandbox, the list, a `true` command; the baseline is the
 // same request before any was created), and the host memory per sandbox.
 func scale(ctx context.Context, cfg *Config) ([]Result, error) {
@@ -50,10 +50,13 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 	}
 	availStart := memAvailable()
 	var out []Result
+	var steps []int
 	for _, n := range scaleSteps {
-		if n > maxN {
-			break
+		if n < maxN {
+			steps = append(steps, n)
 		}
+	}
+	for _, n := range append(steps, maxN) {
 		k := n - len(set.ids)
 		start := time.Now()
 		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB})
