@@ -19,9 +19,10 @@ import (
 	"github.com/spacedev/space/internal/runtime/gvisor"
 )
 
-// densityCount is how many idle sandboxes the density scenario breaks down (the scale
-// scenario covers larger counts).
-const densityCount = 10
+// densityCount is how many idle sandboxes of each kind (fresh boots, default path) the
+// density scenario breaks down: the run count, from 2 to 10 (the scale scenario covers
+// larger counts).
+func densityCount(cfg *Config) int { return max(2, min(cfg.Runs, 10)) }
 
 // settle is how long sandboxes are left idle before their memory is read: the agent's
 // and the Sentry's start-up garbage is collected and returned by then.
@@ -318,10 +319,10 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	srv := serverPid(cfg.DataDir)
 	srvBefore := readProcMem(srv)
 	availBefore := memAvailable()
-	if _, err := set.grow(ctx, densityCount, "density", api.CreateSandboxRequest{FreshBoot: true}); err != nil {
+	if _, err := set.grow(ctx, densityCount(cfg), "density", api.CreateSandboxRequest{FreshBoot: true}); err != nil {
 		return nil, err
 	}
-	if _, err := set.grow(ctx, 2*densityCount, "density", api.CreateSandboxRequest{}); err != nil {
+	if _, err := set.grow(ctx, 2*densityCount(cfg), "density", api.CreateSandboxRequest{}); err != nil {
 		return nil, err
 	}
 	if err := sleepCtx(ctx, settle); err != nil {
@@ -390,7 +391,7 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 		)
 	}
 	if len(out) > 0 {
-		out[0].Note = fmt.Sprintf("%d idle sandboxes (%d fresh boots, then the default path), read %s after the last started; PSS splits shared pages (the runsc binary) among the processes mapping them; the cgroup holds the Sentry's and the gofer's memory, the guest's and kernel memory", len(set.ids), densityCount, settle)
+		out[0].Note = fmt.Sprintf("%d idle sandboxes (%d fresh boots, then the default path), read %s after the last started; PSS splits shared pages (the runsc binary) among the processes mapping them; the cgroup holds the Sentry's and the gofer's memory, the guest's and kernel memory", len(set.ids), densityCount(cfg), settle)
 	}
 	n := float64(len(set.ids))
 	out = append(out,

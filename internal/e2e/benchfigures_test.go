@@ -2,8 +2,10 @@ package e2e
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -45,4 +47,55 @@ func TestBenchFigures(t *testing.T) {
 		t.Fatalf("space bench: %v\n%s\n%s", err, stderr, out)
 	}
 	t.Log("\n" + out)
+}
+
+// TestBenchDensityScale runs the density and scale scenarios small (2 sandboxes of
+// each kind, 3 idle sandboxes) with --svg: the breakdown finds every sandbox's Sentry
+// and gofer and its cgroup, the scale rows exist with their baselines, and one SVG per
+// scenario is written. The figures themselves are not asserted.
+func TestBenchDensityScale(t *testing.T) {
+	s := start(t, options{})
+	dir := t.TempDir()
+	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density,scale", "--scale-max", "3", "--svg", dir, "-o", "json")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s", code, stderr)
+	}
+	var rs []bench.Result
+	if err := json.Unmarshal([]byte(out), &rs); err != nil {
+		t.Fatalf("bench output: %v\n%s", err, out)
+	}
+	want := map[string]bool{
+		"PSS per idle sandbox, booted: Sentry + gofer": false,
+		"cgroup memory per idle sandbox, booted":       false,
+		"gofer PSS":                                    false,
+		"agent RSS inside the sandbox":                 false,
+		"3 idle: create throughput":                    false,
+		"3 idle: GET /v1/sandboxes/{id}":               false,
+		"3 idle: exec `true`":                          false,
+	}
+	for _, r := range rs {
+		if _, ok := want[r.Metric]; !ok {
+			continue
+		}
+		want[r.Metric] = true
+		if r.Median <= 0 || (r.Baseline != "" && r.Ratio <= 0) {
+			t.Errorf("result %+v", r)
+		}
+		if r.Metric == "PSS per idle sandbox, booted: Sentry + gofer" && (r.Runs < 2 || r.Baseline == "") {
+			t.Errorf("density: %d booted sandboxes measured, baseline %q", r.Runs, r.Baseline)
+		}
+	}
+	for m, seen := range want {
+		if !seen {
+			t.Errorf("no row %q", m)
+		}
+	}
+	for _, f := range []string{"bench-density.svg", "bench-scale.svg"} {
+		if b, err := os.ReadFile(filepath.Join(dir, f)); err != nil || !strings.Contains(string(b), "<circle") {
+			t.Errorf("%s: %v", f, err)
+		}
+	}
+	if ids := s.runscIDs(); len(ids) != 0 {
+		t.Errorf("sandboxes left after the bench: %v", ids)
+	}
 }
