@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -61,6 +62,9 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 		start := time.Now()
 		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB})
 		if err != nil {
+			if strings.Contains(err.Error(), "quota_exceeded") {
+				err = fmt.Errorf("%w (raise the tenant's quota for the run, e.g. `space tenant set-quota default --running %d`, or lower --scale-max)", err, maxN+10)
+			}
 			return out, err
 		}
 		took := time.Since(start)

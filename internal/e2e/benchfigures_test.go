@@ -15,7 +15,8 @@ import (
 
 // TestBenchFigures runs `space bench` against a fresh server for docs/benchmarks.md; it
 // runs only when SPACE_BENCH_ONLY names the scenarios. SPACE_BENCH_RUNS sets --runs
-// (default 10), SPACE_BENCH_ARGS adds flags (space-separated, e.g. "--scale-max 100
+// (default 10), SPACE_BENCH_RUNNING_QUOTA raises the default tenant's running-sandbox
+// quota first, SPACE_BENCH_ARGS adds flags (space-separated, e.g. "--scale-max 100
 // --svg /tmp/svg"), SPACE_BENCH_JSON keeps the saved report at that path:
 //
 //	SPACE_BENCH_ONLY=density,scale go test -run TestBenchFigures -v -timeout 2h ./internal/e2e/
@@ -29,6 +30,12 @@ func TestBenchFigures(t *testing.T) {
 		runs = "10"
 	}
 	s := start(t, options{})
+	if q := os.Getenv("SPACE_BENCH_RUNNING_QUOTA"); q != "" {
+		// The scale scenario's largest steps need more than the default 100 running.
+		if _, stderr, code := s.cli(t, "tenant", "set-quota", "default", "--running", q); code != 0 {
+			t.Fatalf("set-quota: %s", stderr)
+		}
+	}
 	args := []string{"bench", "--runs", runs, "--only", only}
 	args = append(args, strings.Fields(os.Getenv("SPACE_BENCH_ARGS"))...)
 	// Not s.cli: a run takes longer than its three minutes.
