@@ -55,7 +55,7 @@ func WriteSVG(w io.Writer, rep Report, scenario string) error {
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" role="img">`, plotW, y, plotW, y)
 	fmt.Fprintf(&b, `<title>space bench: %s</title>%s<rect width="100%%" height="100%%" fill="#fff"/>`, html.EscapeString(scenario), svgStyle)
 	fmt.Fprintf(&b, `<text class="h" x="8" y="18">%s</text>`, html.EscapeString(scenario))
-	meta := fmt.Sprintf("space bench · %s · template %s · dots: samples, bar: median, tick: p95; blue: space, grey: baseline (same run)",
+	meta := fmt.Sprintf("space bench · %s · template %s · bar: median, tick: p95; blue: space, grey: baseline",
 		rep.FinishedAt.Format("2006-01-02 15:04 MST"), rep.Template)
 	fmt.Fprintf(&b, `<text class="meta" x="8" y="34">%s</text>`, html.EscapeString(meta))
 	b.WriteString(body.String())
