@@ -241,9 +241,6 @@ func serve(ctx context.Context, c *serveConfig) error {
 		return fmt.Errorf("data dir: %w", err)
 	}
 	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
-	if err := startPprof(ctx, os.Getenv(pprofEnv), log); err != nil { // pprof.go
-		return err
-	}
 
 	dbURL := c.databaseURL
 	var pg *pgmanaged.Server
