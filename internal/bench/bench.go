@@ -42,6 +42,9 @@ type Config struct {
 	// --registry-insecure. Credentials come from the same environment as the server's.
 	Registry         string
 	RegistryInsecure bool
+	// ScaleMax caps the scale scenario's largest step (of 10, 50, 100, 200 idle
+	// sandboxes); 0 means 200.
+	ScaleMax int
 }
 
 // Result is one row of the report.
@@ -82,6 +85,7 @@ var scenarios = []scenario{
 	{"suspend", suspendWake},
 	{"clone", clones},
 	{"density", density},
+	{"scale", scale},
 	{"network", networkBench},
 	{"template-pull", templatePull},
 }
@@ -115,7 +119,8 @@ func Run(ctx context.Context, cfg Config) ([]Result, error) {
 		}
 		res, err := s.run(ctx, &cfg)
 		if err != nil {
-			return out, fmt.Errorf("%s: %w", s.name, err)
+			// Keep what the scenario finished (the scale steps before the failing one).
+			return append(out, res...), fmt.Errorf("%s: %w", s.name, err)
 		}
 		if cfg.Progress != nil {
 			fmt.Fprintf(cfg.Progress, "bench: %s done\n", s.name)

@@ -140,8 +140,12 @@ func plot(r Result) string {
 		if rw.ratioNote != "" {
 			note += " · " + rw.ratioNote
 		}
-		tx := math.Min(xOf(rw.p95)+6, plotW-plotRight-150)
-		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" dominant-baseline="middle">%s</text>`, math.Max(tx, xOf(rw.med)+6), y-9, html.EscapeString(note))
+		// The label goes right of the p95 tick when it fits, else left of the median.
+		if tx := xOf(rw.p95) + 6; tx <= plotW-plotRight-150 {
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" dominant-baseline="middle">%s</text>`, tx, y-9, html.EscapeString(note))
+		} else {
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="end" dominant-baseline="middle">%s</text>`, xOf(rw.med)-6, y-9, html.EscapeString(note))
+		}
 	}
 	axisY := float64(len(rows)*rowH + padTop)
 	fmt.Fprintf(&b, `<line x1="%d" x2="%d" y1="%.1f" y2="%.1f" stroke="#bbb"/>`, plotLeft, plotW-plotRight, axisY+2, axisY+2)

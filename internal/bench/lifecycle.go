@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -37,9 +36,15 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
 		}
 	}()
+	// autoBooted counts the snapshot-path creates the node booted instead (it measured
+	// its base snapshot restores slower than its boots: internal/node/startpath.go).
+	var autoBooted, snapTries int
 	measure := func(req api.CreateSandboxRequest, want string) ([]float64, error) {
 		var xs []float64
-		for i := 0; i < cfg.Runs; i++ {
+		for i := 0; len(xs) < cfg.Runs; i++ {
+			if want == "snapshot" && i >= 4*cfg.Runs {
+				break // the node keeps booting: report the restores it did
+			}
 			d, sb, err := createToPass(ctx, cfg, req)
 			if sb != nil {
 				created = append(created, sb.ID)
@@ -47,10 +52,18 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 			if err != nil {
 				return nil, err
 			}
-			if got, _ := cfg.Client.GetSandbox(ctx, sb.ID); got != nil && got.StartPath != want {
+			got, _ := cfg.Client.GetSandbox(ctx, sb.ID)
+			if want == "snapshot" {
+				snapTries++
+			}
+			switch {
+			case got == nil || got.StartPath == want:
+				xs = append(xs, d)
+			case want == "snapshot" && got.StartPath == "boot":
+				autoBooted++
+			default:
 				return nil, fmt.Errorf("expected start path %s, got %s (is the base snapshot built? is a pool set?)", want, got.StartPath)
 			}
-			xs = append(xs, d)
 			// Delete as we go so the host's load stays the same across runs.
 			if err := deleteAndWait(ctx, cfg.Client, sb.ID); err != nil {
 				return nil, err
@@ -97,9 +110,13 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		pool = append(pool, xs...)
 	}
+	snapRow := result("start", "snapshot: create → `python3 -c pass` exit", "ms", snap, "boot", boot)
+	if autoBooted > 0 {
+		snapRow.Note = fmt.Sprintf("auto booted %d of %d creates: the node measured its base snapshot restores slower than its boots", autoBooted, snapTries)
+	}
 	return []Result{
 		result("start", "boot: create → `python3 -c pass` exit", "ms", boot, "", nil),
-		result("start", "snapshot: create → `python3 -c pass` exit", "ms", snap, "boot", boot),
+		snapRow,
 		result("start", "pool: create → `python3 -c pass` exit", "ms", pool, "boot", boot),
 	}, nil
 }
@@ -207,58 +224,4 @@ func clones(ctx context.Context, cfg *Config) ([]Result, error) {
 			result("clone", fmt.Sprintf("disk each clone adds (of %d)", n), "KiB", bytes, "", nil))
 	}
 	return out, nil
-}
-
-// density creates 50 idle sandboxes and reports the host memory (RSS of each sandbox's
-// runtime processes) per sandbox.
-func density(ctx context.Context, cfg *Config) ([]Result, error) {
-	const n = 50
-	var ids []string
-	defer func() {
-		for _, id := range ids {
-			_ = deleteAndWait(context.WithoutCancel(ctx), cfg.Client, id)
-		}
-	}()
-	for i := 0; i < n; i++ {
-		sb, err := cfg.Client.CreateAndWait(ctx, api.CreateSandboxRequest{Template: cfg.Template, Metadata: map[string]string{"space-bench": "density"}})
-		if err != nil {
-			return nil, err
-		}
-		ids = append(ids, sb.ID)
-	}
-	time.Sleep(2 * time.Second) // let the sandboxes settle to idle before measuring
-	var per []float64
-	for _, id := range ids {
-		per = append(per, float64(rssOf(id))/1024)
-	}
-	r := result("density", fmt.Sprintf("host RSS per idle sandbox (%d sandboxes)", n), "MiB", per, "", nil)
-	r.Note = "sum of the RSS of the host processes whose command line names the sandbox (runsc sandbox, gofer)"
-	return []Result{r}, nil
-}
-
-// rssOf sums the RSS (KiB) of host processes whose command line mentions id.
-func rssOf(id string) int {
-	ents, _ := os.ReadDir("/proc")
-	total := 0
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		if err != nil || !strings.Contains(string(cmd), id) {
-			continue
-		}
-		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-		if err != nil {
-			continue
-		}
-		for _, l := range strings.Split(string(st), "\n") {
-			if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
-				kb, _ := strconv.Atoi(f[1])
-				total += kb
-			}
-		}
-	}
-	return total
 }

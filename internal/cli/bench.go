@@ -14,7 +14,7 @@ import (
 func (a *app) benchCmd() *cobra.Command {
 	var cfg bench.Config
 	var save bool
-	var htmlFile, from string
+	var htmlFile, svgDir, from string
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure space against the bare runtime and print a table",
@@ -24,17 +24,25 @@ server's host as root: the baselines use the template's files in the server's st
 
 With --html FILE it also writes a self-contained HTML page drawing each measurement's
 distribution (inline SVG: every sample, median and p95) next to its baseline's, with
-their ratio; --from renders a saved report (<data-dir>/bench/last.json, or a file of
-the same form) without running anything.
+their ratio. With --svg DIR it writes one standalone SVG per scenario
+(DIR/bench-<scenario>.svg, the same plots, no scripts), for embedding in Markdown;
+--from renders a saved report (<data-dir>/bench/last.json, or a file of the same form)
+with --html and/or --svg without running anything.
+
+density breaks down the host memory of idle sandboxes (sentry, gofer, the agent inside,
+the server's share); scale creates 10, 50, 100 and 200 idle sandboxes (--scale-max caps
+the largest step) and reports create throughput, API latency and host memory per
+sandbox at each size.
 
 Scenarios: ` + joinNames() + `.`,
 		Example: "  space bench --runs 20\n  space bench --only cold-create -o json\n" +
-			"  space bench --only pool,exec --html bench.html\n  space bench --from last --html bench.html",
+			"  space bench --only pool,exec --html bench.html\n  space bench --from last --html bench.html\n" +
+			"  space bench --only density,scale --scale-max 50 --svg docs/images",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if from != "" {
-				if htmlFile == "" {
-					return fmt.Errorf("--from renders a saved report: give --html FILE")
+				if htmlFile == "" && svgDir == "" {
+					return fmt.Errorf("--from renders a saved report: give --html FILE or --svg DIR")
 				}
 				if from == "last" {
 					from = bench.LastPath(a.env.DataDir)
@@ -43,7 +51,17 @@ Scenarios: ` + joinNames() + `.`,
 				if err != nil {
 					return err
 				}
-				return writeHTMLFile(htmlFile, rep)
+				if htmlFile != "" {
+					if err := writeHTMLFile(htmlFile, rep); err != nil {
+						return err
+					}
+				}
+				if svgDir != "" {
+					if _, err := bench.WriteSVGDir(svgDir, rep); err != nil {
+						return err
+					}
+				}
+				return nil
 			}
 			c, err := a.connect()
 			if err != nil {
@@ -67,6 +85,11 @@ Scenarios: ` + joinNames() + `.`,
 					fmt.Fprintf(a.env.Stderr, "bench: %v\n", herr)
 				}
 			}
+			if svgDir != "" && (err == nil || len(res) > 0) {
+				if _, serr := bench.WriteSVGDir(svgDir, rep); serr != nil {
+					fmt.Fprintf(a.env.Stderr, "bench: %v\n", serr)
+				}
+			}
 			if err != nil {
 				return err
 			}
@@ -85,7 +108,9 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().BoolVar(&cfg.RegistryInsecure, "registry-insecure", false, "template-pull scenario: allow plain HTTP to a registry that is not on a loopback address")
 	cmd.Flags().BoolVar(&save, "save", true, "save the results to <data-dir>/bench/last.json, where the web console plots them")
 	cmd.Flags().StringVar(&htmlFile, "html", "", "also write the results as a self-contained HTML page with a plot per measurement")
-	cmd.Flags().StringVar(&from, "from", "", "render a saved report (a JSON file, or \"last\" for <data-dir>/bench/last.json) with --html, running nothing")
+	cmd.Flags().StringVar(&svgDir, "svg", "", "also write one SVG per scenario (DIR/bench-<scenario>.svg)")
+	cmd.Flags().IntVar(&cfg.ScaleMax, "scale-max", 200, "scale scenario: the largest number of idle sandboxes (steps of 10, 50, 100, 200 below it, then it)")
+	cmd.Flags().StringVar(&from, "from", "", "render a saved report (a JSON file, or \"last\" for <data-dir>/bench/last.json) with --html or --svg, running nothing")
 	return cmd
 }
 

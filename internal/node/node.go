@@ -161,6 +161,7 @@ type Node struct {
 	// from it, and (write) while the node removes a release from its cache.
 	releaseUse sync.RWMutex
 	health     healthState
+	starts     startTimes // recent start durations by path (startpath.go)
 }
 
 // New returns a node. Run starts it.

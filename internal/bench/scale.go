@@ -1,0 +1,159 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+)
+
+// scaleSteps are the counts of idle sandboxes the scale scenario measures at.
+var scaleSteps = []int{10, 50, 100, 200}
+
+// scaleMemoryMB is the memory limit of the scale scenario's idle sandboxes: an idle
+// sandbox uses a few tens of MiB whatever its limit, and the node places sandboxes by
+// their limits (a default-sized 512 MiB sandbox would stop the count at the node's
+// memory capacity long before 200 on a small host). They boot (fresh_boot), so that
+// every step measures the same start path.
+const scaleMemoryMB = 128
+
+// scaleSettle is how long a step's sandboxes are left idle before memory is read.
+const scaleSettle = 3 * time.Second
+
+// scale creates idle sandboxes on the server in steps of 10, 50, 100 and 200 (those
+// below cfg.ScaleMax, then cfg.ScaleMax) and at each step reports how fast they were created, the API's latency
+// while they exist (GET of a sandbox, the list, a `true` command; the baseline is the
+// same request before any was created), and the host memory per sandbox.
+func scale(ctx context.Context, cfg *Config) ([]Result, error) {
+	maxN := cfg.ScaleMax
+	if maxN <= 0 {
+		maxN = scaleSteps[len(scaleSteps)-1]
+	}
+	set := &idleSet{cfg: cfg}
+	defer set.deleteAll(ctx)
+	samples := max(cfg.Runs, 20)
+
+	// One sandbox the latency probes use throughout (GET and exec), and the empty
+	// server's latencies as the baseline.
+	probe, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	get0, list0, exec0, err := apiLatency(ctx, cfg, probe.ID, nil, samples)
+	if err != nil {
+		return nil, err
+	}
+	availStart := memAvailable()
+	var out []Result
+	var steps []int
+	for _, n := range scaleSteps {
+		if n < maxN {
+			steps = append(steps, n)
+		}
+	}
+	for _, n := range append(steps, maxN) {
+		k := n - len(set.ids)
+		start := time.Now()
+		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB})
+		if err != nil {
+			if strings.Contains(err.Error(), "quota_exceeded") {
+				err = fmt.Errorf("%w (raise the tenant's quota for the run, e.g. `space tenant set-quota default --running %d`, or lower --scale-max)", err, maxN+10)
+			}
+			return out, err
+		}
+		took := time.Since(start)
+		if err := sleepCtx(ctx, scaleSettle); err != nil {
+			return out, err
+		}
+		avail := memAvailable()
+		all := listProcs()
+		var cg, pss []float64
+		for _, id := range set.ids {
+			sp, gp := sandboxProcs(all, id)
+			if len(sp) == 0 {
+				continue
+			}
+			pss = append(pss, mib(sumMem(sp).PSS+sumMem(gp).PSS))
+			if c := cgroupMemory(sp[0]); c >= 0 {
+				cg = append(cg, mib(c))
+			}
+		}
+		get, list, ex, err := apiLatency(ctx, cfg, probe.ID, set.ids, samples)
+		if err != nil {
+			return out, err
+		}
+		p := func(metric string) string { return fmt.Sprintf("%d idle: %s", n, metric) }
+		tp := result("scale", p("create throughput"), "sandboxes/s", []float64{float64(k) / took.Seconds()}, "", nil)
+		tp.Note = fmt.Sprintf("%d sandboxes created 4 at a time in %s", k, took.Round(time.Millisecond))
+		host := result("scale", p("host MemAvailable drop per sandbox"), "MiB", []float64{mib(availStart-avail) / float64(n)}, "", nil)
+		host.Note = "the whole host's MemAvailable (kernel, page cache and the server included; other work on the host too)"
+		out = append(out, tp,
+			result("scale", p("create → running"), "ms", lat, "", nil),
+			withP99(result("scale", p("GET /v1/sandboxes/{id}"), "ms", get, "no idle sandboxes", get0)),
+			withP99(result("scale", p("GET /v1/sandboxes (list)"), "ms", list, "no idle sandboxes", list0)),
+			withP99(result("scale", p("exec `true`"), "ms", ex, "no idle sandboxes", exec0)),
+			result("scale", p("PSS per sandbox: Sentry + gofer"), "MiB", pss, "", nil),
+		)
+		if len(cg) > 0 {
+			out = append(out, result("scale", p("sandbox cgroup memory"), "MiB", cg, "", nil))
+		}
+		out = append(out, host)
+		if cfg.Progress != nil {
+			fmt.Fprintf(cfg.Progress, "bench: scale: %d idle sandboxes (%s)\n", n, took.Round(time.Millisecond))
+		}
+	}
+	return out, nil
+}
+
+// withP99 adds the 99th percentile of the samples to the row's note.
+func withP99(r Result) Result {
+	p99 := func(xs []float64) float64 {
+		if len(xs) == 0 {
+			return 0
+		}
+		s := slices.Clone(xs)
+		sort.Float64s(s)
+		rank := int(0.99*float64(len(s))+0.999999) - 1
+		return s[max(0, min(rank, len(s)-1))]
+	}
+	r.Note = fmt.Sprintf("p99 %s", num(p99(r.Samples), r.Unit))
+	if r.Baseline != "" {
+		r.Note += fmt.Sprintf(" (%s: p99 %s)", r.Baseline, num(p99(r.BaselineSamples), r.Unit))
+	}
+	return r
+}
+
+// apiLatency times n GETs of sandboxes (the probe, then idle ones in turn), n lists of
+// every sandbox and n `true` commands in the probe.
+func apiLatency(ctx context.Context, cfg *Config, probe string, idle []string, n int) (get, list, ex []float64, err error) {
+	c := cfg.Client
+	for i := 0; i < n; i++ {
+		id := probe
+		if len(idle) > 0 && i%2 == 1 {
+			id = idle[i%len(idle)]
+		}
+		start := time.Now()
+		if _, err := c.GetSandbox(ctx, id); err != nil {
+			return nil, nil, nil, err
+		}
+		get = append(get, ms(time.Since(start)))
+		start = time.Now()
+		if _, err := c.ListSandboxes(ctx, client.ListOptions{}); err != nil {
+			return nil, nil, nil, err
+		}
+		list = append(list, ms(time.Since(start)))
+		start = time.Now()
+		code, err := c.Exec(ctx, probe, api.CreateSessionRequest{Argv: []string{"true"}}, client.Output{})
+		if err != nil || code != 0 {
+			return nil, nil, nil, fmt.Errorf("true: exit %d: %v", code, err)
+		}
+		ex = append(ex, ms(time.Since(start)))
+	}
+	return get, list, ex, nil
+}
