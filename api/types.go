@@ -96,6 +96,13 @@ type Sandbox struct {
 	// Network is the sandbox's network policy (absent: no network). Secrets are not
 	// shown: header values read "[redacted]", the egress proxy's password is omitted.
 	Network *Network `json:"network,omitempty"`
+	// SnapshotPushed: its suspend snapshot is in the fleet's registry, so it can wake on
+	// another node (docs/operations.md, "When a node dies").
+	SnapshotPushed bool `json:"snapshot_pushed,omitempty"`
+	// MovedAt is when the sandbox last moved to another node (a drain, or a wake after
+	// its node died); MoveDowntimeMs how long it did not run for that move.
+	MovedAt        *time.Time `json:"moved_at,omitempty"`
+	MoveDowntimeMs int64      `json:"move_downtime_ms,omitempty"`
 	// Operation is the operation that created the sandbox (set on create responses).
 	Operation *Operation `json:"operation,omitempty"`
 }

@@ -139,6 +139,7 @@ type Node struct {
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
+	pushes    pushJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
 }

@@ -40,6 +40,9 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 			n.cleanupLocal(ctx, id)
 			return true
 		}
+		if n.needsFetch(sb) && !n.fetchMoved(ctx, sb) {
+			return false // sent back where it was (moves.go)
+		}
 		facts, err := n.observe(ctx, sb)
 		if err != nil {
 			if ctx.Err() == nil {
@@ -53,6 +56,7 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 				n.setReady(sb.ID, true)
 				n.pollAgentActivity(ctx, sb.ID)
 			}
+			n.pushIfMissing(sb)
 			return false
 		}
 		n.log.Debug("plan", "sandbox", id, "state", sb.State, "desired", sb.DesiredState, "step", a.Step)

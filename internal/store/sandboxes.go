@@ -70,6 +70,15 @@ type Sandbox struct {
 	Transition lifecycle.Transition
 	// AccessEpoch is what the sandbox's E2B envd access token is bound to.
 	AccessEpoch int64
+	// SnapshotDigest is the registry artifact of its current suspend snapshot ("" when
+	// none is pushed); see moves.go.
+	SnapshotDigest string
+	// MoveFrom is the node a move in progress takes it off; MoveStartedAt when it began.
+	MoveFrom      string
+	MoveStartedAt *time.Time
+	// MovedAt and MoveDowntimeMs describe its last completed move.
+	MovedAt        *time.Time
+	MoveDowntimeMs int64
 }
 
 // Lifecycle is the state machine's view of the row.
@@ -107,6 +116,9 @@ func (s *Sandbox) API() api.Sandbox {
 		Snapshot:       s.Spec.Snapshot,
 		DiskBytes:      s.DiskExclusiveBytes,
 		Network:        s.Spec.Network.Redacted(),
+		SnapshotPushed: s.SnapshotDigest != "",
+		MovedAt:        s.MovedAt,
+		MoveDowntimeMs: s.MoveDowntimeMs,
 	}
 }
 
@@ -114,7 +126,8 @@ const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spe
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
-	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch`
+	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch,
+	snapshot_digest, move_from, move_started_at, moved_at, move_downtime_ms`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -124,7 +137,8 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
-		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch)
+		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch,
+		&s.SnapshotDigest, &s.MoveFrom, &s.MoveStartedAt, &s.MovedAt, &s.MoveDowntimeMs)
 	if err != nil {
 		return nil, err
 	}
@@ -397,7 +411,8 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
 		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
-		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10
+		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10,
+		snapshot_digest=CASE WHEN $3='suspended' THEN snapshot_digest ELSE '' END
 		WHERE id=$1 AND node_id=$2 AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive') RETURNING `+sandboxCols,
 		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition))
 	sb, err := scanSandbox(row)

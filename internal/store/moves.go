@@ -1,0 +1,172 @@
+package store
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/spacedev/space/api"
+)
+
+// Moves: a suspended sandbox whose snapshot is in the fleet's registry
+// (Sandbox.SnapshotDigest) can wake on another node. A move re-homes it: node_id
+// becomes NULL (the scheduler places it like a new sandbox, on another node), move_from
+// keeps the node it leaves, and the node it lands on pulls the snapshot and restores
+// it (FinishMove records the downtime). The node it left never touches it again: its
+// reconcile and its recovery after a restart both see a sandbox owned by another node
+// and reclaim only what they hold of it.
+
+// RecordSnapshotPush records the registry digest of a sandbox's suspend snapshot, if
+// the sandbox is still suspended at generation gen on node nodeID (a wake since then
+// made the snapshot stale: nothing is recorded) and the node is alive (fenced nodes
+// record nothing). It reports whether it recorded.
+func (s *Store) RecordSnapshotPush(ctx context.Context, id, nodeID string, gen int64, digest string) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET snapshot_digest=$4, snapshot_pushed_at=now()
+		WHERE id=$1 AND node_id=$2 AND state='suspended' AND observed_generation=$3 AND deleted_at IS NULL
+		AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive')`, id, nodeID, gen, digest)
+	if err != nil {
+		return false, fmt.Errorf("record snapshot push: %w", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return false, nil
+	}
+	_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelController, id)
+	return true, err
+}
+
+// Rehome takes a suspended sandbox with a pushed snapshot off its node (its node is
+// dead, or being drained) and asks for it to run elsewhere: node_id becomes NULL and
+// the scheduler places it (ChannelController is notified), desired becomes running
+// with op (a wake) recording the request. sb must be locked by the transaction.
+func (t *Tx) Rehome(ctx context.Context, sb *Sandbox, reason string, op *Operation) error {
+	if sb.State != api.StateSuspended || sb.SnapshotDigest == "" || sb.NodeID == "" {
+		return fmt.Errorf("rehome %s: not a suspended sandbox with a pushed snapshot on a node", sb.ID)
+	}
+	if _, err := t.tx.Exec(ctx, `UPDATE sandboxes SET node_id=NULL, move_from=$2,
+		move_started_at=coalesce(CASE WHEN move_from=$2 THEN move_started_at END, now()), updated_at=now()
+		WHERE id=$1`, sb.ID, sb.NodeID); err != nil {
+		return fmt.Errorf("rehome %s: %w", sb.ID, err)
+	}
+	sb.MoveFrom, sb.NodeID = sb.NodeID, ""
+	return t.SetDesiredState(ctx, sb, api.StateRunning, reason, op)
+}
+
+// BeginMove marks a sandbox as moving off nodeID (a drain): its node pushes its suspend
+// snapshot before anything else, and the controller re-homes it once pushed.
+func (t *Tx) BeginMove(ctx context.Context, id, nodeID string) error {
+	_, err := t.tx.Exec(ctx, `UPDATE sandboxes SET move_from=$2, move_started_at=now(), updated_at=now()
+		WHERE id=$1 AND node_id=$2`, id, nodeID)
+	return err
+}
+
+// MarkMoveDowntimeStart restarts the clock of a move (the moment the sandbox stops
+// running: its checkpoint begins).
+func (s *Store) MarkMoveDowntimeStart(ctx context.Context, id, nodeID string) error {
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET move_started_at=now() WHERE id=$1 AND node_id=$2 AND move_from=$2`, id, nodeID)
+	return err
+}
+
+// AbortMove ends a move that cannot go on (its snapshot could not be pushed, or no
+// node can take it): the sandbox returns to the node it was leaving, move_from is
+// cleared and why becomes its status reason. If that node is alive the sandbox is
+// woken there (a drain leaves it running where it was, reported, not lost); on a dead
+// node it stays suspended, as before the wake, and its open operations fail with why.
+// opID names the wake's operation.
+func (s *Store) AbortMove(ctx context.Context, id, why, opID string) (bool, error) {
+	var done bool
+	err := s.InTx(ctx, func(tx *Tx) error {
+		sb, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if sb.MoveFrom == "" || sb.DeletedAt != nil || sb.DesiredState == api.StateDeleted ||
+			(sb.NodeID != "" && sb.NodeID != sb.MoveFrom) || sb.State != api.StateSuspended {
+			return nil
+		}
+		var alive bool
+		if err := tx.tx.QueryRow(ctx, `SELECT state='alive' FROM nodes WHERE id=$1`, sb.MoveFrom).Scan(&alive); err != nil {
+			alive = false
+		}
+		if _, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET node_id=$2, move_from='', move_started_at=NULL, updated_at=now()
+			WHERE id=$1`, id, sb.MoveFrom); err != nil {
+			return err
+		}
+		sb.NodeID, sb.MoveFrom = sb.MoveFrom, ""
+		done = true
+		if alive {
+			if err := tx.endOps(ctx, []string{id}, "", api.OpFailed, "failed", why); err != nil {
+				return err
+			}
+			return tx.SetDesiredState(ctx, sb, api.StateRunning, why, &Operation{ID: opID, Kind: api.OpWake, Message: why})
+		}
+		if _, err := tx.tx.Exec(ctx, `UPDATE sandboxes SET desired_state=state, observed_generation=generation,
+			status_reason=$2, updated_at=now() WHERE id=$1`, id, why); err != nil {
+			return err
+		}
+		if err := tx.endOps(ctx, []string{id}, "", api.OpFailed, "failed", why); err != nil {
+			return err
+		}
+		return tx.Notify(ctx, ChannelSandboxes, id)
+	})
+	return done, err
+}
+
+// FinishMove records that a moving sandbox runs on nodeID now: moved_at, the downtime
+// (since MoveStartedAt), the move in its status reason and in the message of the
+// operation that woke it, and clears the move. It returns the downtime in milliseconds
+// and the node it came from (-1 and "" when the sandbox was not moving).
+func (s *Store) FinishMove(ctx context.Context, id, nodeID string) (int64, string, error) {
+	ms, from := int64(-1), ""
+	err := s.InTx(ctx, func(tx *Tx) error {
+		sb, err := tx.GetSandboxForUpdate(ctx, id)
+		if err != nil {
+			return err
+		}
+		if sb.NodeID != nodeID || sb.MoveFrom == "" {
+			return nil
+		}
+		from = sb.MoveFrom
+		var note string
+		err = tx.tx.QueryRow(ctx, `UPDATE sandboxes s SET moved_at=now(),
+			move_downtime_ms=GREATEST(0, (extract(epoch FROM now()-coalesce(s.move_started_at, now()))*1000)::bigint),
+			move_from='', move_started_at=NULL,
+			status_reason='moved from node '||coalesce((SELECT name FROM nodes WHERE id=$2), $2)||' to node '||
+				coalesce((SELECT name FROM nodes WHERE id=$3), $3)||'; downtime '||
+				GREATEST(0, (extract(epoch FROM now()-coalesce(s.move_started_at, now()))*1000)::bigint)||' ms'
+			WHERE s.id=$1 RETURNING s.move_downtime_ms, s.status_reason`, id, from, nodeID).Scan(&ms, &note)
+		if err != nil {
+			return err
+		}
+		_, err = tx.tx.Exec(ctx, `UPDATE operations SET message=message||'; '||$3, updated_at=now()
+			WHERE id=(SELECT id FROM operations WHERE sandbox_id=$1 AND target_generation=$2
+				AND kind IN ('wake','restore','resume','start') ORDER BY created_at DESC LIMIT 1)`, id, sb.Generation, note)
+		if err != nil {
+			return err
+		}
+		return tx.Notify(ctx, ChannelSandboxes, id)
+	})
+	if err != nil {
+		return -1, "", fmt.Errorf("finish move: %w", err)
+	}
+	return ms, from, nil
+}
+
+// MovingSandboxes lists the sandboxes a move took off their node that wait for a new
+// one (node_id NULL, move_from set).
+func (s *Store) MovingSandboxes(ctx context.Context, limit int) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE node_id IS NULL AND move_from<>'' AND deleted_at IS NULL ORDER BY move_started_at LIMIT $1`, limit)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
+
+// NodeSandboxes lists the live sandboxes on a node and those moving off it.
+func (s *Store) NodeSandboxes(ctx context.Context, nodeID string) ([]*Sandbox, error) {
+	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
+		WHERE (node_id=$1 OR (node_id IS NULL AND move_from=$1)) AND deleted_at IS NULL ORDER BY created_at`, nodeID)
+	if err != nil {
+		return nil, err
+	}
+	return collectSandboxes(rows)
+}
