@@ -50,6 +50,8 @@ const (
 	OpWake          = "wake"
 	OpClone         = "clone"
 	OpTemplateBuild = "template_build"
+	// OpNodeDrain moves every running sandbox off a node (space node drain).
+	OpNodeDrain = "node_drain"
 )
 
 // Sandbox is one isolated machine.
@@ -195,10 +197,28 @@ type Operation struct {
 	CreatedAt time.Time  `json:"created_at"`
 	UpdatedAt time.Time  `json:"updated_at"`
 	DoneAt    *time.Time `json:"done_at,omitempty"`
+	// Node is the node a node_drain operation drains; Moves what became of each
+	// sandbox it moves.
+	Node  string        `json:"node,omitempty"`
+	Moves []SandboxMove `json:"moves,omitempty"`
 	// Timeline says where the operation's time went: its phases in order, from
 	// "accepted" (created_at) to "done" (done_at), for operations whose phases were
 	// recorded (creates, wakes and the other lifecycle verbs a node carries out).
 	Timeline []TimelineEntry `json:"timeline,omitempty"`
+}
+
+// SandboxMove is one sandbox a drain moves to another node.
+type SandboxMove struct {
+	SandboxID string `json:"sandbox_id"`
+	// State is "moving", "moved", "failed" (it could not move; it runs where it was,
+	// Error says why) or "deleted" (a warm-pool member, which its pool refills elsewhere,
+	// or a sandbox deleted meanwhile).
+	State string `json:"state"`
+	// To is the node it runs on now (moved).
+	To string `json:"to,omitempty"`
+	// DowntimeMs is how long it did not run: from its checkpoint to its restore there.
+	DowntimeMs int64  `json:"downtime_ms,omitempty"`
+	Error      string `json:"error,omitempty"`
 }
 
 // TimelineEntry is one phase of an operation's timeline.

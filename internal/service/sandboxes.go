@@ -468,10 +468,16 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
 			return err
 		}
+		// A suspended sandbox whose snapshot is in the registry wakes on another node
+		// when its own is dead (nodes.go).
+		rehome := false
 		if err := s.nodeUp(ctx, sb); err != nil {
-			return err
+			if !canRehome(sb, v) {
+				return err
+			}
+			rehome = true
 		}
-		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" {
+		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" && !rehome {
 			if err := s.roomOn(ctx, sb.NodeID); err != nil {
 				return err
 			}
@@ -492,7 +498,12 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		if reason == "" {
 			reason = v.Kind + " requested"
 		}
-		if err := tx.SetDesiredState(ctx, sb, v.Desired, reason, op); err != nil {
+		if rehome {
+			err = tx.Rehome(ctx, sb, reason+"; its node is dead: it wakes on another node from its snapshot in the registry", op)
+		} else {
+			err = tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
+		}
+		if err != nil {
 			return err
 		}
 		if rotate {

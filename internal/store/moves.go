@@ -2,7 +2,9 @@ package store
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"sort"
 
 	"github.com/spacedev/space/api"
 )
@@ -169,4 +171,69 @@ func (s *Store) NodeSandboxes(ctx context.Context, nodeID string) ([]*Sandbox, e
 		return nil, err
 	}
 	return collectSandboxes(rows)
+}
+
+// DrainParams is what a node_drain operation keeps in its params.
+type DrainParams struct {
+	Node     string                      `json:"node"`
+	NodeName string                      `json:"node_name"`
+	Moves    map[string]*api.SandboxMove `json:"moves"`
+}
+
+// drainOf decodes a drain operation's params for the API (moves sorted by sandbox).
+func drainOf(params map[string]any) (string, []api.SandboxMove) {
+	d, err := DecodeDrain(params)
+	if err != nil {
+		return "", nil
+	}
+	out := make([]api.SandboxMove, 0, len(d.Moves))
+	for _, m := range d.Moves {
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].SandboxID < out[j].SandboxID })
+	return d.NodeName, out
+}
+
+// DecodeDrain decodes a drain operation's params.
+func DecodeDrain(params map[string]any) (*DrainParams, error) {
+	b, err := json.Marshal(params)
+	if err != nil {
+		return nil, err
+	}
+	var d DrainParams
+	if err := json.Unmarshal(b, &d); err != nil {
+		return nil, err
+	}
+	if d.Moves == nil {
+		d.Moves = map[string]*api.SandboxMove{}
+	}
+	return &d, nil
+}
+
+// UpdateDrain records a drain operation's params and message, and, when state is not
+// empty, finishes it.
+func (s *Store) UpdateDrain(ctx context.Context, id string, d *DrainParams, state, message, errMsg string) error {
+	b, err := json.Marshal(d)
+	if err != nil {
+		return err
+	}
+	done := state == api.OpSucceeded || state == api.OpFailed
+	if state == "" {
+		state = api.OpRunning
+	}
+	tag, err := s.pool.Exec(ctx, `UPDATE operations SET params=$2, message=$3, error=$4, state=$5, updated_at=now(),
+		done_at=CASE WHEN $6 THEN now() ELSE done_at END WHERE id=$1 AND done_at IS NULL`, id, b, message, errMsg, state, done)
+	if err != nil {
+		return fmt.Errorf("update drain: %w", err)
+	}
+	if tag.RowsAffected() == 1 {
+		_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelOperations, id)
+	}
+	return err
+}
+
+// KickController wakes the controller leader (a drain was asked for).
+func (s *Store) KickController(ctx context.Context) error {
+	_, err := s.pool.Exec(ctx, `SELECT pg_notify($1, '')`, ChannelController)
+	return err
 }
