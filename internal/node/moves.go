@@ -183,7 +183,7 @@ func (n *Node) pushIfMissing(sb *store.Sandbox) {
 // needsFetch reports whether sb was re-homed onto this node and its snapshot is not
 // here yet.
 func (n *Node) needsFetch(sb *store.Sandbox) bool {
-	if sb.State != api.StateSuspended || sb.MoveFrom == "" || sb.MoveFrom == n.cfg.ID || sb.SnapshotDigest == "" ||
+	if sb.State != api.StateSuspended || sb.MoveFrom == "" || sb.SnapshotDigest == "" ||
 		sb.DesiredState == api.StateDeleted {
 		return false
 	}

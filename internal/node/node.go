@@ -223,6 +223,8 @@ func (n *Node) Run(ctx context.Context) error {
 	for k, v := range hostCapacity(n.cfg.RuntimeReason) {
 		details[k] = v
 	}
+	// Sandboxes move only between nodes that share a registry (controller/moves.go).
+	details["registry"] = n.cfg.Artifacts != nil
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
 		Allocatable: n.cfg.Capacity}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {

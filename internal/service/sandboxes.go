@@ -476,6 +476,13 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 				return err
 			}
 			rehome = true
+		} else if sb.MoveFrom != "" {
+			// Moving off a node being drained: a wake sends it on at once when its
+			// snapshot is pushed; anything else waits for the move.
+			if sb.MoveFrom != sb.NodeID || !canRehome(sb, v) {
+				return fault.New(fault.Conflict, "sandbox %s is moving to another node (its node is drained); it runs there shortly", sb.ID)
+			}
+			rehome = true
 		}
 		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" && !rehome {
 			if err := s.roomOn(ctx, sb.NodeID); err != nil {
@@ -499,7 +506,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			reason = v.Kind + " requested"
 		}
 		if rehome {
-			err = tx.Rehome(ctx, sb, reason+"; its node is dead: it wakes on another node from its snapshot in the registry", op)
+			err = tx.Rehome(ctx, sb, reason+"; it wakes on another node from its snapshot in the registry", op)
 		} else {
 			err = tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
 		}
@@ -657,6 +664,15 @@ func (s *Service) SandboxOperations(ctx context.Context, p *Principal, id string
 // Awake returns the sandbox running, waking it first when it is paused, suspended or
 // stopped — unless noWake, which returns it as it is.
 func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error) {
+	if sb.MoveFrom != "" && sb.DesiredState != api.StateDeleted {
+		// Moving to another node (a drain, or a wake after its node died): it runs
+		// there shortly; a request that needs it waits for that.
+		cur, err := s.waitMoved(ctx, sb)
+		if err != nil || cur.MoveFrom != "" || cur.State == api.StateRunning {
+			return cur, err
+		}
+		sb = cur // the move ended without it running (aborted): as any sandbox
+	}
 	if !lifecycle.NeedsWake(sb.DesiredState) {
 		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning && sb.ObservedGeneration < sb.Generation {
 			return s.waitRunning(ctx, sb, "")
@@ -675,6 +691,29 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 		return nil, err
 	}
 	return s.waitRunning(ctx, sb, op.ID)
+}
+
+// waitMoved waits until a moving sandbox's move ends (or wakeTimeout passes): it runs
+// on its new node, or the move was aborted.
+func (s *Service) waitMoved(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+	defer cancel()
+	for {
+		cur, err := s.st.GetSandbox(ctx, sb.ID)
+		if err != nil {
+			return nil, err
+		}
+		if cur.MoveFrom == "" || cur.State == api.StateFailed || cur.DeletedAt != nil {
+			return cur, nil
+		}
+		t := time.NewTimer(sandboxPollWhileWaking)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cur, nil
+		case <-t.C:
+		}
+	}
 }
 
 // waitRunning waits until the sandbox runs (or opID finishes).

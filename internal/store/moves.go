@@ -49,6 +49,10 @@ func (t *Tx) Rehome(ctx context.Context, sb *Sandbox, reason string, op *Operati
 		return fmt.Errorf("rehome %s: %w", sb.ID, err)
 	}
 	sb.MoveFrom, sb.NodeID = sb.NodeID, ""
+	// The node it leaves drops what it holds of it (if it is alive to hear).
+	if err := t.Notify(ctx, NodeChannel(sb.MoveFrom), sb.ID); err != nil {
+		return err
+	}
 	return t.SetDesiredState(ctx, sb, api.StateRunning, reason, op)
 }
 
@@ -235,5 +239,12 @@ func (s *Store) UpdateDrain(ctx context.Context, id string, d *DrainParams, stat
 // KickController wakes the controller leader (a drain was asked for).
 func (s *Store) KickController(ctx context.Context) error {
 	_, err := s.pool.Exec(ctx, `SELECT pg_notify($1, '')`, ChannelController)
+	return err
+}
+
+// ClearMove ends a move that stays where it is (its checkpoint failed and the sandbox
+// is stopped there): nothing moves it any more.
+func (s *Store) ClearMove(ctx context.Context, id string) error {
+	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET move_from='', move_started_at=NULL WHERE id=$1 AND node_id IS NOT NULL`, id)
 	return err
 }
