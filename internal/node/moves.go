@@ -255,18 +255,28 @@ func (n *Node) abortMove(ctx context.Context, id, why string) {
 	}
 }
 
-// finishMove records, once a moved sandbox runs here, that its move is over, and its
-// downtime (store.FinishMove).
-func (n *Node) finishMove(ctx context.Context, sb *store.Sandbox) {
+// finishMove records, once a moved sandbox runs here, that its move is over, its
+// downtime and (in its status reason) the move (store.FinishMove); it returns that
+// note ("" when the sandbox was not moving).
+func (n *Node) finishMove(ctx context.Context, sb *store.Sandbox) string {
 	if sb.MoveFrom == "" {
-		return
+		return ""
 	}
-	ms, from, err := n.st.FinishMove(context.WithoutCancel(ctx), sb.ID, n.cfg.ID)
+	ms, note, err := n.st.FinishMove(context.WithoutCancel(ctx), sb.ID, n.cfg.ID)
 	if err != nil {
 		n.log.Warn("record move", "sandbox", sb.ID, "err", err)
-		return
+		return ""
 	}
 	if ms >= 0 {
-		n.log.Info("sandbox moved here", "sandbox", sb.ID, "from", from, "downtime_ms", ms)
+		n.log.Info("sandbox moved here", "sandbox", sb.ID, "from", sb.MoveFrom, "downtime_ms", ms)
+	}
+	return note
+}
+
+// noteMove appends a move's note to the message of the operation that woke the
+// sandbox (once it is finished).
+func (n *Node) noteMove(ctx context.Context, sb *store.Sandbox, note string) {
+	if err := n.st.NoteWakeOperation(context.WithoutCancel(ctx), sb.ID, note); err != nil {
+		n.log.Warn("note move on operation", "sandbox", sb.ID, "err", err)
 	}
 }

@@ -378,6 +378,7 @@ func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir
 func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 	// A push of the snapshot in flight is stale from now on (moves.go).
 	n.stopPush(sb.ID)
+	moved := ""
 	err := n.transition(ctx, sb, lifecycle.TRestore, "", func() (outcome, error) {
 		if err := n.disk.CheckSpace(0); err != nil {
 			return outcome{state: api.StateSuspended}, err
@@ -397,6 +398,7 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 			if err == nil {
 				_ = n.disk.RemoveAll(ctx, dir)
 				crash.Point("restore.cleaned")
+				moved = n.finishMove(ctx, sb)
 				return outcome{state: api.StateRunning}, nil
 			}
 			if n.work.Err() != nil {
@@ -411,8 +413,8 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 		}
 		return outcome{state: api.StateRunning, note: note + "; booted again from its disk"}, nil
 	})
-	if err == nil {
-		n.finishMove(ctx, sb)
+	if err == nil && moved != "" {
+		n.noteMove(ctx, sb, moved)
 	}
 	return err
 }

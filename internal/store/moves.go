@@ -3,8 +3,11 @@ package store
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/spacedev/space/api"
 )
@@ -117,43 +120,37 @@ func (s *Store) AbortMove(ctx context.Context, id, why, opID string) (bool, erro
 }
 
 // FinishMove records that a moving sandbox runs on nodeID now: moved_at, the downtime
-// (since MoveStartedAt), the move in its status reason and in the message of the
-// operation that woke it, and clears the move. It returns the downtime in milliseconds
-// and the node it came from (-1 and "" when the sandbox was not moving).
+// (since MoveStartedAt), the move in its status reason, and clears the move. It returns
+// the downtime in milliseconds and the move's note (-1 and "" when the sandbox was not
+// moving).
 func (s *Store) FinishMove(ctx context.Context, id, nodeID string) (int64, string, error) {
-	ms, from := int64(-1), ""
-	err := s.InTx(ctx, func(tx *Tx) error {
-		sb, err := tx.GetSandboxForUpdate(ctx, id)
-		if err != nil {
-			return err
-		}
-		if sb.NodeID != nodeID || sb.MoveFrom == "" {
-			return nil
-		}
-		from = sb.MoveFrom
-		var note string
-		err = tx.tx.QueryRow(ctx, `UPDATE sandboxes s SET moved_at=now(),
+	ms, note := int64(-1), ""
+	err := s.pool.QueryRow(ctx, `UPDATE sandboxes s SET moved_at=now(),
 			move_downtime_ms=GREATEST(0, (extract(epoch FROM now()-coalesce(s.move_started_at, now()))*1000)::bigint),
 			move_from='', move_started_at=NULL,
-			status_reason='moved from node '||coalesce((SELECT name FROM nodes WHERE id=$2), $2)||' to node '||
-				coalesce((SELECT name FROM nodes WHERE id=$3), $3)||'; downtime '||
+			status_reason='moved from node '||coalesce((SELECT name FROM nodes WHERE id=s.move_from), s.move_from)||' to node '||
+				coalesce((SELECT name FROM nodes WHERE id=$2), $2)||'; downtime '||
 				GREATEST(0, (extract(epoch FROM now()-coalesce(s.move_started_at, now()))*1000)::bigint)||' ms'
-			WHERE s.id=$1 RETURNING s.move_downtime_ms, s.status_reason`, id, from, nodeID).Scan(&ms, &note)
-		if err != nil {
-			return err
-		}
-		_, err = tx.tx.Exec(ctx, `UPDATE operations SET message=message||'; '||$3, updated_at=now()
-			WHERE id=(SELECT id FROM operations WHERE sandbox_id=$1 AND target_generation=$2
-				AND kind IN ('wake','restore','resume','start') ORDER BY created_at DESC LIMIT 1)`, id, sb.Generation, note)
-		if err != nil {
-			return err
-		}
-		return tx.Notify(ctx, ChannelSandboxes, id)
-	})
+			WHERE s.id=$1 AND s.node_id=$2 AND s.move_from<>'' RETURNING s.move_downtime_ms, s.status_reason`, id, nodeID).Scan(&ms, &note)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return -1, "", nil
+	}
 	if err != nil {
 		return -1, "", fmt.Errorf("finish move: %w", err)
 	}
-	return ms, from, nil
+	return ms, note, nil
+}
+
+// NoteWakeOperation appends note to the message of the sandbox's latest operation
+// that woke it (wake, restore, resume, start).
+func (s *Store) NoteWakeOperation(ctx context.Context, id, note string) error {
+	_, err := s.pool.Exec(ctx, `UPDATE operations SET message=message||'; '||$2
+		WHERE id=(SELECT id FROM operations WHERE sandbox_id=$1 AND kind IN ('wake','restore','resume','start')
+			ORDER BY created_at DESC LIMIT 1)`, id, note)
+	if err == nil {
+		_, err = s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelSandboxes, id)
+	}
+	return err
 }
 
 // MovingSandboxes lists the sandboxes a move took off their node that wait for a new

@@ -1,0 +1,244 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/testenv"
+)
+
+// moveFleet is an api+controller process and two node processes sharing one
+// PostgreSQL and one registry.
+type moveFleet struct {
+	api  *srv
+	a, b *srv
+	ids  map[string]string // node name → id
+}
+
+func startMoveFleet(t *testing.T) *moveFleet {
+	t.Helper()
+	requireHost(t)
+	db := testenv.Postgres(t)
+	reg := testenv.StartRegistry(t)
+	f := &moveFleet{ids: map[string]string{}}
+	nodeArgs := func(name string) []string {
+		return []string{"--roles", "node", "--node-name", name, "--registry", reg.Addr + "/space"}
+	}
+	f.a = start(t, options{DBURL: db, Args: nodeArgs("a")})
+	f.b = start(t, options{DBURL: db, Args: nodeArgs("b")})
+	f.api = start(t, options{DBURL: db, NoBase: true, Args: []string{"--roles", "api,controller", "--node-timeout", "5s"}})
+	waitFor(t, time.Minute, "both nodes to register", func() bool {
+		nodes, err := f.api.C.ListNodes(ctx(t, time.Minute))
+		if err != nil {
+			return false
+		}
+		alive := 0
+		for _, n := range nodes {
+			f.ids[n.Name] = n.ID
+			if n.State == "alive" {
+				alive++
+			}
+		}
+		return alive == 2
+	})
+	return f
+}
+
+func (f *moveFleet) sandbox(t *testing.T, id string) *api.Sandbox {
+	t.Helper()
+	sb, err := f.api.C.GetSandbox(ctx(t, time.Minute), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sb
+}
+
+func (f *moveFleet) cordon(t *testing.T, node string, on bool) {
+	t.Helper()
+	if _, err := f.api.C.CordonNode(ctx(t, time.Minute), node, on); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestFleetMove moves a sandbox between two node processes through a registry: a
+// drain moves it, running, with a process whose attached reader loses no byte; then,
+// suspended on the other node whose process is killed -9, a wake brings it back on the
+// first node with its files and its processes' memory; the killed node, restarted,
+// only reclaims what it held. A stopped sandbox on the dead node cannot wake elsewhere.
+func TestFleetMove(t *testing.T) {
+	f := startMoveFleet(t)
+	c := ctx(t, 5*time.Minute)
+	cl := f.api.C
+
+	// A sandbox on node a (b cordoned while it is placed).
+	f.cordon(t, "b", true)
+	sb := f.api.create(t, api.CreateSandboxRequest{})
+	f.cordon(t, "b", false)
+	if sb.Node != f.ids["a"] {
+		t.Fatalf("sandbox placed on %s, want node a (%s)", sb.Node, f.ids["a"])
+	}
+	if out, _, code := f.api.exec(t, sb.ID, "sh", "-c", "echo kept > /root/moved.txt"); code != 0 {
+		t.Fatalf("write file: %d %s", code, out)
+	}
+
+	// --- Drain: a process keeps printing; a follower attached to it loses no byte.
+	const lines = 1500
+	script := fmt.Sprintf(`i=0; while [ $i -lt %d ]; do echo "line $i"; i=$((i+1)); sleep 0.01; done`, lines)
+	sess, err := cl.CreateSession(c, sb.ID, api.CreateSessionRequest{Command: script})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got syncBuffer
+	followed := make(chan error, 1)
+	var exit *api.ExitEvent
+	go func() {
+		var err error
+		exit, err = cl.Follow(c, sess, client.Output{Stdout: &got})
+		followed <- err
+	}()
+	waitFor(t, time.Minute, "output to flow", func() bool { return strings.Count(got.String(), "\n") > 100 })
+	out, stderr, code := f.api.cli(t, "node", "drain", "a")
+	if code != 0 {
+		t.Fatalf("space node drain a: %d\n%s%s", code, out, stderr)
+	}
+	if !strings.Contains(out, sb.ID+" moved to b (downtime") {
+		t.Fatalf("drain output does not report the move:\n%s", out)
+	}
+	moved := f.sandbox(t, sb.ID)
+	if moved.Node != f.ids["b"] || moved.State != api.StateRunning || moved.MovedAt == nil || moved.MoveDowntimeMs <= 0 {
+		t.Fatalf("after the drain: node %s state %s moved_at %v downtime %d", moved.Node, moved.State, moved.MovedAt, moved.MoveDowntimeMs)
+	}
+	t.Logf("drain: downtime %d ms (%s)", moved.MoveDowntimeMs, moved.StatusReason)
+	if err := <-followed; err != nil || client.ExitCode(exit) != 0 {
+		t.Fatalf("follow across the drain: %+v %v", exit, err)
+	}
+	var want strings.Builder
+	for i := range lines {
+		fmt.Fprintf(&want, "line %d\n", i)
+	}
+	if got.String() != want.String() {
+		t.Fatalf("the follower received %d bytes (sha %s), want %d (sha %s)", len(got.String()), sha([]byte(got.String())),
+			want.Len(), sha([]byte(want.String())))
+	}
+	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
+		t.Fatalf("file after the drain: %d %q", code, out)
+	}
+	// The node a left holds nothing of it any more.
+	waitFor(t, time.Minute, "node a to drop the moved sandbox's files", func() bool {
+		return !strings.Contains(strings.Join(f.a.runscIDs(), ","), sb.ID)
+	})
+
+	// A stopped sandbox on b (a is still cordoned by the drain).
+	stopped := f.api.create(t, api.CreateSandboxRequest{})
+	if stopped.Node != f.ids["b"] {
+		t.Fatalf("second sandbox on %s, want b", stopped.Node)
+	}
+	if op, err := cl.LifecycleAndWait(c, stopped.ID, api.OpStop); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("stop: %+v %v", op, err)
+	}
+	f.cordon(t, "a", false)
+
+	// --- Node death: a process holds a value in memory; the sandbox is suspended, its
+	// snapshot pushed, its node killed; a wake runs it on node a.
+	mem, err := cl.CreateSession(c, sb.ID, api.CreateSessionRequest{Argv: []string{"python3", "-u", "-c",
+		`import random, sys, time
+v = random.getrandbits(62)
+print("value", v)
+for line in sys.stdin:
+    print("still", v, line.strip())`}, Stdin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	value := firstLine(t, cl, mem)
+	if op, err := cl.LifecycleAndWait(c, sb.ID, api.OpSuspend); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("suspend: %+v %v", op, err)
+	}
+	waitFor(t, 2*time.Minute, "the suspend snapshot to be pushed", func() bool { return f.sandbox(t, sb.ID).SnapshotPushed })
+	f.b.Kill()
+	waitFor(t, time.Minute, "node b to be marked dead", func() bool {
+		nodes, err := cl.ListNodes(c)
+		if err != nil {
+			return false
+		}
+		for _, n := range nodes {
+			if n.Name == "b" {
+				return n.State == "dead"
+			}
+		}
+		return false
+	})
+	// Without a snapshot in the registry: a clear conflict, at once.
+	var ce *client.Error
+	if _, err := cl.Lifecycle(c, stopped.ID, api.OpWake); !errors.As(err, &ce) || ce.Status != http.StatusConflict || !strings.Contains(err.Error(), "kept on its node only") {
+		t.Fatalf("wake of a stopped sandbox on a dead node: %v", err)
+	}
+	op, err := cl.LifecycleAndWait(c, sb.ID, api.OpWake)
+	if err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("wake on another node: %+v %v", op, err)
+	}
+	woken := f.sandbox(t, sb.ID)
+	if woken.Node != f.ids["a"] || woken.State != api.StateRunning || woken.MovedAt == nil || !strings.Contains(woken.StatusReason, "moved from node b to node a") {
+		t.Fatalf("after the wake: node %s state %s moved_at %v reason %q (want a, running, moved)", woken.Node, woken.State, woken.MovedAt, woken.StatusReason)
+	}
+	t.Logf("wake on another node: %s; op %s", woken.StatusReason, op.Message)
+	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
+		t.Fatalf("file after the wake elsewhere: %d %q", code, out)
+	}
+	// The process is the same one, with its memory: it answers with the value it drew.
+	re, err := cl.CreateSession(c, sb.ID, api.CreateSessionRequest{PID: mem.PID, ProcessUID: mem.ProcessUID})
+	if err != nil {
+		t.Fatalf("re-attach to the process: %v", err)
+	}
+	if err := cl.WriteStdin(c, re, strings.NewReader("ping\n"), false); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, time.Minute, "the process to answer", func() bool {
+		var buf syncBuffer
+		rc, cancel := context.WithTimeout(c, 3*time.Second)
+		defer cancel()
+		_, _ = cl.FollowFrom(rc, re, "", client.Output{Stdout: &buf})
+		return strings.Contains(buf.String(), "still "+value+" ping")
+	})
+
+	// --- The dead node returns: fenced, it only reclaims its leftovers.
+	f.b.Restart()
+	waitFor(t, time.Minute, "node b to reclaim the moved sandbox's storage", func() bool {
+		return strings.Contains(f.b.Log(), "reclaiming orphan sandbox storage") && strings.Contains(f.b.Log(), sb.ID)
+	})
+	after := f.sandbox(t, sb.ID)
+	if after.Node != f.ids["a"] || after.State != api.StateRunning {
+		t.Fatalf("after node b returned: node %s state %s", after.Node, after.State)
+	}
+	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
+		t.Fatalf("file after node b returned: %d %q", code, out)
+	}
+}
+
+// firstLine returns the value the memory process printed first.
+func firstLine(t *testing.T, cl *client.Client, sess *api.CommandSession) string {
+	t.Helper()
+	var v string
+	waitFor(t, time.Minute, "the process to print its value", func() bool {
+		var buf syncBuffer
+		rc, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_, _ = cl.FollowFrom(rc, sess, "", client.Output{Stdout: &buf})
+		line, _, _ := strings.Cut(buf.String(), "\n")
+		if f := strings.Fields(line); len(f) == 2 && f[0] == "value" {
+			if _, err := strconv.ParseUint(f[1], 10, 64); err == nil {
+				v = f[1]
+				return true
+			}
+		}
+		return false
+	})
+	return v
+}
