@@ -323,6 +323,7 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 			}
 		}
 		if moving {
+			n.prepareMove(ctx, sb)
 			// A move's downtime starts now: the sandbox stops running for its checkpoint.
 			_ = n.st.MarkMoveDowntimeStart(ctx, sb.ID, n.cfg.ID)
 		}

@@ -245,3 +245,24 @@ func (s *Store) ClearMove(ctx context.Context, id string) error {
 	_, err := s.pool.Exec(ctx, `UPDATE sandboxes SET move_from='', move_started_at=NULL WHERE id=$1 AND node_id IS NOT NULL`, id)
 	return err
 }
+
+// RecordSnapshotArtifact records the registry digest of a ready named snapshot (false
+// when it is gone or no longer ready).
+func (s *Store) RecordSnapshotArtifact(ctx context.Context, id, digest string) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE snapshots SET registry_digest=$2, updated_at=now() WHERE id=$1 AND state='ready'`, id, digest)
+	if err != nil {
+		return false, fmt.Errorf("record snapshot artifact: %w", err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// SnapshotArtifact returns the registry digest of a named snapshot ("" when it is not
+// pushed).
+func (s *Store) SnapshotArtifact(ctx context.Context, id string) (string, error) {
+	var d string
+	err := s.pool.QueryRow(ctx, `SELECT registry_digest FROM snapshots WHERE id=$1`, id).Scan(&d)
+	if err != nil {
+		return "", notFound(err, "snapshot", id)
+	}
+	return d, nil
+}
