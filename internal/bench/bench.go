@@ -78,6 +78,7 @@ var scenarios = []scenario{
 	{"clone", clones},
 	{"density", density},
 	{"network", networkBench},
+	{"move", move},
 }
 
 // Names lists the scenarios.

@@ -4,9 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +25,49 @@ type moveFleet struct {
 	api  *srv
 	a, b *srv
 	ids  map[string]string // node name → id
+	// reg is how the nodes reach the registry: a forwarder the test can cut.
+	reg *forwarder
+}
+
+// forwarder forwards TCP connections to a target; while down it closes each one at
+// once (the registry looks unreachable).
+type forwarder struct {
+	ln     net.Listener
+	target string
+	down   atomic.Bool
+}
+
+func newForwarder(t *testing.T, target string) *forwarder {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &forwarder{ln: ln, target: target}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			if f.down.Load() {
+				c.Close()
+				continue
+			}
+			go func() {
+				defer c.Close()
+				u, err := net.Dial("tcp", target)
+				if err != nil {
+					return
+				}
+				defer u.Close()
+				go func() { _, _ = io.Copy(u, c); u.(*net.TCPConn).CloseWrite() }()
+				_, _ = io.Copy(c, u)
+			}()
+		}
+	}()
+	return f
 }
 
 func startMoveFleet(t *testing.T) *moveFleet {
@@ -28,9 +75,9 @@ func startMoveFleet(t *testing.T) *moveFleet {
 	requireHost(t)
 	db := testenv.Postgres(t)
 	reg := testenv.StartRegistry(t)
-	f := &moveFleet{ids: map[string]string{}}
+	f := &moveFleet{ids: map[string]string{}, reg: newForwarder(t, reg.Addr)}
 	nodeArgs := func(name string) []string {
-		return []string{"--roles", "node", "--node-name", name, "--registry", reg.Addr + "/space"}
+		return []string{"--roles", "node", "--node-name", name, "--registry", f.reg.ln.Addr().String() + "/space"}
 	}
 	f.a = start(t, options{DBURL: db, Args: nodeArgs("a")})
 	f.b = start(t, options{DBURL: db, Args: nodeArgs("b")})
@@ -162,6 +209,14 @@ for line in sys.stdin:
 		t.Fatalf("suspend: %+v %v", op, err)
 	}
 	waitFor(t, 2*time.Minute, "the suspend snapshot to be pushed", func() bool { return f.sandbox(t, sb.ID).SnapshotPushed })
+	// A named snapshot taken on b is pushed too: a sandbox is made from it on a once b is gone.
+	named, err := cl.CreateSnapshotAndWait(c, sb.ID, api.CreateSnapshotRequest{Name: "moved"})
+	if err != nil || named.State != api.SnapshotReady {
+		t.Fatalf("named snapshot: %+v %v", named, err)
+	}
+	waitFor(t, 2*time.Minute, "the named snapshot to be pushed", func() bool {
+		return strings.Contains(f.b.Log(), "named snapshot pushed") && strings.Contains(f.b.Log(), named.ID)
+	})
 	f.b.Kill()
 	waitFor(t, time.Minute, "node b to be marked dead", func() bool {
 		nodes, err := cl.ListNodes(c)
@@ -180,7 +235,20 @@ for line in sys.stdin:
 	if _, err := cl.Lifecycle(c, stopped.ID, api.OpWake); !errors.As(err, &ce) || ce.Status != http.StatusConflict || !strings.Contains(err.Error(), "kept on its node only") {
 		t.Fatalf("wake of a stopped sandbox on a dead node: %v", err)
 	}
+	// The registry unreachable: the wake fails with the reason, the sandbox stays
+	// suspended where it was.
+	f.reg.down.Store(true)
 	op, err := cl.LifecycleAndWait(c, sb.ID, api.OpWake)
+	if err != nil || op.State != api.OpFailed || !strings.Contains(op.Error, "could not wake on node a") ||
+		!strings.Contains(op.Error, "stays suspended where it was") {
+		t.Fatalf("wake with the registry unreachable: %+v %v", op, err)
+	}
+	t.Logf("wake with the registry unreachable: %s", op.Error)
+	if back := f.sandbox(t, sb.ID); back.Node != f.ids["b"] || back.State != api.StateSuspended || !back.SnapshotPushed {
+		t.Fatalf("after the failed wake: node %s state %s pushed %v", back.Node, back.State, back.SnapshotPushed)
+	}
+	f.reg.down.Store(false)
+	op, err = cl.LifecycleAndWait(c, sb.ID, api.OpWake)
 	if err != nil || op.State != api.OpSucceeded {
 		t.Fatalf("wake on another node: %+v %v", op, err)
 	}
@@ -207,6 +275,14 @@ for line in sys.stdin:
 		_, _ = cl.FollowFrom(rc, re, "", client.Output{Stdout: &buf})
 		return strings.Contains(buf.String(), "still "+value+" ping")
 	})
+
+	fromSnap := f.api.create(t, api.CreateSandboxRequest{Snapshot: "moved"})
+	if fromSnap.Node != f.ids["a"] {
+		t.Fatalf("sandbox from the dead node's snapshot placed on %s, want a", fromSnap.Node)
+	}
+	if out, _, code := f.api.exec(t, fromSnap.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
+		t.Fatalf("file in the sandbox made from the pushed named snapshot: %d %q", code, out)
+	}
 
 	// --- The dead node returns: fenced, it only reclaims its leftovers.
 	f.b.Restart()
@@ -241,4 +317,73 @@ func firstLine(t *testing.T, cl *client.Client, sess *api.CommandSession) string
 		return false
 	})
 	return v
+}
+
+// TestBenchMoveFigures measures moves for docs/benchmarks.md on a two-node fleet: it
+// runs `space bench --only move` (same-node wake, drain downtime), then measures a
+// wake on another node after a kill -9 of the sandbox's node (which the bench, driving
+// a fleet through its API only, cannot do). It runs only when SPACE_BENCH_RUNS is set:
+// SPACE_BENCH_RUNS=5 go test -run TestBenchMoveFigures -v ./internal/e2e/
+func TestBenchMoveFigures(t *testing.T) {
+	runs := os.Getenv("SPACE_BENCH_RUNS")
+	if runs == "" {
+		t.Skip("set SPACE_BENCH_RUNS to measure")
+	}
+	n, err := strconv.Atoi(runs)
+	if err != nil || n < 1 {
+		t.Fatalf("SPACE_BENCH_RUNS=%q", runs)
+	}
+	f := startMoveFleet(t)
+	out, stderr, code := f.api.cli(t, "bench", "--runs", runs, "--only", "move")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s%s", code, out, stderr)
+	}
+	t.Logf("space bench --only move:\n%s", out)
+
+	c := ctx(t, 30*time.Minute)
+	cl := f.api.C
+	nodes := map[string]*srv{"a": f.a, "b": f.b}
+	var wakes []time.Duration
+	for i := range n {
+		victim, other := "a", "b"
+		if i%2 == 1 {
+			victim, other = "b", "a"
+		}
+		f.cordon(t, other, true)
+		sb := f.api.create(t, api.CreateSandboxRequest{})
+		f.cordon(t, other, false)
+		if op, err := cl.LifecycleAndWait(c, sb.ID, api.OpSuspend); err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("suspend: %+v %v", op, err)
+		}
+		waitFor(t, 2*time.Minute, "the snapshot to be pushed", func() bool { return f.sandbox(t, sb.ID).SnapshotPushed })
+		nodes[victim].Kill()
+		waitFor(t, time.Minute, "the node to be marked dead", func() bool {
+			list, err := cl.ListNodes(c)
+			for _, nd := range list {
+				if nd.Name == victim {
+					return err == nil && nd.State == "dead"
+				}
+			}
+			return false
+		})
+		start := time.Now()
+		if op, err := cl.LifecycleAndWait(c, sb.ID, api.OpWake); err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("wake elsewhere: %+v %v", op, err)
+		}
+		wakes = append(wakes, time.Since(start))
+		nodes[victim].Restart()
+		waitFor(t, time.Minute, "the node to return", func() bool {
+			list, err := cl.ListNodes(c)
+			for _, nd := range list {
+				if nd.Name == victim {
+					return err == nil && nd.State == "alive"
+				}
+			}
+			return false
+		})
+		if _, err := cl.DeleteSandbox(c, sb.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("wake on another node after its node died (request → running), %d runs: %v", n, wakes)
 }

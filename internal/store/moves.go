@@ -88,7 +88,7 @@ func (s *Store) AbortMove(ctx context.Context, id, why, opID string) (bool, erro
 			return err
 		}
 		if sb.MoveFrom == "" || sb.DeletedAt != nil || sb.DesiredState == api.StateDeleted ||
-			(sb.NodeID != "" && sb.NodeID != sb.MoveFrom) || sb.State != api.StateSuspended {
+			sb.State != api.StateSuspended {
 			return nil
 		}
 		var alive bool
