@@ -105,6 +105,14 @@ type Sandbox struct {
 	// its node died); MoveDowntimeMs how long it did not run for that move.
 	MovedAt        *time.Time `json:"moved_at,omitempty"`
 	MoveDowntimeMs int64      `json:"move_downtime_ms,omitempty"`
+	// CheckpointInterval is how often its node checkpoints it to the registry (its
+	// create's checkpoint_interval); CheckpointAt is when the last one was pushed.
+	CheckpointInterval string     `json:"checkpoint_interval,omitempty"`
+	CheckpointAt       *time.Time `json:"checkpoint_at,omitempty"`
+	// CheckpointLossMs: restored on another node from its last periodic checkpoint
+	// after its node died, it lost this much of its run (the time from that checkpoint
+	// to the node's death).
+	CheckpointLossMs int64 `json:"checkpoint_loss_ms,omitempty"`
 	// Operation is the operation that created the sandbox (set on create responses).
 	Operation *Operation `json:"operation,omitempty"`
 }
@@ -131,6 +139,12 @@ type CreateSandboxRequest struct {
 	IdleTimeout string `json:"idle_timeout,omitempty"`
 	// FreshBoot skips the warm pool and the base snapshot: the sandbox boots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
+	// CheckpointInterval is a Go duration (at least 10s): its node checkpoints the
+	// running sandbox this often and pushes the checkpoint to the fleet's registry, so
+	// that if the node dies the sandbox is restored on another node from the last one
+	// instead of being lost (docs/operations.md, "When a node dies"). Each checkpoint
+	// pauses the sandbox briefly. Needs nodes with a registry; ignored without one.
+	CheckpointInterval string `json:"checkpoint_interval,omitempty"`
 	// Network is the sandbox's network policy. Absent: the server's default (no network
 	// unless the operator configured another, see docs/networking.md).
 	Network *Network `json:"network,omitempty"`

@@ -67,12 +67,27 @@ func TestDeadNodeWakeRehomes(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.WaitOp(op.ID, api.OpSucceeded)
+	// A running sandbox whose node pushed a periodic checkpoint 5 s ago (stood in).
+	cp := s.Create(api.CreateSandboxRequest{})
+	{
+		db := s.Store.DB()
+		_, err := db.ExecContext(ctx(t), `UPDATE sandboxes SET checkpoint_digest=$2, checkpoint_at=now()-interval '5 seconds' WHERE id=$1`, cp.ID, fakeDigest)
+		db.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
 	otherNode(t, s, "other", false)
 	s.StopNode()
 	s.Eventually(20*time.Second, "the node to be marked dead", func() bool {
 		n, err := s.Store.GetNode(ctx(t), s.NodeID)
 		return err == nil && n.State == store.NodeDead
 	})
+	// The checkpointed one is not lost: it is to be restored elsewhere from its checkpoint.
+	if got, err := s.C.GetSandbox(ctx(t), cp.ID); err != nil || got.State != api.StateSuspended || got.DesiredState != api.StateRunning ||
+		got.CheckpointLossMs < 4000 || !got.SnapshotPushed {
+		t.Fatalf("checkpointed sandbox on the dead node: %+v %v", got, err)
+	}
 	if _, err := s.C.Lifecycle(ctx(t), sb.ID, api.OpWake); !isConflict(err, "its snapshot is not in a registry") {
 		t.Fatalf("wake without a pushed snapshot: %v", err)
 	}

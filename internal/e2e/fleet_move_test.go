@@ -217,6 +217,25 @@ for line in sys.stdin:
 	waitFor(t, 2*time.Minute, "the named snapshot to be pushed", func() bool {
 		return strings.Contains(f.b.Log(), "named snapshot pushed") && strings.Contains(f.b.Log(), named.ID)
 	})
+	// A running sandbox on b that checkpoints every 10 s: restored elsewhere when b dies.
+	f.cordon(t, "a", true)
+	cps := f.api.create(t, api.CreateSandboxRequest{CheckpointInterval: "10s"})
+	f.cordon(t, "a", false)
+	if cps.Node != f.ids["b"] || cps.CheckpointInterval != "10s" {
+		t.Fatalf("checkpointed sandbox: node %s interval %q", cps.Node, cps.CheckpointInterval)
+	}
+	if out, _, code := f.api.exec(t, cps.ID, "sh", "-c", "echo checkpointed > /root/cp.txt"); code != 0 {
+		t.Fatalf("write file: %d %s", code, out)
+	}
+	sleeper, err := cl.CreateSession(c, cps.ID, api.CreateSessionRequest{Argv: []string{"sleep", "100000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	written := time.Now()
+	waitFor(t, 2*time.Minute, "a periodic checkpoint after the write to be pushed", func() bool {
+		at := f.sandbox(t, cps.ID).CheckpointAt
+		return at != nil && at.After(written)
+	})
 	f.b.Kill()
 	waitFor(t, time.Minute, "node b to be marked dead", func() bool {
 		nodes, err := cl.ListNodes(c)
@@ -275,6 +294,23 @@ for line in sys.stdin:
 		_, _ = cl.FollowFrom(rc, re, "", client.Output{Stdout: &buf})
 		return strings.Contains(buf.String(), "still "+value+" ping")
 	})
+
+	// The checkpointed sandbox comes back on a by itself, from its last checkpoint.
+	waitFor(t, 2*time.Minute, "the checkpointed sandbox to run on node a", func() bool {
+		got := f.sandbox(t, cps.ID)
+		return got.Node == f.ids["a"] && got.State == api.StateRunning && got.MovedAt != nil
+	})
+	back := f.sandbox(t, cps.ID)
+	if back.CheckpointLossMs <= 0 {
+		t.Fatalf("restored sandbox does not say what it lost: %+v", back)
+	}
+	t.Logf("restored from its checkpoint: lost %d ms; %s", back.CheckpointLossMs, back.StatusReason)
+	if out, _, code := f.api.exec(t, cps.ID, "cat", "/root/cp.txt"); code != 0 || out != "checkpointed\n" {
+		t.Fatalf("file in the sandbox restored from its checkpoint: %d %q", code, out)
+	}
+	if p, err := cl.GetProcess(c, cps.ID, sleeper.PID); err != nil || p.State != "running" {
+		t.Fatalf("process in the sandbox restored from its checkpoint: %+v %v", p, err)
+	}
 
 	fromSnap := f.api.create(t, api.CreateSandboxRequest{Snapshot: "moved"})
 	if fromSnap.Node != f.ids["a"] {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -297,4 +298,140 @@ func (n *Node) prepareMove(ctx context.Context, sb *store.Sandbox) {
 	}
 	n.log.Info("release of a moving sandbox is in the registry", "sandbox", sb.ID, "release", sb.TemplateDigest,
 		"took", time.Since(start).Round(time.Millisecond))
+}
+
+// Periodic checkpoints (a sandbox's checkpoint_interval): the sandbox's worker, when
+// it finds the sandbox running and its last checkpoint older than the interval,
+// checkpoints it as for its clones (checkpointSource: a pause of about a second; a
+// crash meanwhile is recovered like an interrupted clone preparation), keeps a copy of
+// the checkpoint and disk, and pushes them in the background; the digest and the
+// checkpoint's time are recorded on the sandbox (store.RecordCheckpointPush). If the
+// node dies, the controller restores the sandbox elsewhere from it
+// (store.Tx.restoreFromCheckpoints).
+
+// checkpointDue reports whether a running sandbox's periodic checkpoint is due.
+func (n *Node) checkpointDue(sb *store.Sandbox) bool {
+	if n.cfg.Artifacts == nil || sb.Spec.CheckpointInterval <= 0 || sb.State != api.StateRunning ||
+		sb.DesiredState != api.StateRunning || sb.ObservedGeneration < sb.Generation || sb.TemplateDigest == "" {
+		return false
+	}
+	every := time.Duration(sb.Spec.CheckpointInterval) * time.Second
+	p := &n.pushes
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, busy := p.jobs[periodicKey(sb.ID)]; busy {
+		return false
+	}
+	if t, ok := p.failed[periodicKey(sb.ID)]; ok && time.Since(t) < every {
+		return false
+	}
+	return sb.CheckpointAt == nil || time.Since(*sb.CheckpointAt) >= every
+}
+
+func periodicKey(id string) string { return "cp/" + id }
+
+// periodicCheckpoint checkpoints a running sandbox and pushes the checkpoint in the
+// background.
+func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
+	every := time.Duration(sb.Spec.CheckpointInterval) * time.Second
+	defer time.AfterFunc(every, func() { n.kick(sb.ID) })
+	key := periodicKey(sb.ID)
+	fail := func(err error) {
+		n.log.Warn("periodic checkpoint failed", "sandbox", sb.ID, "err", err)
+		n.pushes.mu.Lock()
+		if n.pushes.failed == nil {
+			n.pushes.jobs, n.pushes.failed = map[string]*pushJob{}, map[string]time.Time{}
+		}
+		n.pushes.failed[key] = time.Now()
+		n.pushes.mu.Unlock()
+	}
+	snap, err := n.snapshotter()
+	if err != nil {
+		fail(err)
+		return
+	}
+	root, err := n.diskPath(sb.ID)
+	if err != nil {
+		fail(err)
+		return
+	}
+	batch, err := n.disk.CloneBatchDir(sb.ID, "periodic")
+	if err != nil {
+		fail(err)
+		return
+	}
+	if err := n.disk.RemoveAll(ctx, batch); err != nil {
+		fail(err)
+		return
+	}
+	memDir, diskCopy := filepath.Join(batch, "checkpoint"), filepath.Join(batch, "disk")
+	at := time.Now()
+	if _, err := n.checkpointSource(ctx, snap, sb, root, memDir, diskCopy); err != nil {
+		_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
+		fail(err)
+		return
+	}
+	// checkpointSource retired memDir (it must never restore the sandbox here again):
+	// the copy that travels is complete on its own.
+	tmp, err := n.disk.TempDir("periodic")
+	if err == nil {
+		err = n.disk.CopyTree(ctx, memDir, filepath.Join(tmp, "checkpoint"))
+		if err == nil {
+			err = n.disk.MarkComplete(filepath.Join(tmp, "checkpoint"))
+		}
+	}
+	_ = n.disk.RemoveAll(ctx, memDir)
+	if err != nil {
+		_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
+		if tmp != "" {
+			_ = n.disk.RemoveAll(context.WithoutCancel(ctx), tmp)
+		}
+		fail(err)
+		return
+	}
+	n.log.Info("periodic checkpoint taken", "sandbox", sb.ID, "took", time.Since(at).Round(time.Millisecond))
+	p := &n.pushes
+	p.mu.Lock()
+	if p.jobs == nil {
+		p.jobs, p.failed = map[string]*pushJob{}, map[string]time.Time{}
+	}
+	pctx, cancel := context.WithCancel(n.work)
+	j := &pushJob{cancel: cancel, done: make(chan struct{})}
+	p.jobs[key] = j
+	p.mu.Unlock()
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		defer close(j.done)
+		defer cancel()
+		defer func() {
+			_ = n.disk.RemoveAll(context.WithoutCancel(pctx), tmp)
+			_ = n.disk.RemoveAll(context.WithoutCancel(pctx), diskCopy)
+		}()
+		start := time.Now()
+		a, err := n.cfg.Artifacts.PushSnapshot(pctx, artifact.SnapshotSource{ID: fmt.Sprintf("%s-cp%d", sb.ID, at.Unix()),
+			Release: sb.TemplateDigest, Disk: diskCopy, Checkpoint: filepath.Join(tmp, "checkpoint")})
+		ok := false
+		if err == nil {
+			ok, err = n.st.RecordCheckpointPush(context.WithoutCancel(pctx), sb.ID, n.cfg.ID, a.Digest, at)
+		}
+		p.mu.Lock()
+		if p.jobs[key] == j {
+			delete(p.jobs, key)
+		}
+		if err != nil && pctx.Err() == nil {
+			p.failed[key] = time.Now()
+		} else {
+			delete(p.failed, key)
+		}
+		p.mu.Unlock()
+		if err != nil {
+			if pctx.Err() == nil {
+				n.log.Warn("push of periodic checkpoint failed", "sandbox", sb.ID, "err", err)
+			}
+			return
+		}
+		n.log.Info("periodic checkpoint pushed", "sandbox", sb.ID, "digest", a.Digest, "recorded", ok,
+			"uploaded", a.Uploaded, "took", time.Since(start).Round(time.Millisecond))
+	}()
 }

@@ -57,6 +57,9 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 				n.pollAgentActivity(ctx, sb.ID)
 			}
 			n.pushIfMissing(sb)
+			if facts.Instance == lifecycle.InstanceRunning && n.checkpointDue(sb) {
+				n.periodicCheckpoint(ctx, sb)
+			}
 			return false
 		}
 		n.log.Debug("plan", "sandbox", id, "state", sb.State, "desired", sb.DesiredState, "step", a.Step)

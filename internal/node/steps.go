@@ -493,6 +493,7 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) error {
 // cleanupLocal removes everything this node holds for a sandbox. Idempotent.
 func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 	n.stopPush(id)
+	n.stopPush(periodicKey(id))
 	n.dropAgent(id)
 	var errs []error
 	if err := n.rt.Destroy(ctx, id); err != nil {

@@ -232,6 +232,13 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		}
 		sb.ExpiresAt = exp
 	}
+	if req.CheckpointInterval != "" {
+		d, err := time.ParseDuration(req.CheckpointInterval)
+		if err != nil || d < minCheckpointInterval || d > 24*time.Hour {
+			return nil, invalid("checkpoint_interval must be a duration between %s and 24h", minCheckpointInterval)
+		}
+		sb.Spec.CheckpointInterval = int(d / time.Second)
+	}
 	// Resolve the reference now so an unknown template is a 404 and creates nothing.
 	// Another tenant's template answers exactly like a missing one.
 	if ref.Digest != "" {
@@ -390,7 +397,7 @@ func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, strin
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
 	// Warm-pool members run without a network: a sandbox with one cannot be claimed
 	// from the pool (its network must exist before its instance starts).
-	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil {
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil || sb.Spec.CheckpointInterval > 0 {
 		return "", ""
 	}
 	d, _, err := s.st.ResolveTenantTag(ctx, sb.Tenant, ref.Name, ref.Tag)
@@ -435,6 +442,10 @@ func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason strin
 func (s *Service) RequestVerb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
 	return s.verb(ctx, p, id, kind, reason, true)
 }
+
+// minCheckpointInterval bounds checkpoint_interval: each checkpoint pauses the sandbox
+// and uploads what changed.
+const minCheckpointInterval = 10 * time.Second
 
 // holdsMemory reports whether a sandbox of this desired state holds a node's memory
 // (what the running_sandboxes, vcpus and memory_mb quotas count).
@@ -693,10 +704,14 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 	return s.waitRunning(ctx, sb, op.ID)
 }
 
-// waitMoved waits until a moving sandbox's move ends (or wakeTimeout passes): it runs
+// moveTimeout bounds how long a request waits for a moving sandbox: a drain's first
+// move of a release may upload the release before the sandbox's checkpoint.
+const moveTimeout = 10 * time.Minute
+
+// waitMoved waits until a moving sandbox's move ends (or moveTimeout passes): it runs
 // on its new node, or the move was aborted.
 func (s *Service) waitMoved(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
-	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+	ctx, cancel := context.WithTimeout(ctx, moveTimeout)
 	defer cancel()
 	for {
 		cur, err := s.st.GetSandbox(ctx, sb.ID)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -265,4 +266,47 @@ func (s *Store) SnapshotArtifact(ctx context.Context, id string) (string, error)
 		return "", notFound(err, "snapshot", id)
 	}
 	return d, nil
+}
+
+// RecordCheckpointPush records the registry digest of a running sandbox's periodic
+// checkpoint, taken at at, if the sandbox still runs on nodeID and the node is alive.
+func (s *Store) RecordCheckpointPush(ctx context.Context, id, nodeID, digest string, at time.Time) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `UPDATE sandboxes SET checkpoint_digest=$3, checkpoint_at=$4
+		WHERE id=$1 AND node_id=$2 AND deleted_at IS NULL AND desired_state<>'deleted'
+		AND (checkpoint_at IS NULL OR checkpoint_at < $4)
+		AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive')`, id, nodeID, digest, at)
+	if err != nil {
+		return false, fmt.Errorf("record checkpoint push: %w", err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// restoreFromCheckpoints re-homes the sandboxes of a dead node that hold its memory
+// (running or paused, or in a transition) and have a pushed periodic checkpoint: they
+// become suspended from that checkpoint, with no node, moving off the dead one, desired
+// running, so the scheduler places them on another node which restores them
+// (store.Tx.Rehome's path). checkpoint_loss_ms records what they lost. Their open
+// operations fail with the reason. It returns their ids.
+func (t *Tx) restoreFromCheckpoints(ctx context.Context, nodeID string, only any, why string) ([]string, error) {
+	ids, err := t.ids(ctx, `UPDATE sandboxes SET state='suspended', desired_state='running', node_id=NULL, move_from=$1,
+		move_started_at=now(), snapshot_digest=checkpoint_digest,
+		checkpoint_loss_ms=GREATEST(0, (extract(epoch FROM now()-checkpoint_at)*1000)::bigint),
+		observed_generation=generation, generation=generation+1, transition='', updated_at=now(), status_changed_at=now(),
+		status_reason='its node died ('||$3||'): restored on another node from its checkpoint of '||
+			to_char(checkpoint_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')||'; what it did since was lost'
+		WHERE node_id=$1 AND ($2::text IS NULL OR id=$2) AND deleted_at IS NULL AND desired_state<>'deleted'
+		AND state NOT IN ('failed','suspended','stopped','pending') AND checkpoint_digest<>''
+		RETURNING id`, nodeID, only, why)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.endOps(ctx, ids, "", api.OpFailed, "failed", "its node died ("+why+"); it is restored on another node from its last checkpoint"); err != nil {
+		return nil, err
+	}
+	for _, id := range ids {
+		if err := t.Notify(ctx, ChannelController, id); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
 }

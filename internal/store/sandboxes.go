@@ -30,6 +30,9 @@ type SandboxSpec struct {
 	// Snapshot is the named snapshot the sandbox is created from (restored instead of
 	// made from its template).
 	Snapshot string `json:"snapshot,omitempty"`
+	// CheckpointInterval (seconds) asks its node to checkpoint it this often and push
+	// the checkpoint to the registry (0: never).
+	CheckpointInterval int `json:"checkpoint_interval,omitempty"`
 }
 
 // Sandbox is a row of the sandboxes table.
@@ -79,6 +82,10 @@ type Sandbox struct {
 	// MovedAt and MoveDowntimeMs describe its last completed move.
 	MovedAt        *time.Time
 	MoveDowntimeMs int64
+	// CheckpointAt is when its last periodic checkpoint was pushed; CheckpointLossMs
+	// how much a restore from one lost (moves.go).
+	CheckpointAt     *time.Time
+	CheckpointLossMs int64
 }
 
 // Lifecycle is the state machine's view of the row.
@@ -90,35 +97,43 @@ func (s *Sandbox) Lifecycle() lifecycle.Sandbox {
 // API converts the row to its wire form.
 func (s *Sandbox) API() api.Sandbox {
 	return api.Sandbox{
-		ID:             s.ID,
-		Tenant:         s.Tenant,
-		Template:       s.TemplateRef,
-		TemplateDigest: s.TemplateDigest,
-		State:          s.State,
-		DesiredState:   s.DesiredState,
-		CPU:            s.Spec.CPU,
-		MemoryMB:       s.Spec.MemoryMB,
-		DiskMB:         s.Spec.DiskMB,
-		Env:            s.Spec.Env,
-		Metadata:       s.Metadata,
-		Runtime:        s.Runtime,
-		Node:           s.NodeID,
-		StartPath:      s.StartPath,
-		Error:          s.Error,
-		CreatedAt:      s.CreatedAt,
-		UpdatedAt:      s.UpdatedAt,
-		ExpiresAt:      s.ExpiresAt,
-		IdleTimeout:    s.IdleTimeout.String(),
-		LastActivityAt: s.LastActivityAt,
-		StatusReason:   s.StatusReason,
-		StatusAt:       s.StatusChangedAt,
-		CloneOf:        s.CloneOf,
-		Snapshot:       s.Spec.Snapshot,
-		DiskBytes:      s.DiskExclusiveBytes,
-		Network:        s.Spec.Network.Redacted(),
-		SnapshotPushed: s.SnapshotDigest != "",
-		MovedAt:        s.MovedAt,
-		MoveDowntimeMs: s.MoveDowntimeMs,
+		ID:               s.ID,
+		Tenant:           s.Tenant,
+		Template:         s.TemplateRef,
+		TemplateDigest:   s.TemplateDigest,
+		State:            s.State,
+		DesiredState:     s.DesiredState,
+		CPU:              s.Spec.CPU,
+		MemoryMB:         s.Spec.MemoryMB,
+		DiskMB:           s.Spec.DiskMB,
+		Env:              s.Spec.Env,
+		Metadata:         s.Metadata,
+		Runtime:          s.Runtime,
+		Node:             s.NodeID,
+		StartPath:        s.StartPath,
+		Error:            s.Error,
+		CreatedAt:        s.CreatedAt,
+		UpdatedAt:        s.UpdatedAt,
+		ExpiresAt:        s.ExpiresAt,
+		IdleTimeout:      s.IdleTimeout.String(),
+		LastActivityAt:   s.LastActivityAt,
+		StatusReason:     s.StatusReason,
+		StatusAt:         s.StatusChangedAt,
+		CloneOf:          s.CloneOf,
+		Snapshot:         s.Spec.Snapshot,
+		DiskBytes:        s.DiskExclusiveBytes,
+		Network:          s.Spec.Network.Redacted(),
+		SnapshotPushed:   s.SnapshotDigest != "",
+		MovedAt:          s.MovedAt,
+		MoveDowntimeMs:   s.MoveDowntimeMs,
+		CheckpointAt:     s.CheckpointAt,
+		CheckpointLossMs: s.CheckpointLossMs,
+		CheckpointInterval: func() string {
+			if s.Spec.CheckpointInterval <= 0 {
+				return ""
+			}
+			return (time.Duration(s.Spec.CheckpointInterval) * time.Second).String()
+		}(),
 	}
 }
 
@@ -127,7 +142,7 @@ const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spe
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
 	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch,
-	snapshot_digest, move_from, move_started_at, moved_at, move_downtime_ms`
+	snapshot_digest, move_from, move_started_at, moved_at, move_downtime_ms, checkpoint_at, checkpoint_loss_ms`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -138,7 +153,7 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
 		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch,
-		&s.SnapshotDigest, &s.MoveFrom, &s.MoveStartedAt, &s.MovedAt, &s.MoveDowntimeMs)
+		&s.SnapshotDigest, &s.MoveFrom, &s.MoveStartedAt, &s.MovedAt, &s.MoveDowntimeMs, &s.CheckpointAt, &s.CheckpointLossMs)
 	if err != nil {
 		return nil, err
 	}
