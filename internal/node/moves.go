@@ -325,7 +325,53 @@ func (n *Node) checkpointDue(sb *store.Sandbox) bool {
 	if t, ok := p.failed[periodicKey(sb.ID)]; ok && time.Since(t) < every {
 		return false
 	}
-	return sb.CheckpointAt == nil || time.Since(*sb.CheckpointAt) >= every
+	// The first one comes an interval after the sandbox started running.
+	last := sb.CheckpointAt
+	if last == nil {
+		last = sb.StatusChangedAt
+	}
+	if last == nil {
+		return true
+	}
+	if time.Since(*last) < every {
+		n.kickAt(sb.ID, every-time.Since(*last))
+		return false
+	}
+	return true
+}
+
+// kickAt kicks a sandbox's worker after d (once per sandbox at a time).
+func (n *Node) kickAt(id string, d time.Duration) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.brief == nil {
+		n.brief = map[string]bool{}
+	}
+	key := "kick/" + id
+	if n.brief[key] {
+		return
+	}
+	n.brief[key] = true
+	time.AfterFunc(d+100*time.Millisecond, func() {
+		n.mu.Lock()
+		delete(n.brief, key)
+		n.mu.Unlock()
+		n.kick(id)
+	})
+}
+
+// setBrief marks a sandbox as paused for a moment by the node (Agent waits for it).
+func (n *Node) setBrief(id string, on bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.brief == nil {
+		n.brief = map[string]bool{}
+	}
+	if on {
+		n.brief[id] = true
+	} else {
+		delete(n.brief, id)
+	}
 }
 
 func periodicKey(id string) string { return "cp/" + id }
@@ -334,7 +380,7 @@ func periodicKey(id string) string { return "cp/" + id }
 // background.
 func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 	every := time.Duration(sb.Spec.CheckpointInterval) * time.Second
-	defer time.AfterFunc(every, func() { n.kick(sb.ID) })
+	defer n.kickAt(sb.ID, every)
 	key := periodicKey(sb.ID)
 	fail := func(err error) {
 		n.log.Warn("periodic checkpoint failed", "sandbox", sb.ID, "err", err)
@@ -366,7 +412,10 @@ func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 	}
 	memDir, diskCopy := filepath.Join(batch, "checkpoint"), filepath.Join(batch, "disk")
 	at := time.Now()
-	if _, err := n.checkpointSource(ctx, snap, sb, root, memDir, diskCopy); err != nil {
+	n.setBrief(sb.ID, true)
+	_, err = n.checkpointSource(ctx, snap, sb, root, memDir, diskCopy)
+	n.setBrief(sb.ID, false)
+	if err != nil {
 		_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
 		fail(err)
 		return

@@ -127,6 +127,8 @@ type Node struct {
 	agents   map[string]*agentclient.Client
 	active   map[string]time.Time
 	ready    map[string]bool
+	// brief marks sandboxes paused for a moment by the node itself (moves.go).
+	brief map[string]bool
 	// toMeasure holds sandboxes whose disk usage is to be measured.
 	toMeasure map[string]bool
 	// seenOutput is each agent's last-activity time as last polled.
