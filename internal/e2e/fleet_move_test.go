@@ -274,6 +274,23 @@ for line in sys.stdin:
 		}
 		return false
 	})
+	// The checkpointed sandbox comes back on a by itself, from its last checkpoint.
+	waitFor(t, 2*time.Minute, "the checkpointed sandbox to run on node a", func() bool {
+		got := f.sandbox(t, cps.ID)
+		return got.Node == f.ids["a"] && got.State == api.StateRunning && got.MovedAt != nil
+	})
+	back := f.sandbox(t, cps.ID)
+	if back.CheckpointLossMs <= 0 {
+		t.Fatalf("restored sandbox does not say what it lost: %+v", back)
+	}
+	t.Logf("restored from its checkpoint: lost %d ms; %s", back.CheckpointLossMs, back.StatusReason)
+	if out, _, code := f.api.exec(t, cps.ID, "cat", "/root/cp.txt"); code != 0 || out != "checkpointed\n" {
+		t.Fatalf("file in the sandbox restored from its checkpoint: %d %q", code, out)
+	}
+	if p, err := cl.GetProcess(c, cps.ID, sleeper.PID); err != nil || p.State != "running" {
+		t.Fatalf("process in the sandbox restored from its checkpoint: %+v %v", p, err)
+	}
+
 	// Without a snapshot in the registry: a clear conflict, at once.
 	var ce *client.Error
 	if _, err := cl.Lifecycle(c, stopped.ID, api.OpWake); !errors.As(err, &ce) || ce.Status != http.StatusConflict || !strings.Contains(err.Error(), "kept on its node only") {
@@ -319,23 +336,6 @@ for line in sys.stdin:
 		_, _ = cl.FollowFrom(rc, re, "", client.Output{Stdout: &buf})
 		return strings.Contains(buf.String(), "still "+value+" ping")
 	})
-
-	// The checkpointed sandbox comes back on a by itself, from its last checkpoint.
-	waitFor(t, 2*time.Minute, "the checkpointed sandbox to run on node a", func() bool {
-		got := f.sandbox(t, cps.ID)
-		return got.Node == f.ids["a"] && got.State == api.StateRunning && got.MovedAt != nil
-	})
-	back := f.sandbox(t, cps.ID)
-	if back.CheckpointLossMs <= 0 {
-		t.Fatalf("restored sandbox does not say what it lost: %+v", back)
-	}
-	t.Logf("restored from its checkpoint: lost %d ms; %s", back.CheckpointLossMs, back.StatusReason)
-	if out, _, code := f.api.exec(t, cps.ID, "cat", "/root/cp.txt"); code != 0 || out != "checkpointed\n" {
-		t.Fatalf("file in the sandbox restored from its checkpoint: %d %q", code, out)
-	}
-	if p, err := cl.GetProcess(c, cps.ID, sleeper.PID); err != nil || p.State != "running" {
-		t.Fatalf("process in the sandbox restored from its checkpoint: %+v %v", p, err)
-	}
 
 	fromSnap := f.api.create(t, api.CreateSandboxRequest{Snapshot: "moved"})
 	if fromSnap.Node != f.ids["a"] {
