@@ -310,3 +310,13 @@ func (t *Tx) restoreFromCheckpoints(ctx context.Context, nodeID string, only any
 	}
 	return ids, nil
 }
+
+// moveAPI fills the wire form's move and checkpoint fields.
+func (s *Sandbox) moveAPI(out *api.Sandbox) {
+	out.SnapshotPushed = s.SnapshotDigest != ""
+	out.MovedAt, out.MoveDowntimeMs = s.MovedAt, s.MoveDowntimeMs
+	out.CheckpointAt, out.CheckpointLossMs = s.CheckpointAt, s.CheckpointLossMs
+	if s.Spec.CheckpointInterval > 0 {
+		out.CheckpointInterval = (time.Duration(s.Spec.CheckpointInterval) * time.Second).String()
+	}
+}

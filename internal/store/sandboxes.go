@@ -96,45 +96,36 @@ func (s *Sandbox) Lifecycle() lifecycle.Sandbox {
 
 // API converts the row to its wire form.
 func (s *Sandbox) API() api.Sandbox {
-	return api.Sandbox{
-		ID:               s.ID,
-		Tenant:           s.Tenant,
-		Template:         s.TemplateRef,
-		TemplateDigest:   s.TemplateDigest,
-		State:            s.State,
-		DesiredState:     s.DesiredState,
-		CPU:              s.Spec.CPU,
-		MemoryMB:         s.Spec.MemoryMB,
-		DiskMB:           s.Spec.DiskMB,
-		Env:              s.Spec.Env,
-		Metadata:         s.Metadata,
-		Runtime:          s.Runtime,
-		Node:             s.NodeID,
-		StartPath:        s.StartPath,
-		Error:            s.Error,
-		CreatedAt:        s.CreatedAt,
-		UpdatedAt:        s.UpdatedAt,
-		ExpiresAt:        s.ExpiresAt,
-		IdleTimeout:      s.IdleTimeout.String(),
-		LastActivityAt:   s.LastActivityAt,
-		StatusReason:     s.StatusReason,
-		StatusAt:         s.StatusChangedAt,
-		CloneOf:          s.CloneOf,
-		Snapshot:         s.Spec.Snapshot,
-		DiskBytes:        s.DiskExclusiveBytes,
-		Network:          s.Spec.Network.Redacted(),
-		SnapshotPushed:   s.SnapshotDigest != "",
-		MovedAt:          s.MovedAt,
-		MoveDowntimeMs:   s.MoveDowntimeMs,
-		CheckpointAt:     s.CheckpointAt,
-		CheckpointLossMs: s.CheckpointLossMs,
-		CheckpointInterval: func() string {
-			if s.Spec.CheckpointInterval <= 0 {
-				return ""
-			}
-			return (time.Duration(s.Spec.CheckpointInterval) * time.Second).String()
-		}(),
+	out := api.Sandbox{
+		ID:             s.ID,
+		Tenant:         s.Tenant,
+		Template:       s.TemplateRef,
+		TemplateDigest: s.TemplateDigest,
+		State:          s.State,
+		DesiredState:   s.DesiredState,
+		CPU:            s.Spec.CPU,
+		MemoryMB:       s.Spec.MemoryMB,
+		DiskMB:         s.Spec.DiskMB,
+		Env:            s.Spec.Env,
+		Metadata:       s.Metadata,
+		Runtime:        s.Runtime,
+		Node:           s.NodeID,
+		StartPath:      s.StartPath,
+		Error:          s.Error,
+		CreatedAt:      s.CreatedAt,
+		UpdatedAt:      s.UpdatedAt,
+		ExpiresAt:      s.ExpiresAt,
+		IdleTimeout:    s.IdleTimeout.String(),
+		LastActivityAt: s.LastActivityAt,
+		StatusReason:   s.StatusReason,
+		StatusAt:       s.StatusChangedAt,
+		CloneOf:        s.CloneOf,
+		Snapshot:       s.Spec.Snapshot,
+		DiskBytes:      s.DiskExclusiveBytes,
+		Network:        s.Spec.Network.Redacted(),
 	}
+	s.moveAPI(&out) // moves.go
+	return out
 }
 
 const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spec, metadata, desired_state, state,
