@@ -50,6 +50,8 @@ const (
 	OpWake          = "wake"
 	OpClone         = "clone"
 	OpTemplateBuild = "template_build"
+	// OpNodeDrain moves every running sandbox off a node (space node drain).
+	OpNodeDrain = "node_drain"
 )
 
 // Sandbox is one isolated machine.
@@ -96,6 +98,21 @@ type Sandbox struct {
 	// Network is the sandbox's network policy (absent: no network). Secrets are not
 	// shown: header values read "[redacted]", the egress proxy's password is omitted.
 	Network *Network `json:"network,omitempty"`
+	// SnapshotPushed: its suspend snapshot is in the fleet's registry, so it can wake on
+	// another node (docs/operations.md, "When a node dies").
+	SnapshotPushed bool `json:"snapshot_pushed,omitempty"`
+	// MovedAt is when the sandbox last moved to another node (a drain, or a wake after
+	// its node died); MoveDowntimeMs how long it did not run for that move.
+	MovedAt        *time.Time `json:"moved_at,omitempty"`
+	MoveDowntimeMs int64      `json:"move_downtime_ms,omitempty"`
+	// CheckpointInterval is how often its node checkpoints it to the registry (its
+	// create's checkpoint_interval); CheckpointAt is when the last one was pushed.
+	CheckpointInterval string     `json:"checkpoint_interval,omitempty"`
+	CheckpointAt       *time.Time `json:"checkpoint_at,omitempty"`
+	// CheckpointLossMs: restored on another node from its last periodic checkpoint
+	// after its node died, it lost this much of its run (the time from that checkpoint
+	// to the node's death).
+	CheckpointLossMs int64 `json:"checkpoint_loss_ms,omitempty"`
 	// Operation is the operation that created the sandbox (set on create responses).
 	Operation *Operation `json:"operation,omitempty"`
 }
@@ -122,6 +139,12 @@ type CreateSandboxRequest struct {
 	IdleTimeout string `json:"idle_timeout,omitempty"`
 	// FreshBoot skips the warm pool and the base snapshot: the sandbox boots.
 	FreshBoot bool `json:"fresh_boot,omitempty"`
+	// CheckpointInterval is a Go duration (at least 10s): its node checkpoints the
+	// running sandbox this often and pushes the checkpoint to the fleet's registry, so
+	// that if the node dies the sandbox is restored on another node from the last one
+	// instead of being lost (docs/operations.md, "When a node dies"). Each checkpoint
+	// pauses the sandbox briefly. Needs nodes with a registry; ignored without one.
+	CheckpointInterval string `json:"checkpoint_interval,omitempty"`
 	// Network is the sandbox's network policy. Absent: the server's default (no network
 	// unless the operator configured another, see docs/networking.md).
 	Network *Network `json:"network,omitempty"`
@@ -188,10 +211,28 @@ type Operation struct {
 	CreatedAt time.Time  `json:"created_at"`
 	UpdatedAt time.Time  `json:"updated_at"`
 	DoneAt    *time.Time `json:"done_at,omitempty"`
+	// Node is the node a node_drain operation drains; Moves what became of each
+	// sandbox it moves.
+	Node  string        `json:"node,omitempty"`
+	Moves []SandboxMove `json:"moves,omitempty"`
 	// Timeline says where the operation's time went: its phases in order, from
 	// "accepted" (created_at) to "done" (done_at), for operations whose phases were
 	// recorded (creates, wakes and the other lifecycle verbs a node carries out).
 	Timeline []TimelineEntry `json:"timeline,omitempty"`
+}
+
+// SandboxMove is one sandbox a drain moves to another node.
+type SandboxMove struct {
+	SandboxID string `json:"sandbox_id"`
+	// State is "moving", "moved", "failed" (it could not move; it runs where it was,
+	// Error says why) or "deleted" (a warm-pool member, which its pool refills elsewhere,
+	// or a sandbox deleted meanwhile).
+	State string `json:"state"`
+	// To is the node it runs on now (moved).
+	To string `json:"to,omitempty"`
+	// DowntimeMs is how long it did not run: from its checkpoint to its restore there.
+	DowntimeMs int64  `json:"downtime_ms,omitempty"`
+	Error      string `json:"error,omitempty"`
 }
 
 // TimelineEntry is one phase of an operation's timeline.

@@ -334,6 +334,13 @@ func (c *Client) CordonNode(ctx context.Context, name string, on bool) (*api.Nod
 	return &n, c.do(ctx, http.MethodPost, "/v1/nodes/"+url.PathEscape(name)+verb, nil, &n, nil)
 }
 
+// DrainNode cordons a node and moves its running sandboxes to other nodes; it returns
+// the node_drain operation (WaitOperation waits for it).
+func (c *Client) DrainNode(ctx context.Context, name string) (*api.Operation, error) {
+	var op api.Operation
+	return &op, c.do(ctx, http.MethodPost, "/v1/nodes/"+url.PathEscape(name)+"/drain", nil, &op, nil)
+}
+
 // RemoveNode removes a dead node, or a cordoned one that holds no sandbox, freeing its
 // name.
 func (c *Client) RemoveNode(ctx context.Context, name string) (*api.RemovedNode, error) {

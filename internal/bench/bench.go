@@ -88,6 +88,7 @@ var scenarios = []scenario{
 	{"scale", scale},
 	{"network", networkBench},
 	{"template-pull", templatePull},
+	{"move", move},
 }
 
 // Names lists the scenarios.

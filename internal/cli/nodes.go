@@ -16,9 +16,10 @@ func (a *app) nodesCmd() *cobra.Command {
 
 A node publishes what it offers sandboxes (space serve --capacity); the scheduler
 places each new sandbox on a node with room for it (space serve --placement).
-A cordoned node gets no new placements. A node that misses its heartbeats is marked
-dead: its running sandboxes are lost, suspended and stopped ones wait for it to
-return. rm removes a dead node, or a cordoned one that holds no sandbox, so that a
+A cordoned node gets no new placements; drain cordons a node and moves its running
+sandboxes to other nodes (with a registry, space serve --registry). A node that misses
+its heartbeats is marked dead: its running sandboxes are lost; suspended ones whose
+snapshot is in the registry wake on other nodes, the others wait for it to return. rm removes a dead node, or a cordoned one that holds no sandbox, so that a
 replacement can register under the same --node-name (docs/operations.md).`}
 	cmd.AddCommand(&cobra.Command{
 		Use:     "list",
@@ -111,7 +112,7 @@ space node show NODE shows one node with its runtime details.`,
 			},
 		}
 	}
-	cmd.AddCommand(cordon(true), cordon(false))
+	cmd.AddCommand(cordon(true), cordon(false), a.drainCmd())
 	cmd.AddCommand(&cobra.Command{
 		Use:   "rm NODE",
 		Short: "Remove a dead node, or a cordoned one that holds no sandbox",
@@ -167,4 +168,64 @@ func usedOf(used, capacity int64) string {
 		return fmt.Sprintf("%d/-", used)
 	}
 	return fmt.Sprintf("%d/%d", used, capacity)
+}
+
+// drainCmd is `space node drain NODE`.
+func (a *app) drainCmd() *cobra.Command {
+	var noWait bool
+	cmd := &cobra.Command{
+		Use:   "drain NODE",
+		Short: "Cordon a node and move its running sandboxes to other nodes",
+		Long: `Cordon a node and move every running sandbox on it to other nodes: each is
+checkpointed (suspended) with its snapshot pushed to the fleet's registry, then woken
+on another node from it — processes, their output journals, files and network policy
+kept, with a fresh identity as after every restore. A client attached to a process
+reconnects (to the new node's data plane, with Last-Event-ID) and loses no byte.
+Each moved sandbox records its downtime (moved_at, move_downtime_ms). Warm-pool
+members are deleted instead (their pool refills on other nodes); suspended and
+stopped sandboxes stay. A sandbox that cannot move (its push failed, no node has
+room) runs where it was and is reported.
+
+The nodes must run with a registry (space serve --registry). The drain is an
+operation: this command waits for it (or returns at once with --no-wait) and prints
+what became of each sandbox; the node stays cordoned (uncordon it, or stop it and rm
+it).`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.connect()
+			if err != nil {
+				return err
+			}
+			ctx := cmdContext(cmd)
+			op, err := c.DrainNode(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			if !noWait {
+				if op, err = c.WaitOperation(ctx, op.ID); err != nil {
+					return err
+				}
+			}
+			if a.json() {
+				return a.printJSON(op)
+			}
+			fmt.Fprintf(a.env.Stdout, "%s %s: %s\n", op.ID, op.State, op.Message)
+			for _, m := range op.Moves {
+				switch m.State {
+				case "moved":
+					fmt.Fprintf(a.env.Stdout, "  %s moved to %s (downtime %d ms)\n", m.SandboxID, m.To, m.DowntimeMs)
+				case "failed":
+					fmt.Fprintf(a.env.Stdout, "  %s could not move: %s\n", m.SandboxID, m.Error)
+				default:
+					fmt.Fprintf(a.env.Stdout, "  %s %s\n", m.SandboxID, m.State)
+				}
+			}
+			if op.State == api.OpFailed {
+				return fmt.Errorf("drain of %s: %s", args[0], op.Error)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&noWait, "no-wait", false, "return once the drain is requested, without waiting for it")
+	return cmd
 }

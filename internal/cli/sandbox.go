@@ -96,6 +96,7 @@ bookworm via debootstrap, about a minute); later ones start in well under a seco
 	f.StringVar(&req.TTL, "ttl", "", "delete the sandbox after this long (e.g. 30m, 2h)")
 	f.StringVar(&req.Runtime, "runtime", "", "ask for a runtime: gvisor, qemu or firecracker")
 	f.StringVar(&req.IdleTimeout, "idle-timeout", "", "suspend the sandbox after this long without activity (default: the server's, 6h; 0 = never)")
+	f.StringVar(&req.CheckpointInterval, "checkpoint-interval", "", "checkpoint the running sandbox this often (at least 10s) to the fleet's registry, so it is restored on another node from the last checkpoint if its node dies (each checkpoint pauses it about a second)")
 	f.StringVar(&req.Snapshot, "snapshot", "", "restore from a named snapshot (id or name) instead of a template: its memory, disk and resources")
 	f.BoolVarP(&wait, "wait", "w", false, "wait until the sandbox is running")
 	f.StringVar(&idem, "idempotency-key", "", "retry-safe key: a retried create with the same key returns the same sandbox")

@@ -183,6 +183,7 @@ func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
 			return
 		case <-c.kick:
 			c.pools(ctx)
+			c.drains(ctx)
 			c.schedule(ctx)
 		case <-ttl.C:
 			c.expire(ctx)
@@ -203,6 +204,7 @@ func (c *Controller) lead(ctx context.Context, conn *pgx.Conn) {
 func (c *Controller) pass(ctx context.Context) {
 	c.markDead(ctx)
 	c.pools(ctx)
+	c.drains(ctx)
 	c.schedule(ctx)
 	c.expire(ctx)
 	if n, err := c.st.FinishOrphanOperations(ctx); err != nil {
@@ -256,6 +258,10 @@ func (c *Controller) schedule(ctx context.Context) {
 		return
 	}
 	for _, sb := range pending {
+		if sb.MoveFrom != "" && sb.DesiredState != api.StateDeleted {
+			c.placeMove(ctx, sb, nodes, releases) // moves.go
+			continue
+		}
 		if sb.DesiredState == api.StateDeleted {
 			c.finishUnscheduledDelete(ctx, sb)
 			continue

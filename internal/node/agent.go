@@ -39,12 +39,26 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 	case <-time.After(startupTimeout):
 		return nil, fault.New(fault.Unavailable, "node is still starting up")
 	}
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if !n.ready[id] {
-		return nil, fault.New(fault.Conflict, "sandbox %s is not running on this node", id)
+	// A sandbox the node pauses for a moment of its own (a periodic checkpoint) is
+	// waited for: a client's stream broken by the pause re-attaches at once.
+	deadline := time.Now().Add(startupTimeout)
+	for {
+		n.mu.Lock()
+		ready, brief := n.ready[id], n.brief[id]
+		if ready {
+			defer n.mu.Unlock()
+			return n.agentLocked(id), nil
+		}
+		n.mu.Unlock()
+		if !brief || time.Now().After(deadline) {
+			return nil, fault.New(fault.Conflict, "sandbox %s is not running on this node", id)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
-	return n.agentLocked(id), nil
 }
 
 // InstanceRunning reports whether the runtime runs the sandbox's instance now.

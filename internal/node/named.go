@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/store"
@@ -138,7 +139,9 @@ func (n *Node) takeSnapshots(ctx context.Context, src *store.Sandbox) {
 			n.failSnapshots(ctx, []*store.Snapshot{sn}, err)
 			continue
 		}
-		n.snapshotReady(ctx, sn, dir, diskBytes)
+		if n.snapshotReady(ctx, sn, dir, diskBytes) {
+			n.pushNamedLater(sn.ID, src.TemplateDigest, dir)
+		}
 	}
 	n.log.Info("named snapshots taken", "source", src.ID, "snapshots", len(todo), "took", time.Since(start).Round(time.Millisecond))
 }
@@ -187,20 +190,49 @@ func (n *Node) publishSnapshot(ctx context.Context, sn *store.Snapshot, src *sto
 }
 
 // snapshotReady makes a published snapshot ready (with its operation), or removes its
-// files when it was deleted meanwhile.
-func (n *Node) snapshotReady(ctx context.Context, sn *store.Snapshot, dir string, diskBytes int64) {
+// files when it was deleted meanwhile. It reports whether the snapshot is ready.
+func (n *Node) snapshotReady(ctx context.Context, sn *store.Snapshot, dir string, diskBytes int64) bool {
 	size := dirBytes(filepath.Join(dir, "checkpoint")) + diskBytes
 	ok, err := n.st.SnapshotReady(context.WithoutCancel(ctx), sn.ID, size)
 	if err != nil {
 		n.log.Warn("record snapshot ready; retried at the next reconcile", "snapshot", sn.ID, "err", err)
-		return
+		return false
 	}
 	if !ok {
 		// Deleted while it was taken: the snapshot loop removes it (kicked now).
 		n.kickSnapshots()
-		return
+		return false
 	}
 	n.log.Info("named snapshot ready", "snapshot", sn.ID, "name", sn.Name, "source", sn.SourceSandbox, "bytes", size)
+	return true
+}
+
+// pushNamedLater pushes a ready named snapshot (its memory and disk) to the registry in
+// the background and records its digest, so that a sandbox can be created from it on
+// another node when this one is dead (startFromSnapshot). Without a registry it does
+// nothing; a failed push is logged (the snapshot stays usable here).
+func (n *Node) pushNamedLater(id, release, dir string) {
+	if n.cfg.Artifacts == nil || release == "" {
+		return
+	}
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		start := time.Now()
+		a, err := n.cfg.Artifacts.PushSnapshot(n.work, artifact.SnapshotSource{ID: "named-" + id, Release: release,
+			Disk: filepath.Join(dir, "disk"), Checkpoint: filepath.Join(dir, "checkpoint")})
+		if err == nil {
+			_, err = n.st.RecordSnapshotArtifact(context.WithoutCancel(n.work), id, a.Digest)
+		}
+		if err != nil {
+			if n.work.Err() == nil {
+				n.log.Warn("push of named snapshot failed; it can be used on this node only", "snapshot", id, "err", err)
+			}
+			return
+		}
+		n.log.Info("named snapshot pushed", "snapshot", id, "digest", a.Digest, "uploaded", a.Uploaded,
+			"took", time.Since(start).Round(time.Millisecond))
+	}()
 }
 
 // failSnapshots removes what snapshots that cannot be taken left and fails them.
@@ -335,25 +367,39 @@ func (n *Node) startFromSnapshot(ctx context.Context, sb *store.Sandbox) (string
 	if sn.State != api.SnapshotReady {
 		return "", fmt.Errorf("snapshot %s is %s", sn.ID, sn.State)
 	}
-	if sn.NodeID != n.cfg.ID {
-		return "", fmt.Errorf("snapshot %s is on another node", sn.ID)
-	}
 	snap, err := n.snapshotter()
 	if err != nil {
 		return "", err
 	}
-	dir, err := n.disk.SnapshotDir(sn.ID)
-	if err != nil {
-		return "", err
-	}
-	cp := filepath.Join(dir, "checkpoint")
-	if !n.disk.IsComplete(cp) {
-		return "", fmt.Errorf("the files of snapshot %s are missing on node %s", sn.ID, n.cfg.Name)
+	var cp, disk string
+	if sn.NodeID == n.cfg.ID {
+		dir, err := n.disk.SnapshotDir(sn.ID)
+		if err != nil {
+			return "", err
+		}
+		cp, disk = filepath.Join(dir, "checkpoint"), filepath.Join(dir, "disk")
+		if !n.disk.IsComplete(cp) {
+			return "", fmt.Errorf("the files of snapshot %s are missing on node %s", sn.ID, n.cfg.Name)
+		}
+	} else {
+		// Placed here because the snapshot's node is dead: from the registry.
+		digest, err := n.st.SnapshotArtifact(ctx, sn.ID)
+		if err != nil {
+			return "", err
+		}
+		if digest == "" || n.cfg.Artifacts == nil {
+			return "", fmt.Errorf("snapshot %s is on another node and not in this node's registry", sn.ID)
+		}
+		pulled, err := n.cfg.Artifacts.PullSnapshot(ctx, "", digest)
+		if err != nil {
+			return "", fmt.Errorf("pull snapshot %s: %w", sn.ID, err)
+		}
+		cp, disk = pulled.Checkpoint, pulled.Disk
 	}
 	if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
 		return "", err
 	}
-	root, err := n.createDiskFrom(ctx, sb.ID, filepath.Join(dir, "disk"))
+	root, err := n.createDiskFrom(ctx, sb.ID, disk)
 	if err != nil {
 		return "", fmt.Errorf("copy the snapshot's disk: %w", err)
 	}

@@ -139,6 +139,8 @@ type Node struct {
 	agents   map[string]*agentclient.Client
 	active   map[string]time.Time
 	ready    map[string]bool
+	// brief marks sandboxes paused for a moment by the node itself (moves.go).
+	brief map[string]bool
 	// toMeasure holds sandboxes whose disk usage is to be measured.
 	toMeasure map[string]bool
 	// seenOutput is each agent's last-activity time as last polled.
@@ -151,6 +153,7 @@ type Node struct {
 	quotaOnce sync.Once
 	buildMu   sync.Mutex
 	snapJobs  snapshotJobs
+	pushes    pushJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
 
@@ -246,6 +249,8 @@ func (n *Node) Run(ctx context.Context) error {
 	for k, v := range hostCapacity(n.cfg.RuntimeReason) {
 		details[k] = v
 	}
+	// Sandboxes move only between nodes that share a registry (controller/moves.go).
+	details["registry"] = n.cfg.Artifacts != nil
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
 		Allocatable: n.cfg.Capacity, Fingerprint: n.cfg.Fingerprint, TakeOver: n.cfg.TakeOver}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {

@@ -40,6 +40,9 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 			n.cleanupLocal(ctx, id)
 			return true
 		}
+		if n.needsFetch(sb) && !n.fetchMoved(ctx, sb) {
+			return false // sent back where it was (moves.go)
+		}
 		facts, err := n.observe(ctx, sb)
 		if err != nil {
 			if ctx.Err() == nil {
@@ -52,6 +55,10 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 			if sb.State == api.StateRunning && facts.Instance == lifecycle.InstanceRunning {
 				n.setReady(sb.ID, true)
 				n.pollAgentActivity(ctx, sb.ID)
+			}
+			n.pushIfMissing(sb)
+			if facts.Instance == lifecycle.InstanceRunning && n.checkpointDue(sb) {
+				n.periodicCheckpoint(ctx, sb)
 			}
 			return false
 		}

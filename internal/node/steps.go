@@ -314,6 +314,12 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 		return n.transition(ctx, sb, lifecycle.TSuspend, "", func() (outcome, error) { return outcome{state: sb.State}, err })
 	}
 	wasPaused := sb.State == api.StatePaused
+	moving := sb.MoveFrom == n.cfg.ID
+	defer func() {
+		// With a registry the snapshot is pushed once the suspend is reported, in the
+		// background (moves.go); a move off this node waits for it.
+		n.pushLater(sb.ID, moving)
+	}()
 	return n.transition(ctx, sb, lifecycle.TSuspend, sb.StatusReason, func() (outcome, error) {
 		// The snapshot holds the sandbox's memory: it must fit above the reserve.
 		if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
@@ -330,6 +336,11 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 			if err := snap.Resume(ctx, sb.ID); err != nil {
 				return outcome{state: api.StatePaused}, fmt.Errorf("resume before suspend: %w", err)
 			}
+		}
+		if moving {
+			n.prepareMove(ctx, sb)
+			// A move's downtime starts now: the sandbox stops running for its checkpoint.
+			_ = n.st.MarkMoveDowntimeStart(ctx, sb.ID, n.cfg.ID)
 		}
 		if err := n.checkpoint(ctx, snap, sb.ID, dir); err != nil {
 			return n.afterFailedCheckpoint(ctx, sb, dir, err)
@@ -381,7 +392,10 @@ func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir
 // not restore it boots from the disk (wake takes whichever path works) and says what
 // was lost.
 func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
-	return n.transition(ctx, sb, lifecycle.TRestore, "", func() (outcome, error) {
+	// A push of the snapshot in flight is stale from now on (moves.go).
+	n.stopPush(sb.ID)
+	moved := ""
+	err := n.transition(ctx, sb, lifecycle.TRestore, "", func() (outcome, error) {
 		if err := n.disk.CheckSpace(0); err != nil {
 			return outcome{state: api.StateSuspended}, err
 		}
@@ -400,6 +414,7 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 			if err == nil {
 				_ = n.disk.RemoveAll(ctx, dir)
 				crash.Point("restore.cleaned")
+				moved = n.finishMove(ctx, sb)
 				return outcome{state: api.StateRunning}, nil
 			}
 			if n.work.Err() != nil {
@@ -414,6 +429,10 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 		}
 		return outcome{state: api.StateRunning, note: note + "; booted again from its disk"}, nil
 	})
+	if err == nil && moved != "" {
+		n.noteMove(ctx, sb, moved)
+	}
+	return err
 }
 
 // restoreFrom starts the instance from a checkpoint on disk root and gives the agent a
@@ -451,6 +470,7 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 
 // stop powers the sandbox off; its disk is kept, its memory (and any checkpoint) not.
 func (n *Node) stop(ctx context.Context, sb *store.Sandbox) error {
+	n.stopPush(sb.ID)
 	return n.transition(ctx, sb, lifecycle.TStop, sb.StatusReason, func() (outcome, error) {
 		n.dropAgent(sb.ID)
 		if err := n.rt.Destroy(ctx, sb.ID); err != nil {
@@ -487,6 +507,8 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) error {
 
 // cleanupLocal removes everything this node holds for a sandbox. Idempotent.
 func (n *Node) cleanupLocal(ctx context.Context, id string) error {
+	n.stopPush(id)
+	n.stopPush(periodicKey(id))
 	n.dropAgent(id)
 	var errs []error
 	if err := n.rt.Destroy(ctx, id); err != nil {

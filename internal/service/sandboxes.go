@@ -232,6 +232,13 @@ func (s *Service) newSandbox(ctx context.Context, p *Principal, req *api.CreateS
 		}
 		sb.ExpiresAt = exp
 	}
+	if req.CheckpointInterval != "" {
+		d, err := time.ParseDuration(req.CheckpointInterval)
+		if err != nil || d < minCheckpointInterval || d > 24*time.Hour {
+			return nil, invalid("checkpoint_interval must be a duration between %s and 24h", minCheckpointInterval)
+		}
+		sb.Spec.CheckpointInterval = int(d / time.Second)
+	}
 	// Resolve the reference now so an unknown template is a 404 and creates nothing.
 	// Another tenant's template answers exactly like a missing one.
 	if ref.Digest != "" {
@@ -390,7 +397,7 @@ func (s *Service) poolFor(ctx context.Context, sb *store.Sandbox) (string, strin
 	ref, err := api.ParseTemplateRef(sb.TemplateRef)
 	// Warm-pool members run without a network: a sandbox with one cannot be claimed
 	// from the pool (its network must exist before its instance starts).
-	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil {
+	if err != nil || ref.Digest != "" || sb.Spec.Runtime != "" || sb.Spec.FreshBoot || sb.Spec.Network != nil || sb.Spec.CheckpointInterval > 0 {
 		return "", ""
 	}
 	d, _, err := s.st.ResolveTenantTag(ctx, sb.Tenant, ref.Name, ref.Tag)
@@ -436,6 +443,10 @@ func (s *Service) RequestVerb(ctx context.Context, p *Principal, id, kind, reaso
 	return s.verb(ctx, p, id, kind, reason, true)
 }
 
+// minCheckpointInterval bounds checkpoint_interval: each checkpoint pauses the sandbox
+// and uploads what changed.
+const minCheckpointInterval = 10 * time.Second
+
 // holdsMemory reports whether a sandbox of this desired state holds a node's memory
 // (what the running_sandboxes, vcpus and memory_mb quotas count).
 func holdsMemory(desired string) bool {
@@ -468,10 +479,23 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		if err := lifecycle.Check(sb.Lifecycle(), v); err != nil {
 			return err
 		}
+		// A suspended sandbox whose snapshot is in the registry wakes on another node
+		// when its own is dead (nodes.go).
+		rehome := false
 		if err := s.nodeUp(ctx, sb); err != nil {
-			return err
+			if !canRehome(sb, v) {
+				return err
+			}
+			rehome = true
+		} else if sb.MoveFrom != "" {
+			// Moving off a node being drained: a wake sends it on at once when its
+			// snapshot is pushed; anything else waits for the move.
+			if sb.MoveFrom != sb.NodeID || !canRehome(sb, v) {
+				return fault.New(fault.Conflict, "sandbox %s is moving to another node (its node is drained); it runs there shortly", sb.ID)
+			}
+			rehome = true
 		}
-		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" {
+		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" && !rehome {
 			if err := s.roomOn(ctx, sb.NodeID); err != nil {
 				return err
 			}
@@ -492,7 +516,12 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		if reason == "" {
 			reason = v.Kind + " requested"
 		}
-		if err := tx.SetDesiredState(ctx, sb, v.Desired, reason, op); err != nil {
+		if rehome {
+			err = tx.Rehome(ctx, sb, reason+"; it wakes on another node from its snapshot in the registry", op)
+		} else {
+			err = tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
+		}
+		if err != nil {
 			return err
 		}
 		if rotate {
@@ -646,6 +675,15 @@ func (s *Service) SandboxOperations(ctx context.Context, p *Principal, id string
 // Awake returns the sandbox running, waking it first when it is paused, suspended or
 // stopped — unless noWake, which returns it as it is.
 func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error) {
+	if sb.MoveFrom != "" && sb.DesiredState != api.StateDeleted {
+		// Moving to another node (a drain, or a wake after its node died): it runs
+		// there shortly; a request that needs it waits for that.
+		cur, err := s.waitMoved(ctx, sb)
+		if err != nil || cur.MoveFrom != "" || cur.State == api.StateRunning {
+			return cur, err
+		}
+		sb = cur // the move ended without it running (aborted): as any sandbox
+	}
 	if !lifecycle.NeedsWake(sb.DesiredState) {
 		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning && sb.ObservedGeneration < sb.Generation {
 			return s.waitRunning(ctx, sb, "")
@@ -664,6 +702,33 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 		return nil, err
 	}
 	return s.waitRunning(ctx, sb, op.ID)
+}
+
+// moveTimeout bounds how long a request waits for a moving sandbox: a drain's first
+// move of a release may upload the release before the sandbox's checkpoint.
+const moveTimeout = 10 * time.Minute
+
+// waitMoved waits until a moving sandbox's move ends (or moveTimeout passes): it runs
+// on its new node, or the move was aborted.
+func (s *Service) waitMoved(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, moveTimeout)
+	defer cancel()
+	for {
+		cur, err := s.st.GetSandbox(ctx, sb.ID)
+		if err != nil {
+			return nil, err
+		}
+		if cur.MoveFrom == "" || cur.State == api.StateFailed || cur.DeletedAt != nil {
+			return cur, nil
+		}
+		t := time.NewTimer(sandboxPollWhileWaking)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cur, nil
+		case <-t.C:
+		}
+	}
 }
 
 // waitRunning waits until the sandbox runs (or opID finishes).

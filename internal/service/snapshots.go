@@ -234,14 +234,23 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 	if err != nil {
 		return nil, err
 	}
+	msg := "restoring from snapshot " + found.Name + " on node " + node.Name
 	if node.State != store.NodeAlive {
-		return nil, fault.New(fault.Unavailable, "node %s, which holds snapshot %s, is down", node.Name, found.Name)
-	}
-	if err := s.roomOn(ctx, found.NodeID); err != nil {
+		// Pushed to the registry: any node that shares it restores it (the scheduler
+		// places the sandbox; node.startFromSnapshot pulls).
+		digest, err := s.st.SnapshotArtifact(ctx, found.ID)
+		if err != nil {
+			return nil, err
+		}
+		if digest == "" {
+			return nil, fault.New(fault.Unavailable, "node %s, which holds snapshot %s, is down (the snapshot is not in a registry)", node.Name, found.Name)
+		}
+		sb.NodeID, sb.Spec.Runtime = "", found.Runtime
+		msg = "restoring from snapshot " + found.Name + " (from the registry: node " + node.Name + " is down)"
+	} else if err := s.roomOn(ctx, found.NodeID); err != nil {
 		return nil, err
 	}
-	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: p.Tenant,
-		Message: "restoring from snapshot " + found.Name + " on node " + node.Name}
+	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: p.Tenant, Message: msg}
 	var resp []byte
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		// The share lock keeps the snapshot from being deleted until the sandbox that

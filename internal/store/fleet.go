@@ -164,6 +164,11 @@ func (t *Tx) settleOnDeadNode(ctx context.Context, nodeID, sandboxID, why string
 		"; the sandbox stays on that node until the node returns"); err != nil {
 		return 0, 0, 0, err
 	}
+	// Those with a periodic checkpoint in the registry are restored elsewhere (moves.go).
+	restored, err := t.restoreFromCheckpoints(ctx, nodeID, only, why)
+	if err != nil {
+		return 0, 0, 0, err
+	}
 	lostReason := LostReason(why)
 	lostIDs, err := t.ids(ctx, `UPDATE sandboxes SET state='failed', desired_state='stopped', error=$3, status_reason=$3,
 		observed_generation=generation, transition='', updated_at=now(), status_changed_at=now()
@@ -182,7 +187,7 @@ func (t *Tx) settleOnDeadNode(ctx context.Context, nodeID, sandboxID, why string
 			}
 		}
 	}
-	return len(lostIDs), len(keptIDs), len(deletedIDs), nil
+	return len(lostIDs), len(keptIDs) + len(restored), len(deletedIDs), nil
 }
 
 // LostReason is the error of a sandbox lost with its node (why: why the node is dead).

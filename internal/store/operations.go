@@ -49,6 +49,9 @@ func (o *Operation) API() *api.Operation {
 		out.SandboxID, _ = o.Params["source"].(string)
 		out.Snapshot, _ = o.Params["snapshot"].(string)
 	}
+	if o.Kind == api.OpNodeDrain {
+		out.Node, out.Moves = drainOf(o.Params)
+	}
 	if len(o.Timeline) > 0 {
 		at := func(phase string, t time.Time) api.TimelineEntry {
 			return api.TimelineEntry{Phase: phase, At: t, Ms: float64(t.Sub(o.CreatedAt).Microseconds()) / 1000}

@@ -30,6 +30,9 @@ type SandboxSpec struct {
 	// Snapshot is the named snapshot the sandbox is created from (restored instead of
 	// made from its template).
 	Snapshot string `json:"snapshot,omitempty"`
+	// CheckpointInterval (seconds) asks its node to checkpoint it this often and push
+	// the checkpoint to the registry (0: never).
+	CheckpointInterval int `json:"checkpoint_interval,omitempty"`
 }
 
 // Sandbox is a row of the sandboxes table.
@@ -70,6 +73,19 @@ type Sandbox struct {
 	Transition lifecycle.Transition
 	// AccessEpoch is what the sandbox's E2B envd access token is bound to.
 	AccessEpoch int64
+	// SnapshotDigest is the registry artifact of its current suspend snapshot ("" when
+	// none is pushed); see moves.go.
+	SnapshotDigest string
+	// MoveFrom is the node a move in progress takes it off; MoveStartedAt when it began.
+	MoveFrom      string
+	MoveStartedAt *time.Time
+	// MovedAt and MoveDowntimeMs describe its last completed move.
+	MovedAt        *time.Time
+	MoveDowntimeMs int64
+	// CheckpointAt is when its last periodic checkpoint was pushed; CheckpointLossMs
+	// how much a restore from one lost (moves.go).
+	CheckpointAt     *time.Time
+	CheckpointLossMs int64
 }
 
 // Lifecycle is the state machine's view of the row.
@@ -80,7 +96,7 @@ func (s *Sandbox) Lifecycle() lifecycle.Sandbox {
 
 // API converts the row to its wire form.
 func (s *Sandbox) API() api.Sandbox {
-	return api.Sandbox{
+	out := api.Sandbox{
 		ID:             s.ID,
 		Tenant:         s.Tenant,
 		Template:       s.TemplateRef,
@@ -108,13 +124,16 @@ func (s *Sandbox) API() api.Sandbox {
 		DiskBytes:      s.DiskExclusiveBytes,
 		Network:        s.Spec.Network.Redacted(),
 	}
+	s.moveAPI(&out) // moves.go
+	return out
 }
 
 const sandboxCols = `id, tenant, template_ref, coalesce(template_digest,''), spec, metadata, desired_state, state,
 	generation, observed_generation, coalesce(node_id,''), runtime, start_path, error, token_epoch,
 	created_at, updated_at, expires_at, deleted_at, idle_timeout_seconds, last_activity_at, status_reason,
 	status_changed_at, coalesce(clone_of,''), coalesce(clone_batch,''), clone_ready, coalesce(pool_key,''), claimed_at,
-	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch`
+	disk_exclusive_bytes, identity_generation, expire_action, transition, access_epoch,
+	snapshot_digest, move_from, move_started_at, moved_at, move_downtime_ms, checkpoint_at, checkpoint_loss_ms`
 
 func scanSandbox(row pgx.Row) (*Sandbox, error) {
 	var s Sandbox
@@ -124,7 +143,8 @@ func scanSandbox(row pgx.Row) (*Sandbox, error) {
 		&s.Generation, &s.ObservedGeneration, &s.NodeID, &s.Runtime, &s.StartPath, &s.Error, &s.TokenEpoch,
 		&s.CreatedAt, &s.UpdatedAt, &s.ExpiresAt, &s.DeletedAt, &idle, &s.LastActivityAt, &s.StatusReason,
 		&s.StatusChangedAt, &s.CloneOf, &s.CloneBatch, &s.CloneReady, &s.PoolKey, &s.ClaimedAt,
-		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch)
+		&s.DiskExclusiveBytes, &s.IdentityGeneration, &s.ExpireAction, &s.Transition, &s.AccessEpoch,
+		&s.SnapshotDigest, &s.MoveFrom, &s.MoveStartedAt, &s.MovedAt, &s.MoveDowntimeMs, &s.CheckpointAt, &s.CheckpointLossMs)
 	if err != nil {
 		return nil, err
 	}
@@ -397,7 +417,8 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
 		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
-		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10
+		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10,
+		snapshot_digest=CASE WHEN $3='suspended' THEN snapshot_digest ELSE '' END
 		WHERE id=$1 AND node_id=$2 AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive') RETURNING `+sandboxCols,
 		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition))
 	sb, err := scanSandbox(row)
