@@ -31,6 +31,10 @@ func (c *Controller) collectReleases(ctx context.Context) {
 	t := time.NewTicker(c.cfg.GCInterval)
 	defer t.Stop()
 	for {
+		// Snapshots first: a release is kept while a snapshot artifact of it is.
+		if _, err := c.CollectSnapshots(ctx); err != nil && ctx.Err() == nil {
+			c.log.Warn("registry garbage collection (snapshots)", "registry", c.cfg.Registry.Registry(), "err", err)
+		}
 		if _, err := c.CollectReleases(ctx); err != nil && ctx.Err() == nil {
 			c.log.Warn("registry garbage collection", "registry", c.cfg.Registry.Registry(), "err", err)
 		}
@@ -97,6 +101,58 @@ func (c *Controller) CollectReleases(ctx context.Context) ([]string, error) {
 			return deleted, err
 		}
 		c.log.Info("deleted unreferenced template release from the registry", "digest", d, "ref", a.Reference,
+			"pushed", a.PushedAt.Format(time.RFC3339))
+		deleted = append(deleted, d)
+	}
+	return deleted, nil
+}
+
+// CollectSnapshots is one pass of the registry's snapshot collection: a snapshot
+// artifact (a suspend snapshot, a periodic checkpoint, a named snapshot) is deleted
+// when no sandbox that is not deleted and no named snapshot has referenced its
+// manifest digest for GCGrace (store.SnapshotGCSweep, mark and sweep) and it was pushed
+// more than GCGrace ago. Superseded suspend snapshots and checkpoints (each wake or
+// checkpoint records a new digest) and those of deleted sandboxes go this way. It
+// returns the manifest digests deleted.
+func (c *Controller) CollectSnapshots(ctx context.Context) ([]string, error) {
+	reg := c.cfg.Registry
+	if reg == nil {
+		return nil, nil
+	}
+	snaps, err := reg.List(ctx, artifact.KindSnapshot)
+	if err != nil {
+		return nil, err
+	}
+	byDigest := map[string]artifact.Artifact{}
+	var digests []string
+	for _, a := range snaps {
+		if a.Digest == "" {
+			continue
+		}
+		byDigest[a.Digest] = a
+		digests = append(digests, a.Digest)
+	}
+	gone, err := c.st.SnapshotGCSweep(ctx, digests, c.cfg.GCGrace)
+	if err != nil {
+		return nil, err
+	}
+	var deleted []string
+	for _, d := range gone {
+		a := byDigest[d]
+		if time.Since(a.PushedAt) < c.cfg.GCGrace {
+			continue // its pusher may not have recorded it yet
+		}
+		err := reg.Delete(ctx, artifact.KindSnapshot, a.Tag, a.Digest)
+		if fault.Is(err, fault.Conflict) {
+			continue // the tag names another push now: look again next pass
+		}
+		if err != nil && !fault.Is(err, fault.NotFound) {
+			return deleted, err
+		}
+		if err := c.st.SnapshotGCDeleted(ctx, d); err != nil {
+			return deleted, err
+		}
+		c.log.Info("deleted unreferenced snapshot from the registry", "digest", d, "ref", a.Reference,
 			"pushed", a.PushedAt.Format(time.RFC3339))
 		deleted = append(deleted, d)
 	}

@@ -41,7 +41,7 @@ func (f *fakeRegistry) Delete(_ context.Context, kind artifact.Kind, tag, digest
 		if a.Tag != tag {
 			continue
 		}
-		if a.Release == f.repushed || a.Digest != digest {
+		if f.repushed != "" && a.Release == f.repushed || a.Digest != digest {
 			return fault.New(fault.Conflict, "%s names another manifest now", tag)
 		}
 		f.arts[kind] = slices.Delete(f.arts[kind], i, i+1)
@@ -129,5 +129,78 @@ func TestRegistryGC(t *testing.T) {
 	rows.Close()
 	if !slices.Equal(marked, []string{repushed}) {
 		t.Fatalf("marks left: %v, want only the re-pushed %s", marked, repushed)
+	}
+}
+
+// TestRegistrySnapshotGC: a snapshot artifact is deleted once no sandbox (its suspend
+// snapshot or last checkpoint) and no named snapshot has referenced it for the grace
+// period and it was pushed longer ago than that; referenced ones and fresh pushes stay.
+func TestRegistrySnapshotGC(t *testing.T) {
+	c := ctx(t)
+	st, err := store.Open(c, store.Config{URL: testenv.Postgres(t), Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	d := func(ch string) string { return "sha256:" + strings.Repeat(ch, 64) }
+	suspended, checkpoint, named, orphan, fresh := d("a"), d("b"), d("c"), d("d"), d("e")
+	old := time.Now().Add(-3 * time.Hour)
+	snap := func(tag, digest string, pushed time.Time) artifact.Artifact {
+		return artifact.Artifact{Kind: artifact.KindSnapshot, Tag: tag, Digest: digest, PushedAt: pushed, Snapshot: tag}
+	}
+	reg := &fakeRegistry{arts: map[artifact.Kind][]artifact.Artifact{artifact.KindSnapshot: {
+		snap("sb1-g1", suspended, old), snap("sb1-cp1", checkpoint, old), snap("named-s1", named, old),
+		snap("sb2-g1", orphan, old), snap("sb3-g1", fresh, time.Now()),
+	}}}
+	sb := &store.Sandbox{ID: ids.Sandbox(), Tenant: "default", TemplateRef: "base",
+		DesiredState: api.StateRunning, State: api.StatePending, Spec: store.SandboxSpec{CPU: 1, MemoryMB: 512}}
+	if err := st.InTx(c, func(tx *store.Tx) error {
+		return tx.CreateSandbox(c, sb, &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: "default"})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	db := st.DB()
+	defer db.Close()
+	if _, err := db.ExecContext(c, `UPDATE sandboxes SET snapshot_digest=$2, checkpoint_digest=$3 WHERE id=$1`, sb.ID, suspended, checkpoint); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(c, `INSERT INTO snapshots (id, name, state, source_sandbox, template_ref, spec, node_id, registry_digest)
+		VALUES ('s1', 'kept', 'ready', $1, 'base', '{}', 'n1', $2)`, sb.ID, named); err != nil {
+		t.Fatal(err)
+	}
+	ctl := controller.New(controller.Config{Store: st, Logger: slog.New(slog.DiscardHandler), Registry: reg, GCGrace: time.Hour})
+	if got, err := ctl.CollectSnapshots(c); err != nil || len(got) != 0 {
+		t.Fatalf("first pass deleted %v (%v): it only marks", got, err)
+	}
+	if _, err := db.ExecContext(c, `UPDATE registry_snapshot_gc SET unreferenced_since = now() - interval '2 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ctl.CollectSnapshots(c)
+	if err != nil || !slices.Equal(got, []string{orphan}) {
+		t.Fatalf("second pass deleted %v (%v), want only %s", got, err, orphan)
+	}
+	// The sandbox is deleted: its snapshot and checkpoint go after their own grace
+	// period; the named snapshot stays while its row does.
+	if _, err := db.ExecContext(c, `UPDATE sandboxes SET deleted_at=now() WHERE id=$1`, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := ctl.CollectSnapshots(c); err != nil || len(got) != 0 {
+		t.Fatalf("deleted %v (%v) right after the sandbox was: the grace period must pass first", got, err)
+	}
+	if _, err := db.ExecContext(c, `UPDATE registry_snapshot_gc SET unreferenced_since = now() - interval '2 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	got, err = ctl.CollectSnapshots(c)
+	if err != nil || !slices.Equal(got, []string{suspended, checkpoint}) {
+		t.Fatalf("after the sandbox's deletion: deleted %v (%v), want %s and %s", got, err, suspended, checkpoint)
+	}
+	reg.mu.Lock()
+	var left []string
+	for _, a := range reg.arts[artifact.KindSnapshot] {
+		left = append(left, a.Tag)
+	}
+	reg.mu.Unlock()
+	if !slices.Equal(left, []string{"named-s1", "sb3-g1"}) {
+		t.Fatalf("left in the registry: %v, want the named snapshot and the fresh push", left)
 	}
 }

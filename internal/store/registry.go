@@ -125,6 +125,46 @@ func (s *Store) ReleaseGCDeleted(ctx context.Context, digest string) error {
 	return err
 }
 
+// snapshotReferenced is the condition under which a snapshot artifact's manifest
+// digest d (a column or parameter) is in use: a sandbox that is not deleted has it as
+// its suspend snapshot or last periodic checkpoint, or a named snapshot has it.
+const snapshotReferenced = `(EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.deleted_at IS NULL AND (sb.snapshot_digest=%[1]s OR sb.checkpoint_digest=%[1]s))
+	OR EXISTS (SELECT 1 FROM snapshots sn WHERE sn.registry_digest=%[1]s))`
+
+// SnapshotGCSweep is the snapshot-artifact half of the controller's mark-and-sweep
+// collection (ReleaseGCSweep is the other): inRegistry lists the manifest digests of
+// the snapshot artifacts the registry has. Unreferenced digests (snapshotReferenced)
+// are marked with the time they were first seen so, referenced ones unmarked; it
+// returns those that stayed unreferenced for longer than grace.
+func (s *Store) SnapshotGCSweep(ctx context.Context, inRegistry []string, grace time.Duration) ([]string, error) {
+	var out []string
+	err := s.InTx(ctx, func(tx *Tx) error {
+		if _, err := tx.tx.Exec(ctx, `DELETE FROM registry_snapshot_gc g WHERE NOT (g.digest = ANY($1)) OR `+
+			fmt.Sprintf(snapshotReferenced, "g.digest"), inRegistry); err != nil {
+			return fmt.Errorf("unmark referenced snapshot artifacts: %w", err)
+		}
+		if _, err := tx.tx.Exec(ctx, `INSERT INTO registry_snapshot_gc (digest)
+			SELECT d FROM unnest($1::text[]) d WHERE NOT `+fmt.Sprintf(snapshotReferenced, "d")+`
+			ON CONFLICT DO NOTHING`, inRegistry); err != nil {
+			return fmt.Errorf("mark unreferenced snapshot artifacts: %w", err)
+		}
+		rows, err := tx.tx.Query(ctx, `SELECT digest FROM registry_snapshot_gc WHERE unreferenced_since < now() - $1::interval ORDER BY digest`,
+			interval(grace))
+		if err != nil {
+			return err
+		}
+		out, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	})
+	return out, err
+}
+
+// SnapshotGCDeleted forgets the mark of a snapshot artifact the collection deleted.
+func (s *Store) SnapshotGCDeleted(ctx context.Context, digest string) error {
+	_, err := s.pool.Exec(ctx, `DELETE FROM registry_snapshot_gc WHERE digest=$1`, digest)
+	return err
+}
+
 // evictableRelease is the condition under which node $1 may remove release d (a
 // column or parameter) from its store: the registry has it (the node can pull it
 // again), no tag points at it, no sandbox that is not deleted — or was deleted less than
