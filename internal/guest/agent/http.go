@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -111,6 +112,7 @@ func (a *Agent) routes() http.Handler {
 	mux.HandleFunc("POST /v1/processes/{pid}/stdin", a.handle(a.handleStdin))
 	mux.HandleFunc("POST /v1/processes/{pid}/signal", a.handle(a.handleSignal))
 	mux.HandleFunc("POST /v1/processes/{pid}/resize", a.handle(a.handleResize))
+	mux.HandleFunc("POST /v1/exec", a.handle(a.handleExec))
 	mux.HandleFunc("GET /v1/files/content", a.handle(a.handleReadFile))
 	mux.HandleFunc("PUT /v1/files/content", a.handle(a.handleWriteFile))
 	mux.HandleFunc("GET /v1/files/stat", a.handle(a.handleStat))
@@ -325,6 +327,53 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeOffsetBeyondEnd,
 			msg: fmt.Sprintf("offset %d beyond end %d", from, end)}
 	}
+	a.streamOutput(w, r, p, from, follow)
+	return nil
+}
+
+// handleExec is POST /v1/exec: one call that creates a process, feeds its stdin and
+// streams its output from offset 0 to the exit frame (see wire.ExecRequest). The
+// process is not gated: this handler reads its journal from the first byte, and a
+// writer faster than the journal's bound is reported by a gap frame, as for any reader.
+// A program that cannot be executed is created gated instead, so that the failure
+// comes back as an exit frame (127/126 with its error) like on the two-step path.
+func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
+	var req wire.ExecRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	spec := req.ProcessSpec
+	spec.Gated = false
+	if req.StdinData != nil {
+		spec.Stdin = true
+	}
+	p, err := a.startProcess(spec)
+	var ae *apiError
+	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
+		spec.Gated = true
+		if p, err = a.startProcess(spec); err == nil {
+			err = p.start()
+		}
+	}
+	if err != nil {
+		return err
+	}
+	w.Header().Set(wire.PIDHeader, strconv.Itoa(p.pid))
+	w.Header().Set(wire.UIDHeader, p.uid())
+	if req.StdinData != nil {
+		go func() {
+			if err := p.writeStdin(r.Context(), bytes.NewReader(req.StdinData), true); err != nil {
+				a.log.Debug("exec stdin", "pid", p.pid, "err", err)
+			}
+		}()
+	}
+	a.streamOutput(w, r, p, 0, true)
+	return nil
+}
+
+// streamOutput writes the frames of p's journal from offset from; see the rules in
+// package wire.
+func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process, from int64, follow bool) {
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Cache-Control", "no-store")
 	w.WriteHeader(http.StatusOK)
@@ -332,7 +381,7 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 	// Headers go out now: a client attaching to a gated process must not wait for the
 	// first frame to learn that the stream is open.
 	if err := rc.Flush(); err != nil {
-		return nil
+		return
 	}
 	ctx := r.Context()
 
@@ -347,7 +396,7 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		if !sentStart && p.hasStarted() {
 			payload, _ := json.Marshal(wire.Start{PID: p.pid})
 			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
-				return nil
+				return
 			}
 			sentStart = true
 			wrote++
@@ -361,7 +410,7 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 				var payload [8]byte
 				binary.BigEndian.PutUint64(payload[:], uint64(gap))
 				if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
-					return nil
+					return
 				}
 				pos += gap
 				wrote++
@@ -372,7 +421,7 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 				break
 			}
 			if err := wire.WriteFrame(w, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
-				return nil
+				return
 			}
 			pos += int64(n)
 			wrote += n
@@ -385,21 +434,21 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 				if _, end := p.journal.bounds(); pos >= end {
 					payload, _ := json.Marshal(exit)
 					if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
-						return nil
+						return
 					}
 					_ = rc.Flush()
-					return nil
+					return
 				}
 				continue // output arrived meanwhile: send it first
 			}
 			if !follow {
 				_ = rc.Flush()
-				return nil
+				return
 			}
 		}
 		if wrote > 0 {
 			if err := rc.Flush(); err != nil {
-				return nil
+				return
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
 			if !caughtUp {
@@ -409,13 +458,13 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		select {
 		case <-changed:
 		case <-ctx.Done():
-			return nil
+			return
 		case <-hb.C:
 			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
-				return nil
+				return
 			}
 			if err := rc.Flush(); err != nil {
-				return nil
+				return
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
 		}
