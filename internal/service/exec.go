@@ -211,6 +211,38 @@ func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client
 	return s.Agent(t), nil
 }
 
+// Reach returns a client for the agent of running sandbox id, for relays (the E2B
+// envd routes, commands.run among them). Like Exec it reads the database only when it
+// must: a sandbox reached in the last seconds on this process's node is reached again
+// without a query (the node itself checks that it still runs there); otherwise
+// Running (waking it unless noWake) and the target is remembered.
+func (s *Service) Reach(ctx context.Context, p *Principal, id string, noWake bool) (*agentclient.Client, error) {
+	if t, _ := s.fast.lookup(p, id); t != nil && s.onLocalNode(t) {
+		if a, err := s.execAgent(ctx, t); err == nil {
+			s.touch(id)
+			return a, nil
+		}
+		s.fast.forget(id)
+	}
+	_, seq := s.fast.lookup(p, id)
+	t, err := s.Running(ctx, p, id, noWake)
+	if err != nil {
+		return nil, err
+	}
+	a, err := s.execAgent(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	s.fast.remember(t, seq)
+	return a, nil
+}
+
+// onLocalNode reports whether t is on the node running in this process.
+func (s *Service) onLocalNode(t *Target) bool {
+	l := s.local.Load()
+	return l != nil && t.Node != nil && t.Node.ID == (*l).ID()
+}
+
 // Execution is a command started by Exec: its process and its output stream from
 // offset 0. Close ends the stream (not the process).
 type Execution struct {
