@@ -69,6 +69,7 @@ type scenario struct {
 var scenarios = []scenario{
 	{"cold-create", coldCreate},
 	{"exec", execRoundTrip},
+	{"exec-path", execPath},
 	{"throughput", throughput},
 	{"files", files},
 	{"memory", memory},

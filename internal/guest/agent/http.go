@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
@@ -307,7 +308,13 @@ func queryInt(r *http.Request, name string, def int64) (int64, error) {
 }
 
 const (
-	outputReadBuf = 128 << 10
+	// outputWriteBuf gathers the frames of one flush (a whole outputReadBuf frame fits).
+	outputWriteBuf = 256 << 10
+	// bulkOutput is the output per flush above which a stream counts as in full flow,
+	// and coalesceWindow how long such a stream gathers output between writes.
+	bulkOutput     = 32 << 10
+	coalesceWindow = time.Millisecond
+	outputReadBuf  = 128 << 10
 	// flushEvery bounds how much is written between flushes while catching up.
 	flushEvery = 1 << 20
 )
@@ -384,6 +391,16 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 		return
 	}
 	ctx := r.Context()
+	// Frames gather in bw and go out in one write per flush: under gVisor every write
+	// to the host socket is a costly host system call.
+	bw := bufio.NewWriterSize(w, outputWriteBuf)
+	flush := func() error {
+		if err := bw.Flush(); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	var lastBulk time.Time // when a flush last carried a bulk of output
 
 	pos := from
 	sentStart := false
@@ -395,7 +412,7 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 		wrote := 0
 		if !sentStart && p.hasStarted() {
 			payload, _ := json.Marshal(wire.Start{PID: p.pid})
-			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
+			if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
 				return
 			}
 			sentStart = true
@@ -409,7 +426,7 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 			if gap > 0 {
 				var payload [8]byte
 				binary.BigEndian.PutUint64(payload[:], uint64(gap))
-				if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
+				if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
 					return
 				}
 				pos += gap
@@ -420,7 +437,7 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 				caughtUp = true
 				break
 			}
-			if err := wire.WriteFrame(w, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
+			if err := wire.WriteFrame(bw, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
 				return
 			}
 			pos += int64(n)
@@ -433,22 +450,27 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 			if exit, done := p.exitInfo(); done {
 				if _, end := p.journal.bounds(); pos >= end {
 					payload, _ := json.Marshal(exit)
-					if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
+					if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
 						return
 					}
-					_ = rc.Flush()
+					_ = flush()
 					return
 				}
 				continue // output arrived meanwhile: send it first
 			}
 			if !follow {
-				_ = rc.Flush()
+				_ = flush()
 				return
 			}
 		}
 		if wrote > 0 {
-			if err := rc.Flush(); err != nil {
+			if err := flush(); err != nil {
 				return
+			}
+			if wrote >= bulkOutput {
+				lastBulk = time.Now()
+			} else {
+				lastBulk = time.Time{}
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
 			if !caughtUp {
@@ -457,13 +479,26 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 		}
 		select {
 		case <-changed:
+			// A stream in full flow (the last flush carried a bulk) gathers output for the
+			// rest of a window before the next write, so a writer of small pieces costs
+			// one host write per window, not one per piece. A quiet stream's first bytes
+			// and every exit go out at once.
+			if wait := coalesceWindow - time.Since(lastBulk); !lastBulk.IsZero() && wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+					t.Stop()
+					return
+				}
+			}
 		case <-ctx.Done():
 			return
 		case <-hb.C:
-			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
+			if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
 				return
 			}
-			if err := rc.Flush(); err != nil {
+			if err := flush(); err != nil {
 				return
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
