@@ -162,13 +162,13 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 			childFiles = append(childFiles, devnull)
 			stdin = devnull
 		}
-		or, ow, err := os.Pipe()
+		or, ow, err := outputPipe()
 		if err != nil {
 			return fail(fmt.Errorf("stdout pipe: %w", err))
 		}
 		parentFiles = append(parentFiles, or)
 		childFiles = append(childFiles, ow)
-		er, ew, err := os.Pipe()
+		er, ew, err := outputPipe()
 		if err != nil {
 			return fail(fmt.Errorf("stderr pipe: %w", err))
 		}
@@ -382,6 +382,18 @@ func (p *process) start() error {
 	}
 	p.markRunningLocked()
 	return nil
+}
+
+// outputPipe returns a pipe for a process's stdout or stderr, in blocking mode: its
+// pump reads it with plain blocking reads, outside Go's poller. A pipe in the poller
+// wakes the agent's poller thread on every write of the program, even while the pump
+// is not reading; under gVisor each wake-up is a costly trap.
+func outputPipe() (r, w *os.File, err error) {
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil {
+		return nil, nil, err
+	}
+	return os.NewFile(uintptr(fds[0]), "|0"), os.NewFile(uintptr(fds[1]), "|1"), nil
 }
 
 // pump drains one output of the process into the journal at full speed.
