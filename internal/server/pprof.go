@@ -3,18 +3,13 @@ package server
 import (
 	"net/http"
 	"net/http/pprof"
-
-	"github.com/spacedev/space/internal/service"
 )
 
-// debugPprof serves Go's profiles (GET /debug/pprof/…: cpu as /debug/pprof/profile,
-// heap, goroutine, trace, …) to operators: what docs/benchmarks.md's breakdowns are
-// measured with. Profiles reveal nothing of a tenant's data but cost CPU, hence the
-// operator key.
-func (a *API) debugPprof(w http.ResponseWriter, r *http.Request) error {
-	if err := service.RequireOperator(principalFrom(r.Context())); err != nil {
-		return err
-	}
+// DebugPprof serves Go's profiles (GET /debug/pprof/…: cpu as /debug/pprof/profile,
+// heap, goroutine, trace, …) on the operator's metrics address (space serve
+// --metrics-listen), never on the API's: what docs/benchmarks.md's breakdowns are
+// measured with.
+func DebugPprof(w http.ResponseWriter, r *http.Request) {
 	switch name := r.PathValue("name"); name {
 	case "":
 		pprof.Index(w, r)
@@ -29,5 +24,4 @@ func (a *API) debugPprof(w http.ResponseWriter, r *http.Request) error {
 	default:
 		pprof.Handler(name).ServeHTTP(w, r)
 	}
-	return nil
 }

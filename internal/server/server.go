@@ -65,7 +65,6 @@ func (a *API) Handler() http.Handler {
 	// On the API's address metrics need an operator key; space serve --metrics-listen
 	// serves them without one on an address of their own (MetricsHandler).
 	authed("GET /metrics", a.metricsForOperators)
-	authed("GET /debug/pprof/{name...}", a.debugPprof) // operators only (pprof.go)
 	authed("POST /v1/sandboxes", a.createSandbox)
 	authed("GET /v1/sandboxes", a.listSandboxes)
 	authed("GET /v1/sandboxes/{id}", a.getSandbox)
