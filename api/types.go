@@ -360,6 +360,29 @@ const (
 	EventLost = "lost"
 )
 
+// Output stream encoding "frames" (Accept: application/vnd.space.frames, or
+// ?encoding=frames), for attach streams and POST /v1/sandboxes/{id}/exec: the same
+// events as SSE, each a binary frame of a FrameHeaderSize-byte header — type (1 byte),
+// offset (8 bytes, big-endian), payload length (4 bytes, big-endian) — and the payload.
+// Stdout and stderr payloads are the raw output bytes at the offset (no base64, no
+// JSON); the other payloads are the JSON of the SSE event's data. The offset of output
+// frames is the first byte's; the resume point (the SSE event id, for Last-Event-ID or
+// ?from=) is offset+length after an output frame and offset after a gap or exit frame.
+const (
+	FramesContentType      = "application/vnd.space.frames"
+	FrameStdout       byte = 1 // raw bytes
+	FrameStderr       byte = 2 // raw bytes
+	FrameGap          byte = 3 // GapEvent
+	FrameExit         byte = 4 // ExitEvent
+	FrameHeartbeat    byte = 5 // no payload
+	FrameStart        byte = 6 // StartEvent
+	FrameError        byte = 7 // {"message": "..."}
+	FrameLost         byte = 8 // LostEvent
+	FrameHeaderSize        = 13
+	// MaxFramePayload bounds a frame's payload.
+	MaxFramePayload = 1 << 20
+)
+
 // StartEvent is the data of the "start" event.
 type StartEvent struct {
 	PID int `json:"pid"`

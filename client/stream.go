@@ -5,40 +5,60 @@ import (
 	"bytes"
 	"context"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/spacedev/space/api"
 )
 
-// Event is one Server-Sent Event.
+// Event is one event of an attach stream.
 type Event struct {
 	ID   string
 	Name string
+	// Data is the event's JSON data; with Raw (a stdout or stderr event of a stream in
+	// the frames encoding) the output bytes themselves, valid until the next Next.
 	Data []byte
+	Raw  bool
 }
 
-// Stream reads an attach stream.
+// Stream reads an attach stream: SSE, or binary frames (api.FramesContentType).
 type Stream struct {
-	resp *http.Response
-	br   *bufio.Reader
+	resp   *http.Response
+	br     *bufio.Reader
+	frames bool
+	buf    []byte
 }
 
-// Attach opens the attach stream of a session, resuming after lastEventID when it is
-// not empty.
+// acceptFrames asks for the frames encoding and takes SSE from a server without it.
+const acceptFrames = api.FramesContentType + ", text/event-stream;q=0.5"
+
+// newStream reads resp's body in the encoding its Content-Type names.
+func newStream(resp *http.Response) *Stream {
+	ct, _, _ := strings.Cut(resp.Header.Get("Content-Type"), ";")
+	return &Stream{resp: resp, br: newReader(resp.Body), frames: strings.TrimSpace(ct) == api.FramesContentType}
+}
+
+// Attach opens the attach stream of a session (SSE), resuming after lastEventID when
+// it is not empty.
 func (c *Client) Attach(ctx context.Context, s *api.CommandSession, lastEventID string) (*Stream, error) {
+	return c.attach(ctx, s, lastEventID, "text/event-stream")
+}
+
+func (c *Client) attach(ctx context.Context, s *api.CommandSession, lastEventID, accept string) (*Stream, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.AttachURL, nil)
 	if err != nil {
 		return nil, err
 	}
 	req.Header.Set("Authorization", "Bearer "+s.Token)
-	req.Header.Set("Accept", "text/event-stream")
+	req.Header.Set("Accept", accept)
 	if lastEventID != "" {
 		req.Header.Set("Last-Event-ID", lastEventID)
 	}
@@ -50,11 +70,53 @@ func (c *Client) Attach(ctx context.Context, s *api.CommandSession, lastEventID 
 		defer resp.Body.Close()
 		return nil, decodeError(resp)
 	}
-	return &Stream{resp: resp, br: newReader(resp.Body)}, nil
+	return newStream(resp), nil
+}
+
+// frameNames are the event names of the frame types.
+var frameNames = map[byte]string{api.FrameStdout: api.EventStdout, api.FrameStderr: api.EventStderr,
+	api.FrameGap: api.EventGap, api.FrameExit: api.EventExit, api.FrameStart: api.EventStart,
+	api.FrameError: api.EventError, api.FrameLost: api.EventLost}
+
+// nextFrame is Next for the frames encoding.
+func (s *Stream) nextFrame() (Event, error) {
+	for {
+		var h [api.FrameHeaderSize]byte
+		if _, err := io.ReadFull(s.br, h[:]); err != nil {
+			return Event{}, err
+		}
+		typ, off, n := h[0], int64(binary.BigEndian.Uint64(h[1:9])), binary.BigEndian.Uint32(h[9:13])
+		if n > api.MaxFramePayload {
+			return Event{}, fmt.Errorf("frame of %d bytes exceeds %d", n, api.MaxFramePayload)
+		}
+		if cap(s.buf) < int(n) {
+			s.buf = make([]byte, max(int(n), 64<<10))
+		}
+		data := s.buf[:n]
+		if _, err := io.ReadFull(s.br, data); err != nil {
+			return Event{}, io.ErrUnexpectedEOF
+		}
+		name, ok := frameNames[typ]
+		if !ok {
+			continue // heartbeats, and types newer than this client
+		}
+		ev := Event{Name: name, Data: data}
+		switch typ {
+		case api.FrameStdout, api.FrameStderr:
+			ev.Raw = true
+			ev.ID = strconv.FormatInt(off+int64(n), 10)
+		case api.FrameGap, api.FrameExit:
+			ev.ID = strconv.FormatInt(off, 10)
+		}
+		return ev, nil
+	}
 }
 
 // Next returns the next event, skipping comments (heartbeats).
 func (s *Stream) Next() (Event, error) {
+	if s.frames {
+		return s.nextFrame()
+	}
 	var ev Event
 	var data bytes.Buffer
 	seen := false
@@ -128,7 +190,7 @@ func (c *Client) Follow(ctx context.Context, sess *api.CommandSession, out Outpu
 func (c *Client) FollowFrom(ctx context.Context, sess *api.CommandSession, lastID string, out Output) (*api.ExitEvent, error) {
 	failures := 0
 	for {
-		st, err := c.Attach(ctx, sess, lastID)
+		st, err := c.attach(ctx, sess, lastID, acceptFrames)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
@@ -196,14 +258,17 @@ func readUntilExit(st *Stream, lastID *string, out Output) (*api.ExitEvent, erro
 				out.OnStart(s)
 			}
 		case api.EventStdout, api.EventStderr:
-			var o api.OutputEvent
-			if err := json.Unmarshal(ev.Data, &o); err != nil {
-				return nil, fmt.Errorf("bad output event: %w", err)
-			}
-			b := []byte(o.Text)
-			if o.Data != "" {
-				if b, err = base64.StdEncoding.DecodeString(o.Data); err != nil {
-					return nil, fmt.Errorf("bad output data: %w", err)
+			b := ev.Data
+			if !ev.Raw {
+				var o api.OutputEvent
+				if err := json.Unmarshal(ev.Data, &o); err != nil {
+					return nil, fmt.Errorf("bad output event: %w", err)
+				}
+				b = []byte(o.Text)
+				if o.Data != "" {
+					if b, err = base64.StdEncoding.DecodeString(o.Data); err != nil {
+						return nil, fmt.Errorf("bad output data: %w", err)
+					}
 				}
 			}
 			w := out.Stdout
@@ -386,7 +451,7 @@ func (c *Client) Run(ctx context.Context, sandboxID string, req api.ExecRequest,
 		return nil, err
 	}
 	hr.Header.Set("Content-Type", "application/json")
-	hr.Header.Set("Accept", "text/event-stream")
+	hr.Header.Set("Accept", acceptFrames)
 	if c.APIKey != "" {
 		hr.Header.Set("Authorization", "Bearer "+c.APIKey)
 	}
@@ -403,7 +468,7 @@ func (c *Client) Run(ctx context.Context, sandboxID string, req api.ExecRequest,
 		}
 		return nil, err
 	}
-	st := &Stream{resp: resp, br: newReader(resp.Body)}
+	st := newStream(resp)
 	var start api.StartEvent
 	started := false
 	inner := out.OnStart

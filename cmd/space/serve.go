@@ -184,7 +184,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.e2bListen, "e2b-listen", envOr("SPACE_E2B_LISTEN", "127.0.0.1:3000"), "listen address of the E2B-compatible API, for E2B SDKs (env SPACE_E2B_LISTEN; empty disables; like --listen and --metrics-listen, an address that cannot be bound stops serve)")
 	f.StringVar(&c.e2bDomain, "e2b-domain", "", "sandbox domain returned to E2B SDKs (<port>-<id>.<domain> hosts; default: from the request's host)")
 	f.DurationVar(&c.e2bSignedTTL, "e2b-signed-url-max-ttl", e2b.DefaultMaxSignedURLTTL, "longest lifetime of a signed E2B file URL (its signature_expiration at most this far ahead; URLs without one are refused)")
-	f.StringVar(&c.metricsListen, "metrics-listen", os.Getenv("SPACE_METRICS_LISTEN"), "serve GET /metrics without authentication on this address, for Prometheus (env SPACE_METRICS_LISTEN; on --listen, /metrics needs an operator key)")
+	f.StringVar(&c.metricsListen, "metrics-listen", os.Getenv("SPACE_METRICS_LISTEN"), "serve GET /metrics without authentication on this address, for Prometheus, and Go's profiles at /debug/pprof/ (env SPACE_METRICS_LISTEN; on --listen, /metrics needs an operator key and there are no profiles)")
 	for _, q := range []struct {
 		name, help string
 	}{
@@ -397,6 +397,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		if health != nil {
 			mmux.Handle("GET /healthz", nodeHealthz(health))
 		}
+		mmux.HandleFunc("GET /debug/pprof/{name...}", server.DebugPprof) // Go profiles, this address only
 		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 		g.Go(func() error {

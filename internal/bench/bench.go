@@ -77,6 +77,7 @@ type scenario struct {
 var scenarios = []scenario{
 	{"cold-create", coldCreate},
 	{"exec", execRoundTrip},
+	{"exec-path", execPath},
 	{"throughput", throughput},
 	{"files", files},
 	{"memory", memory},

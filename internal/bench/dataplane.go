@@ -87,7 +87,8 @@ type countingWriter struct{ n int64 }
 
 func (c *countingWriter) Write(p []byte) (int, error) { c.n += int64(len(p)); return len(p), nil }
 
-// throughput streams 1 GiB of output through SSE, against runsc exec of the same
+// throughput streams 1 GiB of output to one reader (client.Exec: the exec route in the
+// frames encoding), against runsc exec of the same
 // command with its output going to /dev/null on the host.
 func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
 	sb, done, err := sandbox(ctx, cfg, api.CreateSandboxRequest{})
@@ -123,8 +124,8 @@ func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		bs = append(bs, float64(size)/(1<<20)/time.Since(start).Seconds())
 	}
-	r := result("throughput", "1 GiB of stdout through SSE", "MiB/s", xs, "runsc exec > /dev/null", bs)
-	r.Note = fmt.Sprintf("MiB/s received by the SSE reader (ratio = space / runsc, higher is better); the writer outran the reader and %d MiB fell out of the journal over %d runs", droppedTotal>>20, runs)
+	r := result("throughput", "1 GiB of stdout to one reader (frames)", "MiB/s", xs, "runsc exec > /dev/null", bs)
+	r.Note = fmt.Sprintf("MiB/s received by the reader, client.Exec in the frames encoding (ratio = space / runsc, higher is better); the writer outran the reader and %d MiB fell out of the journal over %d runs", droppedTotal>>20, runs)
 	return []Result{r}, nil
 }
 

@@ -22,8 +22,12 @@ func (a *app) execCmd() *cobra.Command {
 		Long: `Run a command in a sandbox. Its stdout and stderr stream to this terminal's stdout
 and stderr, and space exits with the command's exit code (128+N when it died of
 signal N). Without -i and -t the command is started and streamed in one request
-(POST /v1/sandboxes/{id}/exec); a dropped connection is resumed from the last byte
-received.
+(POST /v1/sandboxes/{id}/exec), which the server serves with one call to the
+sandbox's agent; output arrives as raw bytes in binary frames (no base64: see
+docs/dataplane.md), written to this terminal exactly as the command wrote them. A
+dropped connection is resumed from the last byte received; output that fell out of
+the sandbox's journal before it was read (a command writing faster than this reader
+takes it) is reported on stderr.
 
 With -i, this terminal's stdin is sent to the command; with -t it runs on a
 pseudo-terminal (raw mode, resized with the terminal).`,

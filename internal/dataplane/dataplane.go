@@ -7,7 +7,6 @@ package dataplane
 import (
 	"context"
 	"encoding/base64"
-	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
@@ -284,13 +283,9 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	text := false
-	switch r.URL.Query().Get("encoding") {
-	case "", "base64":
-	case "text":
-		text = true
-	default:
-		return rest.Invalid("encoding must be base64 or text")
+	enc, err := ParseEncoding(r)
+	if err != nil {
+		return err
 	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
@@ -299,7 +294,7 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	info, err := g.proc.Info(ctx)
 	if fault.Is(err, fault.Gone) {
 		// The token's process is gone with a lost instance; the pid is another's now.
-		lost(rest.NewSSE(w), g.pid, err.Error())
+		lost(NewEncoder(w, enc), g.pid, err.Error())
 		return nil
 	}
 	if err != nil {
@@ -319,42 +314,50 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 			return err
 		}
 	}
-	s := rest.NewSSE(w)
-	if err := s.Event("", api.EventStart, api.StartEvent{PID: g.pid, Offset: from}); err != nil {
+	e := NewEncoder(w, enc)
+	if err := e.Start(api.StartEvent{PID: g.pid, Offset: from}); err != nil {
 		return nil
 	}
-	_ = s.Flush()
+	_ = e.Flush()
 	for {
-		f, err := out.NextMerged(MaxEventBytes)
+		f, err := Next(out, e)
 		if err != nil {
 			if ctx.Err() == nil {
-				d.ended(ctx, s, g, err)
+				d.ended(ctx, e, g, err)
 			}
-			_ = s.Flush()
+			_ = e.Flush()
 			return nil
 		}
-		if err := WriteFrame(s, f, text); err != nil {
+		if err := e.Frame(f); err != nil {
 			return nil
 		}
 		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr || f.Type == wire.FrameHeartbeat {
 			d.cfg.Node.Touch(g.id) // output and an open stream both count as activity
 		}
 		if !out.Buffered() {
-			if s.Flush() != nil {
+			if e.Flush() != nil {
 				return nil
 			}
 		}
 		if f.Type == wire.FrameExit {
-			_ = s.Flush()
+			_ = e.Flush()
 			return nil
 		}
 	}
 }
 
+// Next reads the next agent frame for e: output frames merged when e wants them so.
+func Next(out *agentclient.OutputStream, e Encoder) (wire.Frame, error) {
+	if e.Merge() {
+		return out.NextMerged(MaxEventBytes)
+	}
+	return out.Next()
+}
+
 // ended tells an attached client why its stream ended before the process's exit: the
 // sandbox lost the process (its instance died; "lost"), or the stream broke (the client
 // reconnects with Last-Event-ID; "error").
-func (d *DataPlane) ended(ctx context.Context, s *rest.SSE, g *grant, cause error) {
+func (d *DataPlane) ended(ctx context.Context, e Encoder, g *grant, cause error) {
 	hctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
 	defer cancel()
 	agent, err := d.cfg.Node.Agent(hctx, g.id)
@@ -362,23 +365,23 @@ func (d *DataPlane) ended(ctx context.Context, s *rest.SSE, g *grant, cause erro
 		_, err = agent.Proc(g.pid, g.proc.UID()).Info(hctx)
 	}
 	if fault.Is(err, fault.Gone) || err != nil && !d.cfg.Node.InstanceRunning(hctx, g.id) {
-		lost(s, g.pid, "the sandbox lost this process: its instance stopped before the process exited")
+		lost(e, g.pid, "the sandbox lost this process: its instance stopped before the process exited")
 		return
 	}
 	msg := "agent stream ended"
 	if cause != io.EOF {
 		msg += ": " + cause.Error()
 	}
-	_ = s.Event("", api.EventError, map[string]string{"message": msg})
+	_ = e.Error(msg)
 }
 
 // lostCheckTimeout bounds the look at why a stream ended.
 const lostCheckTimeout = 5 * time.Second
 
 // lost writes the "lost" event that ends a stream whose process is gone.
-func lost(s *rest.SSE, pid int, msg string) {
-	_ = s.Event("", api.EventLost, api.LostEvent{PID: pid, Message: msg})
-	_ = s.Flush()
+func lost(e Encoder, pid int, msg string) {
+	_ = e.Lost(api.LostEvent{PID: pid, Message: msg})
+	_ = e.Flush()
 }
 
 // WriteFrame converts one agent frame to an SSE event (the one conversion, shared by
@@ -399,17 +402,9 @@ func WriteFrame(s *rest.SSE, f wire.Frame, text bool) error {
 		}
 		return s.Event(strconv.FormatInt(f.Offset+int64(len(f.Payload)), 10), name, ev)
 	case wire.FrameGap:
-		var dropped int64
-		if len(f.Payload) >= 8 {
-			for _, b := range f.Payload[:8] {
-				dropped = dropped<<8 | int64(b)
-			}
-		}
-		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventGap, api.GapEvent{Offset: f.Offset, Dropped: dropped})
+		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventGap, api.GapEvent{Offset: f.Offset, Dropped: gapDropped(f)})
 	case wire.FrameExit:
-		var ex wire.Exit
-		_ = json.Unmarshal(f.Payload, &ex)
-		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventExit, api.ExitEvent{ExitCode: ex.ExitCode, Signal: ex.Signal, Offset: f.Offset, Error: ex.Error})
+		return s.Event(strconv.FormatInt(f.Offset, 10), api.EventExit, exitEvent(f))
 	case wire.FrameHeartbeat:
 		return s.Comment("keepalive")
 	default:

@@ -53,6 +53,8 @@ type Platform interface {
 	Awake(ctx context.Context, p *service.Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error)
 	Running(ctx context.Context, p *service.Principal, id string, noWake bool) (*service.Target, error)
 	Agent(t *service.Target) *agentclient.Client
+	// Reach is Running and Agent in one, without a query when a recent target is known.
+	Reach(ctx context.Context, p *service.Principal, id string, noWake bool) (*agentclient.Client, error)
 	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error
 	UpdateNetwork(ctx context.Context, p *service.Principal, id string, body []byte, merge bool) (api.NetworkState, error)
 	// Fork, snapshots and metrics (snapshots.go, metrics.go).

@@ -254,7 +254,12 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		g.fail(w, r, err)
 		return
 	}
-	sb, err := g.runningSandbox(ctx, p, sb.ID)
+	// The row authenticate read says whether the sandbox runs; only one that does not
+	// is waited for (or resumed) with a fresh read.
+	var err error
+	if sb.State != api.StateRunning || sb.DesiredState != api.StateRunning || sb.DeletedAt != nil {
+		sb, err = g.runningSandbox(ctx, p, sb.ID)
+	}
 	if err != nil {
 		if fault.Is(err, fault.QuotaExceeded) {
 			g.fail(w, r, err) // an autoResume over the tenant's quota: say why
@@ -289,9 +294,11 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	// would close the body when the answer starts and the relay would cut the stream.
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	uw := &untunnel{ResponseWriter: w}
-	t, err := g.api.Running(ctx, p, sb.ID, true)
+	// commands.run (process.Process/Start) is one agent call that starts the process
+	// and streams its output; Reach finds the agent without a query when it can.
+	agent, err := g.api.Reach(ctx, p, sb.ID, true)
 	if err == nil {
-		err = g.api.Agent(t).Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
+		err = agent.Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
 	}
 	if err != nil {
 		if uw.wrote {

@@ -10,8 +10,9 @@ import (
 )
 
 // exec handles POST /v1/sandboxes/{id}/exec: start a command and answer with its
-// output and exit status as one SSE stream, the events of an attach stream from offset
-// 0 (docs/dataplane.md). Errors before the process exists are ordinary JSON errors.
+// output and exit status as one stream, the events of an attach stream from offset 0,
+// in SSE or binary frames (?encoding=, Accept; docs/dataplane.md). Errors before the
+// process exists are ordinary JSON errors.
 func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	var req api.ExecRequest
 	if err := rest.DecodeJSON(w, r, &req); err != nil {
@@ -21,26 +22,21 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	text := false
-	switch r.URL.Query().Get("encoding") {
-	case "", "base64":
-	case "text":
-		text = true
-	default:
-		return rest.Invalid("encoding must be base64 or text")
+	enc, err := dataplane.ParseEncoding(r)
+	if err != nil {
+		return err
 	}
 	x, err := a.svc.Exec(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw)
 	if err != nil {
 		return err
 	}
 	defer x.Close()
-	s := rest.NewSSE(w)
-	if err := s.Event("", api.EventStart, api.StartEvent{PID: x.PID, ProcessUID: x.UID}); err != nil {
+	e := dataplane.NewEncoder(w, enc)
+	if err := e.Start(api.StartEvent{PID: x.PID, ProcessUID: x.UID}); err != nil {
 		return nil
 	}
-	_ = s.Flush()
 	for {
-		f, err := x.Out.NextMerged(dataplane.MaxEventBytes)
+		f, err := dataplane.Next(x.Out, e)
 		if err != nil {
 			if r.Context().Err() == nil {
 				// Cut (revoked) or broken: the client re-attaches to pid/process_uid
@@ -49,20 +45,20 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 				if x.Ctx.Err() != nil {
 					msg = "exec stream was cut: the sandbox's tokens or the API key were revoked, or the listener reconnected"
 				}
-				_ = s.Event("", api.EventError, map[string]string{"message": msg})
-				_ = s.Flush()
+				_ = e.Error(msg)
+				_ = e.Flush()
 			}
 			return nil
 		}
-		if err := dataplane.WriteFrame(s, f, text); err != nil {
+		if err := e.Frame(f); err != nil {
 			return nil
 		}
 		if f.Type == wire.FrameExit {
-			_ = s.Flush()
+			_ = e.Flush()
 			return nil
 		}
 		if !x.Out.Buffered() {
-			if s.Flush() != nil {
+			if e.Flush() != nil {
 				return nil
 			}
 		}

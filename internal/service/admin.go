@@ -131,7 +131,9 @@ func (s *Service) RevokeAPIKey(ctx context.Context, p *Principal, id string) (ap
 	if err := RequireAdmin(p); err != nil {
 		return api.APIKey{}, err
 	}
-	if k, err = s.st.RevokeAPIKey(ctx, id); err != nil {
+	k, err = s.st.RevokeAPIKey(ctx, id)
+	s.fast.dropKeys(id) // this process does not wait for the notification
+	if err != nil {
 		return api.APIKey{}, err
 	}
 	s.log.Info("api key revoked", "key", k.ID, "tenant", k.Tenant, "by", p.KeyID)

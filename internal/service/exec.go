@@ -1,14 +1,12 @@
 package service
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"sync"
 	"time"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/store"
@@ -37,6 +35,17 @@ type fastPath struct {
 	seq     uint64
 	targets map[string]cachedTarget
 	streams map[*Execution]struct{}
+	// keys caches authenticated API keys by the hash of their secret, under the same
+	// rules: dropped at their revocation (ChannelKeys), all at a reconnect, a tenant's
+	// deletion or after targetCacheTTL; keySeq counts the notifications that drop keys.
+	keys   map[string]cachedKey
+	keySeq uint64
+}
+
+type cachedKey struct {
+	p    Principal
+	kind string
+	at   time.Time
 }
 
 type cachedTarget struct {
@@ -46,7 +55,7 @@ type cachedTarget struct {
 }
 
 func newFastPath() *fastPath {
-	return &fastPath{targets: map[string]cachedTarget{}, streams: map[*Execution]struct{}{}}
+	return &fastPath{targets: map[string]cachedTarget{}, streams: map[*Execution]struct{}{}, keys: map[string]cachedKey{}}
 }
 
 // notify handles one notification of the service's listener (see Service.Run).
@@ -55,6 +64,8 @@ func (f *fastPath) notify(channel, payload string) {
 	defer f.mu.Unlock()
 	if channel != store.ChannelKeys {
 		f.seq++
+	} else {
+		f.dropKeysLocked(payload)
 	}
 	switch {
 	case payload == "":
@@ -88,10 +99,56 @@ func (f *fastPath) notify(channel, payload string) {
 func (f *fastPath) stop() {
 	f.mu.Lock()
 	f.seq++
+	f.keySeq++
 	f.live = false
 	clear(f.targets)
+	clear(f.keys)
 	f.mu.Unlock()
 }
+
+// key returns the cached principal of the key of kind whose secret hashes to hash
+// (nil if none), and the count to hand to rememberKey.
+func (f *fastPath) key(hash, kind string) (*Principal, uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	k, ok := f.keys[hash]
+	if !ok || !f.live || k.kind != kind || time.Since(k.at) > targetCacheTTL {
+		return nil, f.keySeq
+	}
+	p := k.p
+	return &p, f.keySeq
+}
+
+// rememberKey caches p unless a key notification came after seq.
+func (f *fastPath) rememberKey(hash, kind string, p Principal, seq uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.live && f.keySeq == seq {
+		if len(f.keys) >= maxCachedKeys {
+			clear(f.keys)
+		}
+		f.keys[hash] = cachedKey{p: p, kind: kind, at: time.Now()}
+	}
+}
+
+// dropKeys forgets the cached key id ("" = every key).
+func (f *fastPath) dropKeys(id string) {
+	f.mu.Lock()
+	f.dropKeysLocked(id)
+	f.mu.Unlock()
+}
+
+func (f *fastPath) dropKeysLocked(id string) {
+	f.keySeq++
+	for h, k := range f.keys {
+		if id == "" || k.p.KeyID == id {
+			delete(f.keys, h)
+		}
+	}
+}
+
+// maxCachedKeys bounds the key cache (a flood of distinct valid keys cannot grow it).
+const maxCachedKeys = 4096
 
 // lookup returns the cached target of sandbox id for p (nil if none), and the
 // invalidation count to hand to remember after reading the target afresh.
@@ -152,6 +209,38 @@ func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client
 		return a, nil
 	}
 	return s.Agent(t), nil
+}
+
+// Reach returns a client for the agent of running sandbox id, for relays (the E2B
+// envd routes, commands.run among them). Like Exec it reads the database only when it
+// must: a sandbox reached in the last seconds on this process's node is reached again
+// without a query (the node itself checks that it still runs there); otherwise
+// Running (waking it unless noWake) and the target is remembered.
+func (s *Service) Reach(ctx context.Context, p *Principal, id string, noWake bool) (*agentclient.Client, error) {
+	if t, _ := s.fast.lookup(p, id); t != nil && s.onLocalNode(t) {
+		if a, err := s.execAgent(ctx, t); err == nil {
+			s.touch(id)
+			return a, nil
+		}
+		s.fast.forget(id)
+	}
+	_, seq := s.fast.lookup(p, id)
+	t, err := s.Running(ctx, p, id, noWake)
+	if err != nil {
+		return nil, err
+	}
+	a, err := s.execAgent(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	s.fast.remember(t, seq)
+	return a, nil
+}
+
+// onLocalNode reports whether t is on the node running in this process.
+func (s *Service) onLocalNode(t *Target) bool {
+	l := s.local.Load()
+	return l != nil && t.Node != nil && t.Node.ID == (*l).ID()
 }
 
 // Execution is a command started by Exec: its process and its output stream from
@@ -242,20 +331,15 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 	return x, nil
 }
 
-// startExec creates the gated process, connects to its output, then lets it run and
-// feeds it stdin.
+// startExec starts the process and connects to its output in one agent call (see
+// agentclient.Exec), tracked so that a revocation cuts the stream.
 func (s *Service) startExec(ctx context.Context, p *Principal, t *Target, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
 	agent, err := s.execAgent(ctx, t)
 	if err != nil {
 		return nil, err
 	}
-	info, err := agent.StartProcess(ctx, spec)
-	if err != nil {
-		return nil, err
-	}
-	proc := agent.Proc(info.PID, info.UID)
 	sctx, cancel := context.WithCancel(ctx)
-	x := &Execution{PID: info.PID, UID: info.UID, Ctx: sctx, sandbox: t.Sandbox.ID, key: p.KeyID, cancel: cancel}
+	x := &Execution{Ctx: sctx, sandbox: t.Sandbox.ID, key: p.KeyID, cancel: cancel}
 	s.fast.mu.Lock()
 	s.fast.streams[x] = struct{}{}
 	s.fast.mu.Unlock()
@@ -264,26 +348,11 @@ func (s *Service) startExec(ctx context.Context, p *Principal, t *Target, spec w
 		delete(s.fast.streams, x)
 		s.fast.mu.Unlock()
 	}
-	fail := func(err error) (*Execution, error) {
-		// The gated process never ran: end it so it does not wait for an attach.
-		kctx, kcancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer kcancel()
-		_ = proc.Signal(kctx, "KILL")
+	ax, err := agent.Exec(sctx, spec, stdin)
+	if err != nil {
 		x.Close()
 		return nil, err
 	}
-	if x.Out, err = proc.Output(sctx, 0, true); err != nil {
-		return fail(err)
-	}
-	if err := proc.Start(sctx); err != nil && !fault.Is(err, fault.Conflict) {
-		return fail(err)
-	}
-	if stdin != nil {
-		go func() {
-			if err := proc.WriteStdin(sctx, bytes.NewReader(stdin), true); err != nil && sctx.Err() == nil {
-				s.log.Debug("exec stdin", "sandbox", t.Sandbox.ID, "pid", info.PID, "err", err)
-			}
-		}()
-	}
+	x.PID, x.UID, x.Out = ax.PID, ax.UID, ax.Out
 	return x, nil
 }

@@ -69,3 +69,58 @@ func TestFastPathCache(t *testing.T) {
 		t.Fatalf("cut %v, want x2 and x3", cut)
 	}
 }
+
+// TestKeyCache checks the API key cache's rules: nothing cached before the listener
+// connects; a key's revocation (notified, or done by this process) drops it and only
+// it; a key read before a revocation notification is not remembered after it; a key
+// of another kind is not served; a reconnect or a tenant's deletion drops every key.
+func TestKeyCache(t *testing.T) {
+	f := newFastPath()
+	k1 := Principal{KeyID: "k1", Tenant: "a"}
+	k2 := Principal{KeyID: "k2", Tenant: "b"}
+	_, seq := f.key("h1", KeySpace)
+	f.rememberKey("h1", KeySpace, k1, seq)
+	if p, _ := f.key("h1", KeySpace); p != nil {
+		t.Fatal("cached before the listener connected")
+	}
+	f.notify(store.ChannelKeys, "") // connected
+	remember := func(h string, p Principal) {
+		_, seq := f.key(h, KeySpace)
+		f.rememberKey(h, KeySpace, p, seq)
+	}
+	remember("h1", k1)
+	remember("h2", k2)
+	if p, _ := f.key("h1", KeySpace); p == nil || *p != k1 {
+		t.Fatalf("not cached: %v", p)
+	}
+	if p, _ := f.key("h1", KeyE2B); p != nil {
+		t.Fatal("served for another kind")
+	}
+	f.notify(store.ChannelKeys, "k1")
+	if p, _ := f.key("h1", KeySpace); p != nil {
+		t.Fatal("kept after its revocation")
+	}
+	if p, _ := f.key("h2", KeySpace); p == nil {
+		t.Fatal("another key's revocation dropped it")
+	}
+	f.dropKeys("k2")
+	if p, _ := f.key("h2", KeySpace); p != nil {
+		t.Fatal("kept after this process revoked it")
+	}
+	_, seq = f.key("h1", KeySpace)
+	f.notify(store.ChannelKeys, "k9")
+	f.rememberKey("h1", KeySpace, k1, seq)
+	if p, _ := f.key("h1", KeySpace); p != nil {
+		t.Fatal("remembered a key read before a revocation")
+	}
+	remember("h1", k1)
+	f.dropKeys("") // a tenant deleted
+	if p, _ := f.key("h1", KeySpace); p != nil {
+		t.Fatal("kept after every key was dropped")
+	}
+	remember("h1", k1)
+	f.stop()
+	if p, _ := f.key("h1", KeySpace); p != nil {
+		t.Fatal("served while the listener is gone")
+	}
+}

@@ -333,6 +333,7 @@ func (s *Service) DeleteTenant(ctx context.Context, p *Principal, name string) (
 		return api.Tenant{}, fault.New(fault.Conflict, "tenant \"default\" cannot be removed (operator keys live in it)")
 	}
 	t, err := s.st.DeleteTenant(ctx, name)
+	s.fast.dropKeys("") // this process does not wait for the notification
 	if err != nil {
 		return api.Tenant{}, err
 	}

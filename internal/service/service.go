@@ -204,12 +204,22 @@ func (s *Service) Authenticate(ctx context.Context, secret, kind string) (*Princ
 	if len(secret) > maxSecretLen {
 		return nil, fault.New(fault.Unauthorized, "invalid API key")
 	}
+	// A key seen in the last seconds is not read again (revocations drop it at once:
+	// see fastPath.key); only valid keys are cached.
+	hash := string(store.HashKey(secret))
+	p, seq := s.fast.key(hash, kind)
+	if p != nil {
+		return p, nil
+	}
 	k, err := s.st.LookupAPIKey(ctx, secret)
 	if fault.Is(err, fault.NotFound) {
 		return nil, fault.New(fault.Unauthorized, "invalid API key")
 	}
 	if err != nil {
 		return nil, err
+	}
+	if k.Kind == kind {
+		s.fast.rememberKey(hash, kind, Principal{KeyID: k.ID, Tenant: k.Tenant, Role: k.Role}, seq)
 	}
 	if k.Kind != kind {
 		if kind == KeySpace {

@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"bufio"
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -111,6 +113,7 @@ func (a *Agent) routes() http.Handler {
 	mux.HandleFunc("POST /v1/processes/{pid}/stdin", a.handle(a.handleStdin))
 	mux.HandleFunc("POST /v1/processes/{pid}/signal", a.handle(a.handleSignal))
 	mux.HandleFunc("POST /v1/processes/{pid}/resize", a.handle(a.handleResize))
+	mux.HandleFunc("POST /v1/exec", a.handle(a.handleExec))
 	mux.HandleFunc("GET /v1/files/content", a.handle(a.handleReadFile))
 	mux.HandleFunc("PUT /v1/files/content", a.handle(a.handleWriteFile))
 	mux.HandleFunc("GET /v1/files/stat", a.handle(a.handleStat))
@@ -305,7 +308,13 @@ func queryInt(r *http.Request, name string, def int64) (int64, error) {
 }
 
 const (
-	outputReadBuf = 128 << 10
+	// outputWriteBuf gathers the frames of one flush (a whole outputReadBuf frame fits).
+	outputWriteBuf = 256 << 10
+	// bulkOutput is the output per flush above which a stream counts as in full flow,
+	// and coalesceWindow how long such a stream gathers output between writes.
+	bulkOutput     = 32 << 10
+	coalesceWindow = time.Millisecond
+	outputReadBuf  = 128 << 10
 	// flushEvery bounds how much is written between flushes while catching up.
 	flushEvery = 1 << 20
 )
@@ -325,6 +334,53 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeOffsetBeyondEnd,
 			msg: fmt.Sprintf("offset %d beyond end %d", from, end)}
 	}
+	a.streamOutput(w, r, p, from, follow)
+	return nil
+}
+
+// handleExec is POST /v1/exec: one call that creates a process, feeds its stdin and
+// streams its output from offset 0 to the exit frame (see wire.ExecRequest). The
+// process is not gated: this handler reads its journal from the first byte, and a
+// writer faster than the journal's bound is reported by a gap frame, as for any reader.
+// A program that cannot be executed is created gated instead, so that the failure
+// comes back as an exit frame (127/126 with its error) like on the two-step path.
+func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
+	var req wire.ExecRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	spec := req.ProcessSpec
+	spec.Gated = false
+	if req.StdinData != nil {
+		spec.Stdin = true
+	}
+	p, err := a.startProcess(spec)
+	var ae *apiError
+	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
+		spec.Gated = true
+		if p, err = a.startProcess(spec); err == nil {
+			err = p.start()
+		}
+	}
+	if err != nil {
+		return err
+	}
+	w.Header().Set(wire.PIDHeader, strconv.Itoa(p.pid))
+	w.Header().Set(wire.UIDHeader, p.uid())
+	if req.StdinData != nil {
+		go func() {
+			if err := p.writeStdin(r.Context(), bytes.NewReader(req.StdinData), true); err != nil {
+				a.log.Debug("exec stdin", "pid", p.pid, "err", err)
+			}
+		}()
+	}
+	a.streamOutput(w, r, p, 0, true)
+	return nil
+}
+
+// streamOutput writes the frames of p's journal from offset from; see the rules in
+// package wire.
+func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process, from int64, follow bool) {
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Cache-Control", "no-store")
 	w.WriteHeader(http.StatusOK)
@@ -332,9 +388,19 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 	// Headers go out now: a client attaching to a gated process must not wait for the
 	// first frame to learn that the stream is open.
 	if err := rc.Flush(); err != nil {
-		return nil
+		return
 	}
 	ctx := r.Context()
+	// Frames gather in bw and go out in one write per flush: under gVisor every write
+	// to the host socket is a costly host system call.
+	bw := bufio.NewWriterSize(w, outputWriteBuf)
+	flush := func() error {
+		if err := bw.Flush(); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	var lastBulk time.Time // when a flush last carried a bulk of output
 
 	pos := from
 	sentStart := false
@@ -346,8 +412,8 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		wrote := 0
 		if !sentStart && p.hasStarted() {
 			payload, _ := json.Marshal(wire.Start{PID: p.pid})
-			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
-				return nil
+			if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameStart, Offset: pos, Payload: payload}); err != nil {
+				return
 			}
 			sentStart = true
 			wrote++
@@ -360,8 +426,8 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 			if gap > 0 {
 				var payload [8]byte
 				binary.BigEndian.PutUint64(payload[:], uint64(gap))
-				if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
-					return nil
+				if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameGap, Offset: pos + gap, Payload: payload[:]}); err != nil {
+					return
 				}
 				pos += gap
 				wrote++
@@ -371,8 +437,8 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 				caughtUp = true
 				break
 			}
-			if err := wire.WriteFrame(w, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
-				return nil
+			if err := wire.WriteFrame(bw, wire.Frame{Type: stream, Offset: pos, Payload: buf[:n]}); err != nil {
+				return
 			}
 			pos += int64(n)
 			wrote += n
@@ -384,22 +450,27 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 			if exit, done := p.exitInfo(); done {
 				if _, end := p.journal.bounds(); pos >= end {
 					payload, _ := json.Marshal(exit)
-					if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
-						return nil
+					if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameExit, Offset: pos, Payload: payload}); err != nil {
+						return
 					}
-					_ = rc.Flush()
-					return nil
+					_ = flush()
+					return
 				}
 				continue // output arrived meanwhile: send it first
 			}
 			if !follow {
-				_ = rc.Flush()
-				return nil
+				_ = flush()
+				return
 			}
 		}
 		if wrote > 0 {
-			if err := rc.Flush(); err != nil {
-				return nil
+			if err := flush(); err != nil {
+				return
+			}
+			if wrote >= bulkOutput {
+				lastBulk = time.Now()
+			} else {
+				lastBulk = time.Time{}
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
 			if !caughtUp {
@@ -408,14 +479,27 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		}
 		select {
 		case <-changed:
-		case <-ctx.Done():
-			return nil
-		case <-hb.C:
-			if err := wire.WriteFrame(w, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
-				return nil
+			// A stream in full flow (the last flush carried a bulk) gathers output for the
+			// rest of a window before the next write, so a writer of small pieces costs
+			// one host write per window, not one per piece. A quiet stream's first bytes
+			// and every exit go out at once.
+			if wait := coalesceWindow - time.Since(lastBulk); !lastBulk.IsZero() && wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+					t.Stop()
+					return
+				}
 			}
-			if err := rc.Flush(); err != nil {
-				return nil
+		case <-ctx.Done():
+			return
+		case <-hb.C:
+			if err := wire.WriteFrame(bw, wire.Frame{Type: wire.FrameHeartbeat, Offset: pos}); err != nil {
+				return
+			}
+			if err := flush(); err != nil {
+				return
 			}
 			hb.Reset(a.cfg.HeartbeatInterval)
 		}

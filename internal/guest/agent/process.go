@@ -27,6 +27,10 @@ const (
 	// to close; descendants may keep them open indefinitely.
 	outputGrace = 200 * time.Millisecond
 	pumpBuf     = 64 << 10
+	// pumpWindow is how long a pump in full flow lets small writes gather in the pipe,
+	// which holds pumpPipeSize bytes (Linux's default pipe-max-size) where allowed.
+	pumpWindow   = time.Millisecond
+	pumpPipeSize = 1 << 20
 )
 
 // process is one program started by the agent.
@@ -158,13 +162,13 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 			childFiles = append(childFiles, devnull)
 			stdin = devnull
 		}
-		or, ow, err := os.Pipe()
+		or, ow, err := outputPipe()
 		if err != nil {
 			return fail(fmt.Errorf("stdout pipe: %w", err))
 		}
 		parentFiles = append(parentFiles, or)
 		childFiles = append(childFiles, ow)
-		er, ew, err := os.Pipe()
+		er, ew, err := outputPipe()
 		if err != nil {
 			return fail(fmt.Errorf("stderr pipe: %w", err))
 		}
@@ -380,13 +384,42 @@ func (p *process) start() error {
 	return nil
 }
 
+// outputPipe returns a pipe for a process's stdout or stderr, in blocking mode: its
+// pump reads it with plain blocking reads, outside Go's poller. A pipe in the poller
+// wakes the agent's poller thread on every write of the program, even while the pump
+// is not reading; under gVisor each wake-up is a costly trap.
+func outputPipe() (r, w *os.File, err error) {
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC); err != nil {
+		return nil, nil, err
+	}
+	return os.NewFile(uintptr(fds[0]), "|0"), os.NewFile(uintptr(fds[1]), "|1"), nil
+}
+
 // pump drains one output of the process into the journal at full speed.
+//
+// A program writing a stream of small pieces (head, cat, a shell loop: 4–8 KiB each)
+// would cost a read, a journal append and a reader's wake-up per piece, each a trap into
+// the sentry under gVisor. Once two small reads come within pumpWindow, the pump waits
+// out a window before reading again, and the pipe (enlarged to pumpPipeSize, so the
+// writer does not block meanwhile) gathers the pieces for one read. A lone burst (a
+// line, the first bytes of a stream) is read at once, and EOF ends the pump at once.
 func (p *process) pump(f *os.File, stream byte) {
+	if rc, err := f.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) { _, _ = unix.FcntlInt(fd, unix.F_SETPIPE_SZ, pumpPipeSize) })
+	}
 	buf := make([]byte, pumpBuf)
+	var last time.Time
 	for {
 		n, err := f.Read(buf)
 		if n > 0 {
 			p.journal.append(stream, buf[:n])
+			now := time.Now()
+			if err == nil && n < len(buf)/2 && now.Sub(last) < pumpWindow {
+				time.Sleep(pumpWindow)
+				now = time.Now()
+			}
+			last = now
 		}
 		if err != nil {
 			// EOF for pipes; EIO for a PTY master once the terminal is gone.

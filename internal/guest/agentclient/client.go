@@ -25,6 +25,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/spacedev/space/internal/fault"
@@ -51,6 +52,8 @@ type Client struct {
 	transport http.RoundTripper
 	base      string
 	auth      func() (string, error)
+	// noExec: the agent has no POST /v1/exec (it answered 404 once).
+	noExec atomic.Bool
 }
 
 // baseURL is a placeholder host: every connection comes from the dial function.
@@ -422,6 +425,79 @@ func (p Proc) Output(ctx context.Context, from int64, follow bool) (*OutputStrea
 		return nil, err
 	}
 	return &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 256<<10)}, nil
+}
+
+// Execution is a process started by Exec, with its output stream from offset 0.
+type Execution struct {
+	PID int
+	UID string
+	Out *OutputStream
+}
+
+// Exec creates a process, writes stdin (when not nil) to it and closes it, and
+// returns the process's output stream from offset 0, following it to the exit frame:
+// one call (POST /v1/exec) to an agent that has it. An older agent (a sandbox restored
+// from a snapshot taken before the call existed) answers 404 without an error code;
+// then Exec takes the three calls those agents know: a gated process, its output
+// stream, its start (and a stdin write), and remembers not to try again.
+func (c *Client) Exec(ctx context.Context, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
+	if !c.noExec.Load() {
+		x, err := c.execOne(ctx, spec, stdin)
+		if err == nil || StatusOf(err) != http.StatusNotFound || CodeOf(err) != "" {
+			return x, err
+		}
+		c.noExec.Store(true)
+	}
+	return c.execSteps(ctx, spec, stdin)
+}
+
+func (c *Client) execOne(ctx context.Context, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
+	spec.Gated = false
+	data, err := json.Marshal(wire.ExecRequest{ProcessSpec: spec, StdinData: stdin})
+	if err != nil {
+		return nil, fmt.Errorf("agent exec: %w", err)
+	}
+	resp, err := c.request(ctx, http.MethodPost, "/v1/exec", nil, bytes.NewReader(data), "application/json", http.StatusOK)
+	if err != nil {
+		return nil, err
+	}
+	pid, perr := strconv.Atoi(resp.Header.Get(wire.PIDHeader))
+	uid := resp.Header.Get(wire.UIDHeader)
+	if perr != nil || pid <= 0 || uid == "" || len(uid) > 256 {
+		resp.Body.Close()
+		return nil, fault.New(fault.BadGateway, "sandbox agent: exec answer without a valid process id")
+	}
+	return &Execution{PID: pid, UID: uid, Out: &OutputStream{body: resp.Body, br: bufio.NewReaderSize(resp.Body, 256<<10)}}, nil
+}
+
+// execSteps is Exec for agents without POST /v1/exec.
+func (c *Client) execSteps(ctx context.Context, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
+	spec.Gated = true
+	spec.Stdin = spec.Stdin || stdin != nil
+	info, err := c.StartProcess(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	proc := c.Proc(info.PID, info.UID)
+	fail := func(err error) (*Execution, error) {
+		// The gated process never ran: end it so it does not wait for a start.
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = proc.Signal(kctx, "KILL")
+		return nil, err
+	}
+	out, err := proc.Output(ctx, 0, true)
+	if err != nil {
+		return fail(err)
+	}
+	if err := proc.Start(ctx); err != nil && !fault.Is(err, fault.Conflict) {
+		out.Close()
+		return fail(err)
+	}
+	if stdin != nil {
+		go func() { _ = proc.WriteStdin(ctx, bytes.NewReader(stdin), true) }()
+	}
+	return &Execution{PID: info.PID, UID: info.UID, Out: out}, nil
 }
 
 // GetProcess describes one process.

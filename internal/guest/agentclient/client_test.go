@@ -2,9 +2,11 @@ package agentclient
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/spacedev/space/internal/fault"
@@ -36,5 +38,54 @@ func TestRepliesOutsideTheProtocolAreBadGateway(t *testing.T) {
 	}
 	if _, err := c.List(ctx, "/nope", "", 1); fault.KindOf(err) != fault.NotFound || !strings.Contains(err.Error(), "no such file") {
 		t.Errorf("agent 404: %v (kind %v), want not found with the agent's words", err, fault.KindOf(err))
+	}
+}
+
+// An agent without POST /v1/exec (one restored from an older snapshot) answers 404
+// with no error code: Exec then takes the gated three-call path, and stops asking.
+func TestExecFallsBackForOlderAgents(t *testing.T) {
+	var mu sync.Mutex
+	var calls []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		calls = append(calls, r.Method+" "+r.URL.Path)
+		mu.Unlock()
+		switch r.Method + " " + r.URL.Path {
+		case "POST /v1/processes":
+			var spec wire.ProcessSpec
+			if err := json.NewDecoder(r.Body).Decode(&spec); err != nil || !spec.Gated || !spec.Stdin {
+				http.Error(w, `{"code":"bad_request","message":"want a gated spec with stdin"}`, http.StatusBadRequest)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			_ = json.NewEncoder(w).Encode(wire.ProcessInfo{PID: 7, UID: "b.1", State: wire.StateCreated})
+		case "GET /v1/processes/7/output":
+			w.WriteHeader(http.StatusOK)
+			_ = wire.WriteFrame(w, wire.Frame{Type: wire.FrameStdout, Payload: []byte("hi")})
+			_ = wire.WriteFrame(w, wire.Frame{Type: wire.FrameExit, Offset: 2, Payload: []byte(`{"exit_code":0}`)})
+		case "POST /v1/processes/7/start", "POST /v1/processes/7/stdin":
+			w.WriteHeader(http.StatusNoContent)
+		default:
+			http.NotFound(w, r) // what Go's mux of an older agent answers
+		}
+	}))
+	defer srv.Close()
+	c := NewVia(srv.URL, http.DefaultTransport, nil)
+	ctx := context.Background()
+	for i := 0; i < 2; i++ {
+		x, err := c.Exec(ctx, wire.ProcessSpec{Argv: []string{"cat"}}, []byte("in"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := x.Out.Next()
+		if err != nil || x.PID != 7 || x.UID != "b.1" || string(f.Payload) != "hi" {
+			t.Fatalf("exec %d: %+v %q %v", i, x, f.Payload, err)
+		}
+		x.Out.Close()
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if n := strings.Count(strings.Join(calls, ","), "POST /v1/exec"); n != 1 {
+		t.Errorf("POST /v1/exec asked %d times, want once: %v", n, calls)
 	}
 }

@@ -18,6 +18,11 @@
 //	POST   /v1/processes/{pid}/stdin[?eof=1] body = bytes → 204
 //	POST   /v1/processes/{pid}/signal       Signal → 204
 //	POST   /v1/processes/{pid}/resize       Resize → 204
+//	POST   /v1/exec                         ExecRequest → frame stream from offset 0 (one call:
+//	                                        create, run, feed stdin, follow to the exit frame);
+//	                                        PIDHeader and UIDHeader name the process. Agents
+//	                                        older than this call answer 404 without an error
+//	                                        code: the host then takes the three calls above
 //	GET    /v1/ports/{port}/connect         Connection: Upgrade, Upgrade: PortUpgrade →
 //	                                        101, then the connection carries the bytes of a
 //	                                        TCP connection the agent made to 127.0.0.1:port
@@ -84,6 +89,13 @@ const (
 // identity (ProcessInfo.UID).
 const UIDQuery = "uid"
 
+// Headers of the answer to POST /v1/exec: the process's pid and identity (the body is
+// its output stream).
+const (
+	PIDHeader = "X-Space-Pid"
+	UIDHeader = "X-Space-Process-Uid"
+)
+
 // Defaults of the agent's journal bound and exit retention (space serve passes its
 // flags' values to every agent; these are the one source of the defaults).
 const (
@@ -137,6 +149,14 @@ type ProcessSpec struct {
 	Gated bool `json:"gated,omitempty"`
 	// Tag is an opaque label kept with the process (e.g. an E2B tag).
 	Tag string `json:"tag,omitempty"`
+}
+
+// ExecRequest is the body of POST /v1/exec: a process (never gated: the answer is its
+// output from offset 0, read by the agent itself from the start) and, when StdinData is
+// set, bytes the agent writes to its stdin before closing it (Stdin is implied).
+type ExecRequest struct {
+	ProcessSpec
+	StdinData []byte `json:"stdin_data,omitempty"`
 }
 
 // Size is a terminal size.

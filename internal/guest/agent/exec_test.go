@@ -1,0 +1,49 @@
+package agent_test
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/internal/guest/wire"
+)
+
+// POST /v1/exec starts a process and streams its output from offset 0 in one call:
+// stdout and stderr whole (binary bytes untouched), stdin fed and closed, the exit
+// status last; a program that cannot be executed exits 127/126 like a gated one.
+func TestExecOneCall(t *testing.T) {
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	x, err := e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"sh", "-c", "printf '\\377\\000a'; cat >&2; exit 5"}}, []byte("from stdin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := consume(t, x.Out, 0)
+	if exitCode(t, r.exit) != 5 || !bytes.Equal(r.stdout, []byte{0xff, 0, 'a'}) || string(r.stderr) != "from stdin" || !r.started || r.startPID != x.PID {
+		t.Fatalf("exec: pid %d uid %q, %+v", x.PID, x.UID, r)
+	}
+	pi, err := e.c.Proc(x.PID, x.UID).Info(ctx)
+	if err != nil || pi.State != wire.StateExited || pi.Written != 13 {
+		t.Fatalf("process after exec: %+v %v", pi, err)
+	}
+	// Many short commands: each ends with its exit frame after all of its output.
+	for i := 0; i < 20; i++ {
+		x, err := e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"echo", "hi"}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := consume(t, x.Out, 0); exitCode(t, r.exit) != 0 || string(r.stdout) != "hi\n" {
+			t.Fatalf("echo, run %d: %+v", i, r)
+		}
+	}
+	x, err = e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"no-such-program-x"}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := consume(t, x.Out, 0); exitCode(t, r.exit) != 127 || !strings.Contains(r.exit.Error, "not found") {
+		t.Fatalf("missing program: %+v", r.exit)
+	}
+	_, err = e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"true"}, User: "nobody-here"}, nil)
+	wantAgentError(t, err, 400, wire.ErrCodeUnknownUser)
+}
