@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -321,6 +322,11 @@ for line in sys.stdin:
 	t.Logf("wake on another node: %s; op %s", woken.StatusReason, op.Message)
 	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
 		t.Fatalf("file after the wake elsewhere: %d %q", code, out)
+	}
+	// The pulled snapshot served this sandbox only: node a dropped it once the
+	// sandbox had its own disk and checkpoint.
+	if left, _ := os.ReadDir(filepath.Join(f.a.DataDir, "store", "pulled")); len(left) != 0 {
+		t.Errorf("node a still caches %d pulled snapshots after the move (want the moved sandbox's dropped)", len(left))
 	}
 	// The process is the same one, with its memory: it answers with the value it drew.
 	re, err := cl.CreateSession(c, sb.ID, api.CreateSessionRequest{PID: mem.PID, ProcessUID: mem.ProcessUID})

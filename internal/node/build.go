@@ -84,6 +84,7 @@ func (n *Node) runBuilds(ctx context.Context) {
 		}
 		n.pushUnshared(ctx)
 		n.evictReleases(ctx)
+		n.evictPulled(ctx)
 	}
 }
 

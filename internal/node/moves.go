@@ -218,6 +218,17 @@ func (n *Node) materialize(ctx context.Context, sb *store.Sandbox) error {
 	if n.cfg.Artifacts == nil {
 		return fault.New(fault.Unavailable, "node %s has no registry (space serve --registry) to pull the snapshot from", n.cfg.Name)
 	}
+	if err := n.materializeFrom(ctx, sb); err != nil {
+		return err
+	}
+	// The sandbox has its own disk and checkpoint now; the pulled copy served only it.
+	n.dropPulled(ctx, sb.SnapshotDigest)
+	return nil
+}
+
+func (n *Node) materializeFrom(ctx context.Context, sb *store.Sandbox) error {
+	n.pulledUse.RLock()
+	defer n.pulledUse.RUnlock()
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		return err
 	}

@@ -390,6 +390,9 @@ func (n *Node) startFromSnapshot(ctx context.Context, sb *store.Sandbox) (string
 		if digest == "" || n.cfg.Artifacts == nil {
 			return "", fmt.Errorf("snapshot %s is on another node and not in this node's registry", sn.ID)
 		}
+		// The pulled copy must stay until the restore read it (evictPulled).
+		n.pulledUse.RLock()
+		defer n.pulledUse.RUnlock()
 		pulled, err := n.cfg.Artifacts.PullSnapshot(ctx, "", digest)
 		if err != nil {
 			return "", fmt.Errorf("pull snapshot %s: %w", sn.ID, err)

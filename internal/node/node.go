@@ -163,6 +163,9 @@ type Node struct {
 	// releaseUse is held (read) while a create resolves its release and makes its disk
 	// from it, and (write) while the node removes a release from its cache.
 	releaseUse sync.RWMutex
+	// pulledUse is held (read) while a create uses a pulled snapshot and (write)
+	// while pulled snapshots are removed (pulledcache.go).
+	pulledUse sync.RWMutex
 	health     healthState
 	starts     startTimes // recent start durations by path (startpath.go)
 }
