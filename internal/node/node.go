@@ -166,8 +166,8 @@ type Node struct {
 	// pulledUse is held (read) while a create uses a pulled snapshot and (write)
 	// while pulled snapshots are removed (pulledcache.go).
 	pulledUse sync.RWMutex
-	health     healthState
-	starts     startTimes // recent start durations by path (startpath.go)
+	health    healthState
+	starts    startTimes // recent start durations by path (startpath.go)
 }
 
 // New returns a node. Run starts it.
