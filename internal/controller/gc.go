@@ -78,33 +78,9 @@ func (c *Controller) CollectReleases(ctx context.Context) ([]string, error) {
 		byDigest[a.Release] = a
 		digests = append(digests, a.Release)
 	}
-	gone, err := c.st.ReleaseGCSweep(ctx, digests, kept, c.cfg.GCGrace)
-	if err != nil {
-		return nil, err
-	}
-	var deleted []string
-	for _, d := range gone {
-		a := byDigest[d]
-		if time.Since(a.PushedAt) < c.cfg.GCGrace {
-			continue // pushed again lately: its pusher may not have recorded it yet
-		}
-		// By tag and manifest digest: a push of the same release since the listing
-		// makes the delete refuse (fault.Conflict) and the next pass look again.
-		err := reg.Delete(ctx, artifact.KindRelease, a.Tag, a.Digest)
-		if fault.Is(err, fault.Conflict) {
-			continue
-		}
-		if err != nil {
-			return deleted, err
-		}
-		if err := c.st.ReleaseGCDeleted(ctx, d); err != nil {
-			return deleted, err
-		}
-		c.log.Info("deleted unreferenced template release from the registry", "digest", d, "ref", a.Reference,
-			"pushed", a.PushedAt.Format(time.RFC3339))
-		deleted = append(deleted, d)
-	}
-	return deleted, nil
+	return c.sweep(ctx, artifact.KindRelease, byDigest, "template release",
+		func() ([]string, error) { return c.st.ReleaseGCSweep(ctx, digests, kept, c.cfg.GCGrace) },
+		c.st.ReleaseGCDeleted)
 }
 
 // CollectSnapshots is one pass of the registry's snapshot collection: a snapshot
@@ -132,7 +108,20 @@ func (c *Controller) CollectSnapshots(ctx context.Context) ([]string, error) {
 		byDigest[a.Digest] = a
 		digests = append(digests, a.Digest)
 	}
-	gone, err := c.st.SnapshotGCSweep(ctx, digests, c.cfg.GCGrace)
+	return c.sweep(ctx, artifact.KindSnapshot, byDigest, "snapshot",
+		func() ([]string, error) { return c.st.SnapshotGCSweep(ctx, digests, c.cfg.GCGrace) },
+		c.st.SnapshotGCDeleted)
+}
+
+// sweep runs one mark-and-sweep step (mark, which returns the keys of byDigest that
+// stayed unreferenced for the grace period) and deletes those artifacts that were
+// also pushed more than the grace period ago — by tag and manifest digest, so that a
+// push of the same tag since the listing makes the delete refuse (fault.Conflict) and
+// the next pass look again — forgetting each deleted one's mark. It returns the keys
+// deleted.
+func (c *Controller) sweep(ctx context.Context, kind artifact.Kind, byDigest map[string]artifact.Artifact, what string,
+	mark func() ([]string, error), forget func(context.Context, string) error) ([]string, error) {
+	gone, err := mark()
 	if err != nil {
 		return nil, err
 	}
@@ -140,19 +129,19 @@ func (c *Controller) CollectSnapshots(ctx context.Context) ([]string, error) {
 	for _, d := range gone {
 		a := byDigest[d]
 		if time.Since(a.PushedAt) < c.cfg.GCGrace {
-			continue // its pusher may not have recorded it yet
+			continue // pushed lately: its pusher may not have recorded it yet
 		}
-		err := reg.Delete(ctx, artifact.KindSnapshot, a.Tag, a.Digest)
+		err := c.cfg.Registry.Delete(ctx, kind, a.Tag, a.Digest)
 		if fault.Is(err, fault.Conflict) {
-			continue // the tag names another push now: look again next pass
+			continue
 		}
 		if err != nil && !fault.Is(err, fault.NotFound) {
 			return deleted, err
 		}
-		if err := c.st.SnapshotGCDeleted(ctx, d); err != nil {
+		if err := forget(ctx, d); err != nil {
 			return deleted, err
 		}
-		c.log.Info("deleted unreferenced snapshot from the registry", "digest", d, "ref", a.Reference,
+		c.log.Info("deleted unreferenced "+what+" from the registry", "digest", d, "ref", a.Reference,
 			"pushed", a.PushedAt.Format(time.RFC3339))
 		deleted = append(deleted, d)
 	}

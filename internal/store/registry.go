@@ -84,39 +84,16 @@ func (s *Store) WithLock(ctx context.Context, key string, fn func(ctx context.Co
 // (releases of snapshot artifacts in the registry). A digest is referenced while a
 // release row has it (a template version: tags need one), a sandbox that is not
 // deleted starts or started from it, a snapshot was taken of it, or an unfinished
-// template build starts from it. Unreferenced digests are marked with the time they
-// were first seen unreferenced, referenced ones unmarked; it returns the digests that
-// stayed unreferenced for longer than grace: those may be deleted.
+// template build starts from it. It returns the digests that stayed unreferenced for
+// longer than grace (markAndSweep): those may be deleted.
 func (s *Store) ReleaseGCSweep(ctx context.Context, inRegistry, kept []string, grace time.Duration) ([]string, error) {
-	var out []string
-	err := s.InTx(ctx, func(tx *Tx) error {
-		// Forget marks of artifacts that are gone or referenced again.
-		if _, err := tx.tx.Exec(ctx, `DELETE FROM registry_release_gc g WHERE NOT (g.digest = ANY($1)) OR g.digest = ANY($2)
-			OR EXISTS (SELECT 1 FROM template_releases r WHERE r.digest=g.digest)
-			OR EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.template_digest=g.digest AND sb.deleted_at IS NULL)
-			OR EXISTS (SELECT 1 FROM snapshots sn WHERE sn.template_digest=g.digest)
-			OR EXISTS (SELECT 1 FROM operations o WHERE o.kind=$3 AND o.done_at IS NULL AND o.params->>'from_digest'=g.digest)`,
-			inRegistry, kept, api.OpTemplateBuild); err != nil {
-			return fmt.Errorf("unmark referenced releases: %w", err)
-		}
-		if _, err := tx.tx.Exec(ctx, `INSERT INTO registry_release_gc (digest)
-			SELECT d FROM unnest($1::text[]) d WHERE NOT (d = ANY($2))
-				AND NOT EXISTS (SELECT 1 FROM template_releases r WHERE r.digest=d)
-				AND NOT EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.template_digest=d AND sb.deleted_at IS NULL)
-				AND NOT EXISTS (SELECT 1 FROM snapshots sn WHERE sn.template_digest=d)
-				AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.kind=$3 AND o.done_at IS NULL AND o.params->>'from_digest'=d)
-			ON CONFLICT DO NOTHING`, inRegistry, kept, api.OpTemplateBuild); err != nil {
-			return fmt.Errorf("mark unreferenced releases: %w", err)
-		}
-		rows, err := tx.tx.Query(ctx, `SELECT digest FROM registry_release_gc WHERE unreferenced_since < now() - $1::interval ORDER BY digest`,
-			interval(grace))
-		if err != nil {
-			return err
-		}
-		out, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		return err
-	})
-	return out, err
+	return s.markAndSweep(ctx, "registry_release_gc", func(d string) string {
+		return fmt.Sprintf(`(%[1]s = ANY($2)
+			OR EXISTS (SELECT 1 FROM template_releases r WHERE r.digest=%[1]s)
+			OR EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.template_digest=%[1]s AND sb.deleted_at IS NULL)
+			OR EXISTS (SELECT 1 FROM snapshots sn WHERE sn.template_digest=%[1]s)
+			OR EXISTS (SELECT 1 FROM operations o WHERE o.kind=$3 AND o.done_at IS NULL AND o.params->>'from_digest'=%[1]s))`, d)
+	}, grace, inRegistry, kept, api.OpTemplateBuild)
 }
 
 // ReleaseGCDeleted forgets the mark of a release artifact the collection deleted.
@@ -125,30 +102,42 @@ func (s *Store) ReleaseGCDeleted(ctx context.Context, digest string) error {
 	return err
 }
 
-// snapshotReferenced is the condition under which a snapshot artifact's manifest
-// digest d (a column or parameter) is in use: a sandbox that is not deleted has it as
-// its suspend snapshot or last periodic checkpoint, or a named snapshot has it.
-const snapshotReferenced = `(EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.deleted_at IS NULL AND (sb.snapshot_digest=%[1]s OR sb.checkpoint_digest=%[1]s))
-	OR EXISTS (SELECT 1 FROM snapshots sn WHERE sn.registry_digest=%[1]s))`
-
-// SnapshotGCSweep is the snapshot-artifact half of the controller's mark-and-sweep
-// collection (ReleaseGCSweep is the other): inRegistry lists the manifest digests of
-// the snapshot artifacts the registry has. Unreferenced digests (snapshotReferenced)
-// are marked with the time they were first seen so, referenced ones unmarked; it
-// returns those that stayed unreferenced for longer than grace.
+// SnapshotGCSweep is the snapshot-artifact half of the controller's collection:
+// inRegistry lists the manifest digests of the snapshot artifacts the registry has; a
+// digest is referenced while a sandbox that is not deleted has it as its suspend
+// snapshot or last periodic checkpoint, or a named snapshot has it. It returns the
+// digests that stayed unreferenced for longer than grace (markAndSweep).
 func (s *Store) SnapshotGCSweep(ctx context.Context, inRegistry []string, grace time.Duration) ([]string, error) {
+	return s.markAndSweep(ctx, "registry_snapshot_gc", func(d string) string {
+		return fmt.Sprintf(`(EXISTS (SELECT 1 FROM sandboxes sb WHERE sb.deleted_at IS NULL AND (sb.snapshot_digest=%[1]s OR sb.checkpoint_digest=%[1]s))
+			OR EXISTS (SELECT 1 FROM snapshots sn WHERE sn.registry_digest=%[1]s))`, d)
+	}, grace, inRegistry)
+}
+
+// SnapshotGCDeleted forgets the mark of a snapshot artifact the collection deleted.
+func (s *Store) SnapshotGCDeleted(ctx context.Context, digest string) error {
+	_, err := s.pool.Exec(ctx, `DELETE FROM registry_snapshot_gc WHERE digest=$1`, digest)
+	return err
+}
+
+// markAndSweep is one mark-and-sweep step over table (digest, unreferenced_since):
+// marks of digests no longer in the registry ($1, inRegistry) or referenced again
+// (referenced(column) is the SQL condition; it may use args as $2…) are removed,
+// digests in the registry that nothing references are marked with the time they were
+// first seen so, and the digests marked for longer than grace are returned.
+func (s *Store) markAndSweep(ctx context.Context, table string, referenced func(digest string) string, grace time.Duration, inRegistry []string, args ...any) ([]string, error) {
 	var out []string
+	params := append([]any{inRegistry}, args...)
 	err := s.InTx(ctx, func(tx *Tx) error {
-		if _, err := tx.tx.Exec(ctx, `DELETE FROM registry_snapshot_gc g WHERE NOT (g.digest = ANY($1)) OR `+
-			fmt.Sprintf(snapshotReferenced, "g.digest"), inRegistry); err != nil {
-			return fmt.Errorf("unmark referenced snapshot artifacts: %w", err)
+		if _, err := tx.tx.Exec(ctx, `DELETE FROM `+table+` g WHERE NOT (g.digest = ANY($1)) OR `+referenced("g.digest"), params...); err != nil {
+			return fmt.Errorf("%s: unmark referenced artifacts: %w", table, err)
 		}
-		if _, err := tx.tx.Exec(ctx, `INSERT INTO registry_snapshot_gc (digest)
-			SELECT d FROM unnest($1::text[]) d WHERE NOT `+fmt.Sprintf(snapshotReferenced, "d")+`
-			ON CONFLICT DO NOTHING`, inRegistry); err != nil {
-			return fmt.Errorf("mark unreferenced snapshot artifacts: %w", err)
+		if _, err := tx.tx.Exec(ctx, `INSERT INTO `+table+` (digest)
+			SELECT d FROM unnest($1::text[]) d WHERE NOT `+referenced("d")+`
+			ON CONFLICT DO NOTHING`, params...); err != nil {
+			return fmt.Errorf("%s: mark unreferenced artifacts: %w", table, err)
 		}
-		rows, err := tx.tx.Query(ctx, `SELECT digest FROM registry_snapshot_gc WHERE unreferenced_since < now() - $1::interval ORDER BY digest`,
+		rows, err := tx.tx.Query(ctx, `SELECT digest FROM `+table+` WHERE unreferenced_since < now() - $1::interval ORDER BY digest`,
 			interval(grace))
 		if err != nil {
 			return err
@@ -157,12 +146,6 @@ func (s *Store) SnapshotGCSweep(ctx context.Context, inRegistry []string, grace 
 		return err
 	})
 	return out, err
-}
-
-// SnapshotGCDeleted forgets the mark of a snapshot artifact the collection deleted.
-func (s *Store) SnapshotGCDeleted(ctx context.Context, digest string) error {
-	_, err := s.pool.Exec(ctx, `DELETE FROM registry_snapshot_gc WHERE digest=$1`, digest)
-	return err
 }
 
 // evictableRelease is the condition under which node $1 may remove release d (a
