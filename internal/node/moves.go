@@ -51,6 +51,21 @@ type pushJob struct {
 	done   chan struct{}
 }
 
+// finish ends job j of key: it is no longer in flight, and a failure (not a
+// cancellation) is remembered to space out retries.
+func (p *pushJobs) finish(key string, j *pushJob, failed bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.jobs[key] == j {
+		delete(p.jobs, key)
+	}
+	if failed {
+		p.failed[key] = time.Now()
+	} else {
+		delete(p.failed, key)
+	}
+}
+
 // snapshotTag is the registry tag of a sandbox's suspend snapshot at a generation.
 func snapshotTag(id string, gen int64) string { return fmt.Sprintf("%s-g%d", id, gen) }
 
@@ -92,16 +107,7 @@ func (n *Node) pushLater(id string, force bool) {
 		defer close(j.done)
 		defer cancel()
 		moving, err := n.pushSnapshot(ctx, id)
-		p.mu.Lock()
-		if p.jobs[id] == j {
-			delete(p.jobs, id)
-		}
-		if err != nil && ctx.Err() == nil {
-			p.failed[id] = time.Now()
-		} else {
-			delete(p.failed, id)
-		}
-		p.mu.Unlock()
+		p.finish(id, j, err != nil && ctx.Err() == nil)
 		if err != nil && ctx.Err() == nil {
 			n.log.Warn("push of suspend snapshot failed", "sandbox", id, "err", err)
 			if moving {
@@ -475,16 +481,7 @@ func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 		if err == nil {
 			ok, err = n.st.RecordCheckpointPush(context.WithoutCancel(pctx), sb.ID, n.cfg.ID, a.Digest, at)
 		}
-		p.mu.Lock()
-		if p.jobs[key] == j {
-			delete(p.jobs, key)
-		}
-		if err != nil && pctx.Err() == nil {
-			p.failed[key] = time.Now()
-		} else {
-			delete(p.failed, key)
-		}
-		p.mu.Unlock()
+		p.finish(key, j, err != nil && pctx.Err() == nil)
 		if err != nil {
 			if pctx.Err() == nil {
 				n.log.Warn("push of periodic checkpoint failed", "sandbox", sb.ID, "err", err)
