@@ -777,6 +777,9 @@ func snapshotAt(dir string) (Snapshot, error) {
 
 // CachedSnapshots lists the snapshots pulled into the store.
 func (c *Client) CachedSnapshots() ([]Snapshot, error) {
+	if c.st == nil {
+		return nil, nil // a list/delete-only client has no store to cache in
+	}
 	entries, err := c.st.ListArtifacts(storage.PulledSnapshots)
 	if err != nil {
 		return nil, err
@@ -797,6 +800,9 @@ func (c *Client) CachedSnapshots() ([]Snapshot, error) {
 // are independent copies; one being made from it right now is not, so the caller must
 // not delete a snapshot it is using.
 func (c *Client) DeleteCachedSnapshot(ctx context.Context, digest string) error {
+	if c.st == nil {
+		return nil // nothing is cached without a store
+	}
 	hex, ok := strings.CutPrefix(digest, storage.DigestPrefix)
 	if !ok || storage.ValidateDigest(digest) != nil {
 		return fault.New(fault.Invalid, "invalid digest %q", digest)
