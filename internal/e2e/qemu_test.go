@@ -34,9 +34,9 @@ func TestQEMUNode(t *testing.T) {
 	if nodes[0].Runtime != "qemu" {
 		t.Fatalf("nodes: %+v", nodes)
 	}
-	out, _, _ := s.cli(t, "node", "list")
+	out, _, _ := s.cli(t, "node", "show", nodes[0].Name)
 	if !strings.Contains(out, "qemu") || !strings.Contains(out, "accel=") {
-		t.Fatalf("node list:\n%s", out)
+		t.Fatalf("node show:\n%s", out)
 	}
 	sb := s.create(t, api.CreateSandboxRequest{})
 	if sb.Runtime != "qemu" {
