@@ -274,26 +274,39 @@ func (c *Controller) schedule(ctx context.Context) {
 				c.failUnplaceable(ctx, sb, why)
 				continue
 			}
-			reason := "waiting for a node: " + why
-			_ = c.st.SetPendingReason(ctx, sb.ID, reason)
-			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, reason)
+			c.waitForNode(ctx, sb, "waiting for a node: "+why)
 			continue
 		}
-		ok, err := c.st.AssignNode(ctx, sb.ID, n.ID, n.Runtime)
-		if err != nil {
-			c.log.Warn("assign node", "sandbox", sb.ID, "err", err)
-			continue
-		}
-		if ok {
-			n.Sandboxes++
-			n.Used.CPU += want.CPU
-			n.Used.MemoryMB += want.MemoryMB
-			n.Used.DiskMB += want.DiskMB
+		if c.assign(ctx, sb, n, want) {
 			c.log.Info("scheduled sandbox", "sandbox", sb.ID, "node", n.Name)
 			_ = c.st.SetPendingReason(ctx, sb.ID, "scheduled on node "+n.Name)
 			_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "scheduled on node "+n.Name)
 		}
 	}
+}
+
+// waitForNode records why a sandbox is not placed yet, on it and its operations.
+func (c *Controller) waitForNode(ctx context.Context, sb *store.Sandbox, reason string) {
+	_ = c.st.SetPendingReason(ctx, sb.ID, reason)
+	_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, reason)
+}
+
+// assign places sb on n and counts what it takes there (so that the rest of this pass
+// sees n fuller); false when it was not assigned (the sandbox changed meanwhile, or
+// the database failed: logged, the next pass tries again).
+func (c *Controller) assign(ctx context.Context, sb *store.Sandbox, n *store.Node, want Want) bool {
+	ok, err := c.st.AssignNode(ctx, sb.ID, n.ID, n.Runtime)
+	if err != nil {
+		c.log.Warn("assign node", "sandbox", sb.ID, "err", err)
+		return false
+	}
+	if ok {
+		n.Sandboxes++
+		n.Used.CPU += want.CPU
+		n.Used.MemoryMB += want.MemoryMB
+		n.Used.DiskMB += want.DiskMB
+	}
+	return ok
 }
 
 func (c *Controller) finishUnscheduledDelete(ctx context.Context, sb *store.Sandbox) {

@@ -46,21 +46,10 @@ func (c *Controller) placeMove(ctx context.Context, sb *store.Sandbox, nodes []*
 			}
 			return
 		}
-		reason := "moving: waiting for a node: " + why
-		_ = c.st.SetPendingReason(ctx, sb.ID, reason)
-		_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, reason)
+		c.waitForNode(ctx, sb, "moving: waiting for a node: "+why)
 		return
 	}
-	ok, err := c.st.AssignNode(ctx, sb.ID, n.ID, n.Runtime)
-	if err != nil {
-		c.log.Warn("assign node", "sandbox", sb.ID, "err", err)
-		return
-	}
-	if ok {
-		n.Sandboxes++
-		n.Used.CPU += want.CPU
-		n.Used.MemoryMB += want.MemoryMB
-		n.Used.DiskMB += want.DiskMB
+	if c.assign(ctx, sb, n, want) {
 		c.log.Info("moving sandbox placed", "sandbox", sb.ID, "from", sb.MoveFrom, "node", n.Name)
 		_ = c.st.ProgressSandboxOperations(ctx, sb.ID, sb.Generation, "moving to node "+n.Name)
 	}
