@@ -51,6 +51,18 @@ type pushJob struct {
 	done   chan struct{}
 }
 
+// begin registers a new job of key, cancelled with parent or by its cancel; p.mu is
+// held.
+func (p *pushJobs) begin(parent context.Context, key string) (context.Context, context.CancelFunc, *pushJob) {
+	if p.jobs == nil {
+		p.jobs, p.failed = map[string]*pushJob{}, map[string]time.Time{}
+	}
+	ctx, cancel := context.WithCancel(parent)
+	j := &pushJob{cancel: cancel, done: make(chan struct{})}
+	p.jobs[key] = j
+	return ctx, cancel, j
+}
+
 // finish ends job j of key: it is no longer in flight, and a failure (not a
 // cancellation) is remembered to space out retries.
 func (p *pushJobs) finish(key string, j *pushJob, failed bool) {
@@ -86,9 +98,6 @@ func (n *Node) pushLater(id string, force bool) {
 	}
 	p := &n.pushes
 	p.mu.Lock()
-	if p.jobs == nil {
-		p.jobs, p.failed = map[string]*pushJob{}, map[string]time.Time{}
-	}
 	if _, ok := p.jobs[id]; ok {
 		p.mu.Unlock()
 		return
@@ -97,9 +106,7 @@ func (n *Node) pushLater(id string, force bool) {
 		p.mu.Unlock()
 		return
 	}
-	ctx, cancel := context.WithCancel(n.work)
-	j := &pushJob{cancel: cancel, done: make(chan struct{})}
-	p.jobs[id] = j
+	ctx, cancel, j := p.begin(n.work, id)
 	p.mu.Unlock()
 	n.wg.Add(1)
 	go func() {
@@ -458,12 +465,7 @@ func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 	n.log.Info("periodic checkpoint taken", "sandbox", sb.ID, "took", time.Since(at).Round(time.Millisecond))
 	p := &n.pushes
 	p.mu.Lock()
-	if p.jobs == nil {
-		p.jobs, p.failed = map[string]*pushJob{}, map[string]time.Time{}
-	}
-	pctx, cancel := context.WithCancel(n.work)
-	j := &pushJob{cancel: cancel, done: make(chan struct{})}
-	p.jobs[key] = j
+	pctx, cancel, j := p.begin(n.work, key)
 	p.mu.Unlock()
 	n.wg.Add(1)
 	go func() {
