@@ -367,7 +367,10 @@ func serve(ctx context.Context, c *serveConfig) error {
 		n.RegisterMetrics(reg)
 		health = n
 		if svc != nil {
-			svc.SetLocalNode(n) // one process: exec reaches this node's agents directly
+			// One process: exec reaches this node's agents directly, a pool claim on it
+			// is handed to it directly, and its completed operations wake their waiters.
+			svc.SetLocalNode(n)
+			n.OnOperationDone(svc.OperationChanged)
 		}
 		dpMux := http.NewServeMux()
 		dp.Register(dpMux)

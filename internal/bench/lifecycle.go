@@ -98,11 +98,8 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 	defer cfg.Client.SetPool(context.WithoutCancel(ctx), api.SetPoolRequest{Template: cfg.Template, Size: 0})
 	var pool []float64
 	for len(pool) < cfg.Runs {
-		if err := waitFor(ctx, 3*time.Minute, func() bool {
-			ps, err := cfg.Client.ListPools(ctx)
-			return err == nil && len(ps) > 0 && ps[0].Ready > 0
-		}); err != nil {
-			return nil, fmt.Errorf("the pool did not fill: %w", err)
+		if err := waitPoolFull(ctx, cfg); err != nil {
+			return nil, err
 		}
 		xs, err := measure(api.CreateSandboxRequest{}, "pool")
 		if err != nil {
@@ -119,6 +116,19 @@ func startPaths(ctx context.Context, cfg *Config) ([]Result, error) {
 		snapRow,
 		result("start", "pool: create → `python3 -c pass` exit", "ms", pool, "boot", boot),
 	}, nil
+}
+
+// waitPoolFull waits until the pool has all its members parked: a claim is measured
+// while no refill (a create, its restore and warm command) competes with it for the
+// node's CPUs.
+func waitPoolFull(ctx context.Context, cfg *Config) error {
+	if err := waitFor(ctx, 3*time.Minute, func() bool {
+		ps, err := cfg.Client.ListPools(ctx)
+		return err == nil && len(ps) > 0 && ps[0].Size > 0 && ps[0].Ready >= ps[0].Size
+	}); err != nil {
+		return fmt.Errorf("the pool did not fill: %w", err)
+	}
+	return nil
 }
 
 func waitFor(ctx context.Context, d time.Duration, cond func() bool) error {

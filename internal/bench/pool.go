@@ -38,11 +38,8 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 	var total, posted, seen, lag, exec []float64
 	steps := map[string][]float64{}
 	for len(total) < cfg.Runs {
-		if err := waitFor(ctx, 3*time.Minute, func() bool {
-			ps, err := cfg.Client.ListPools(ctx)
-			return err == nil && len(ps) > 0 && ps[0].Ready > 0
-		}); err != nil {
-			return nil, fmt.Errorf("the pool did not fill: %w", err)
+		if err := waitPoolFull(ctx, cfg); err != nil {
+			return nil, err
 		}
 		start := time.Now()
 		sb, err := cfg.Client.CreateSandbox(ctx, api.CreateSandboxRequest{Template: cfg.Template,

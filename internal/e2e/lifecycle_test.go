@@ -349,12 +349,26 @@ func TestWarmPool(t *testing.T) {
 	if len(got) != 20 || fromPool != 5 {
 		t.Fatalf("%d sandboxes, %d from the pool; want 20 and 5", len(got), fromPool)
 	}
-	// A claimed member carries its owner's environment.
+	// A claimed member carries its owner's environment, and it ran the template's warm
+	// command (python3 -c pass, docs/templates.md) before it was parked.
 	for _, sb := range got {
 		if sb.StartPath == "pool" {
 			out, _, _ := s.exec(t, sb.ID, "sh", "-c", "echo $N")
 			if strings.TrimSpace(out) == "" {
 				t.Fatalf("pool sandbox %s lacks its env", sb.ID)
+			}
+			procs, err := s.C.ListProcesses(c, sb.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			warmed := false
+			for _, p := range procs {
+				if strings.Join(p.Argv, " ") == "/usr/bin/python3 -c pass" && p.State == api.ProcExited && p.ExitCode != nil && *p.ExitCode == 0 {
+					warmed = true
+				}
+			}
+			if !warmed {
+				t.Fatalf("pool sandbox %s shows no warm command that exited 0: %+v", sb.ID, procs)
 			}
 			break
 		}

@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -121,14 +122,16 @@ type Config struct {
 
 // Node is a running node role.
 type Node struct {
-	cfg   Config
-	st    *store.Store
-	rt    runtime.Runtime
-	disk  Disk
-	net   NetworkManager
-	log   *slog.Logger
-	epoch int64
-	info  runtime.Info
+	cfg Config
+	// opDone, when set, is told each operation this node completes (OnOperationDone).
+	opDone atomic.Pointer[func(opID string)]
+	st     *store.Store
+	rt     runtime.Runtime
+	disk   Disk
+	net    NetworkManager
+	log    *slog.Logger
+	epoch  int64
+	info   runtime.Info
 
 	work     context.Context // cancelled only after the shutdown grace period
 	stopping chan struct{}   // closed when shutdown begins: idle workers exit
@@ -433,6 +436,15 @@ func (n *Node) resync(ctx context.Context) {
 		n.kick(sb.ID)
 	}
 }
+
+// Kick asks the node to reconcile sandbox id now: the api role in the same process
+// hands it a warm-pool claim this way, ahead of the database's notification.
+func (n *Node) Kick(id string) { n.kick(id) }
+
+// OnOperationDone has fn told the id of each operation this node completes, after the
+// completion is committed (the api role in the same process wakes its waiters with
+// it, ahead of the database's notification).
+func (n *Node) OnOperationDone(fn func(opID string)) { n.opDone.Store(&fn) }
 
 // kick asks the sandbox's worker to reconcile it (coalescing repeated kicks).
 func (n *Node) kick(id string) {

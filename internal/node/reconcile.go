@@ -83,11 +83,11 @@ func (n *Node) observe(ctx context.Context, sb *store.Sandbox) (lifecycle.Facts,
 		Transition: sb.Transition, CloneOf: sb.CloneOf, CloneReady: sb.CloneReady,
 		NeedsIdentity: sb.ClaimedAt != nil && sb.IdentityGeneration == 0,
 	}
-	open, err := n.st.HasOpenOperations(ctx, sb.ID, sb.ObservedGeneration)
+	pending, err := n.st.PendingWork(ctx, sb.ID, sb.ObservedGeneration)
 	if err != nil {
 		return f, err
 	}
-	f.OpenOps = open
+	f.OpenOps = pending.OpenOps
 	if sb.State == api.StatePending || sb.State == api.StateDeleted {
 		return f, nil
 	}
@@ -110,14 +110,7 @@ func (n *Node) observe(ctx context.Context, sb *store.Sandbox) (lifecycle.Facts,
 	f.CloneCheckpoint = n.cloneCheckpoint(sb.ID) != ""
 	f.Disk = n.hasDisk(sb.ID)
 	if sb.State == api.StateRunning || sb.State == api.StatePaused || sb.State == api.StateSuspended {
-		pending, err := n.st.ClonesPending(ctx, sb.ID)
-		if err != nil {
-			return f, err
-		}
-		f.PendingClones = len(pending) > 0
-		if f.PendingSnapshots, err = n.st.HasPendingSnapshots(ctx, sb.ID); err != nil {
-			return f, err
-		}
+		f.PendingClones, f.PendingSnapshots = pending.Clones, pending.Snapshots
 	}
 	return f, nil
 }
@@ -229,6 +222,9 @@ func (n *Node) finishOps(ctx context.Context, sb *store.Sandbox, failErr error, 
 		if err := n.st.UpdateOperation(ctx, op.ID, o.State, o.Message, o.Error, marks...); err != nil {
 			n.log.Warn("finish operation", "op", op.ID, "err", err)
 			continue
+		}
+		if fn := n.opDone.Load(); fn != nil {
+			(*fn)(op.ID)
 		}
 		n.cfg.Metrics.Observe(op.Kind, o.State, time.Since(op.CreatedAt))
 	}

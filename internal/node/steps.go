@@ -34,6 +34,9 @@ func (n *Node) snapshotter() (runtime.Snapshotter, error) {
 type outcome struct {
 	state string
 	note  string
+	// identityGen, when not 0, is the identity generation the agent took in the step
+	// (a claimed pool member's owner identity): recorded with the resulting state.
+	identityGen int64
 }
 
 // transition runs one lifecycle step: it reports the in-between state of t, runs fn,
@@ -43,8 +46,8 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 	start := time.Now()
 	n.marks.begin(sb.ID)
 	during := lifecycle.During(t)
-	sb = n.report(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t})
-	n.progress(ctx, sb, during)
+	sb = n.report(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t,
+		Progress: during})
 	n.marks.mark(sb.ID, "recorded")
 	crash.Point(string(t) + ".recorded")
 	out, err := fn()
@@ -57,7 +60,8 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 		return err
 	}
 	crash.Point(string(t) + ".acted")
-	sb = n.report(ctx, sb, store.Observed{State: out.state, ObservedGeneration: sb.Generation, Reason: reason, Error: lossError(out.note)})
+	sb = n.report(ctx, sb, store.Observed{State: out.state, ObservedGeneration: sb.Generation, Reason: reason, Error: lossError(out.note),
+		IdentityGeneration: out.identityGen})
 	n.marks.mark(sb.ID, "reported")
 	crash.Point(string(t) + ".reported")
 	n.finishOps(ctx, sb, nil, out.note)
@@ -73,8 +77,8 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	n.log.Info("creating sandbox", "sandbox", sb.ID, "template", sb.TemplateRef)
 	n.marks.begin(sb.ID)
-	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate})
-	n.progress(ctx, sb, "creating on node "+n.cfg.Name)
+	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate,
+		Progress: "creating on node " + n.cfg.Name})
 	n.marks.mark(sb.ID, "recorded")
 	crash.Point("create.recorded")
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
@@ -96,6 +100,8 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 		n.releaseUse.RUnlock()
 	}
 	if err == nil && sb.DesiredState == api.StatePaused {
+		// A warm-pool member: warm it, then park it.
+		n.warmMember(ctx, sb)
 		err = n.pauseInstance(ctx, sb.ID)
 	}
 	if err != nil {
@@ -290,19 +296,24 @@ func (n *Node) resume(ctx context.Context, sb *store.Sandbox) error {
 			return outcome{state: api.StatePaused}, fmt.Errorf("resume: %w", err)
 		}
 		n.marks.mark(sb.ID, "resumed")
-		// A claimed warm-pool member gets its owner's identity now.
+		// A claimed warm-pool member gets its owner's identity now; its generation is
+		// recorded with the running state (a crash before that gives it a fresh one
+		// again: the claim still needs an identity).
+		var gen int64
 		if sb.ClaimedAt != nil && sb.IdentityGeneration == 0 {
 			if _, err := n.waitAgent(ctx, sb.ID, n.cfg.AgentReadyTimeout); err != nil {
 				return outcome{state: api.StateFailed}, err
 			}
 			n.marks.mark(sb.ID, "agent")
-			if err := n.setIdentity(ctx, sb); err != nil {
+			id := n.identity(sb)
+			if err := n.agent(sb.ID).SetIdentity(ctx, id); err != nil {
 				return outcome{state: api.StateFailed}, fmt.Errorf("identity: %w", err)
 			}
+			gen = id.Generation
 			n.marks.mark(sb.ID, "identity")
 		}
 		n.setReady(sb.ID, true)
-		return outcome{state: api.StateRunning}, nil
+		return outcome{state: api.StateRunning, identityGen: gen}, nil
 	})
 }
 

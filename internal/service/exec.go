@@ -185,17 +185,33 @@ func (f *fastPath) forget(id string) {
 	f.mu.Unlock()
 }
 
-// LocalAgents reaches the agents of the node that runs in the same process as the api
-// role (space serve with both roles, the default): the one-request exec talks to them
-// directly instead of through the node's HTTP agent proxy.
-type LocalAgents interface {
+// LocalNode is the node that runs in the same process as the api role (space serve
+// with both roles, the default). The one-request exec talks to its agents directly
+// instead of through the node's HTTP agent proxy, and a warm-pool claim on it is
+// handed to it at once (Kick) rather than through a PostgreSQL notification: the
+// notification still comes, and the node's worker coalesces the two.
+type LocalNode interface {
 	ID() string
 	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
 	Touch(sandboxID string)
+	Kick(sandboxID string)
 }
 
-// SetLocalNode names the node running in this process (see LocalAgents).
-func (s *Service) SetLocalNode(n LocalAgents) { s.local.Store(&n) }
+// SetLocalNode names the node running in this process (see LocalNode).
+func (s *Service) SetLocalNode(n LocalNode) { s.local.Store(&n) }
+
+// OperationChanged wakes the waiters of operation id (GET /v1/operations/{id}/wait)
+// at once; the in-process node calls it when it completes an operation, ahead of the
+// PostgreSQL notification that says the same.
+func (s *Service) OperationChanged(id string) { s.ops.notify(id) }
+
+// kickLocal hands a sandbox the api just changed to the in-process node when the
+// sandbox is on it.
+func (s *Service) kickLocal(sb *store.Sandbox) {
+	if l := s.local.Load(); l != nil && sb.NodeID != "" && sb.NodeID == (*l).ID() {
+		(*l).Kick(sb.ID)
+	}
+}
 
 // execAgent returns a client for t's agent: the in-process node's own when t is on it,
 // else through the node's agent proxy.

@@ -387,6 +387,7 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 	}
 	if sb.ClaimedAt != nil {
 		crash.Point("pool.claimed")
+		s.kickLocal(sb)
 	}
 	return &Created{Sandbox: sb, Op: op, Response: resp, Status: http.StatusAccepted}, nil
 }

@@ -84,7 +84,7 @@ type Service struct {
 	events *eventHub
 	rates  *rateLimits
 	fast   *fastPath
-	local  atomic.Pointer[LocalAgents]
+	local  atomic.Pointer[LocalNode]
 }
 
 // New returns the service. Run must be running for operation waits to wake promptly

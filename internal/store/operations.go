@@ -147,15 +147,6 @@ func (s *Store) OpenOperations(ctx context.Context, sandboxID string) ([]*Operat
 	return collectOps(rows)
 }
 
-// HasOpenOperations reports whether the sandbox has unfinished operations whose target
-// generation is at most upTo.
-func (s *Store) HasOpenOperations(ctx context.Context, sandboxID string, upTo int64) (bool, error) {
-	var open bool
-	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM operations WHERE sandbox_id=$1 AND done_at IS NULL
-		AND target_generation <= $2)`, sandboxID, upTo).Scan(&open)
-	return open, err
-}
-
 // OpenOperationsOfKind lists unfinished operations of one kind (e.g. template builds).
 func (s *Store) OpenOperationsOfKind(ctx context.Context, kind string) ([]*Operation, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+opCols+` FROM operations WHERE kind=$1 AND done_at IS NULL ORDER BY created_at`, kind)
@@ -319,4 +310,32 @@ func (s *Store) FinishOrphanOperations(ctx context.Context) (int, error) {
 		}
 	}
 	return len(ids), nil
+}
+
+// Pending is what waits on a sandbox besides its desired state: what a node's planner
+// needs from the database next to the sandbox's row (lifecycle.Facts).
+type Pending struct {
+	// OpenOps: operations up to the generation asked about are not done.
+	OpenOps bool
+	// Clones: clones of the sandbox wait for it to prepare their snapshot.
+	Clones bool
+	// Snapshots: named snapshots of the sandbox wait to be taken.
+	Snapshots bool
+}
+
+// PendingWork reports, in one round trip, whether the sandbox has unfinished
+// operations whose target generation is at most upTo (a crash came between reaching a
+// state and completing them), clones waiting for their snapshot (ClonesPending), and
+// named snapshots waiting to be taken.
+func (s *Store) PendingWork(ctx context.Context, sandboxID string, upTo int64) (Pending, error) {
+	var p Pending
+	err := s.pool.QueryRow(ctx, `SELECT
+		EXISTS (SELECT 1 FROM operations WHERE sandbox_id=$1 AND done_at IS NULL AND target_generation <= $2),
+		EXISTS (SELECT 1 FROM sandboxes WHERE clone_of=$1 AND NOT clone_ready AND deleted_at IS NULL AND desired_state <> 'deleted'),
+		EXISTS (SELECT 1 FROM snapshots WHERE source_sandbox=$1 AND state=$3)`,
+		sandboxID, upTo, api.SnapshotCreating).Scan(&p.OpenOps, &p.Clones, &p.Snapshots)
+	if err != nil {
+		return p, fmt.Errorf("pending work of sandbox %s: %w", sandboxID, err)
+	}
+	return p, nil
 }

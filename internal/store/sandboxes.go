@@ -406,27 +406,38 @@ type Observed struct {
 	Reason string
 	// Transition is what the node is doing now (lifecycle.TNone when it rests).
 	Transition lifecycle.Transition
+	// IdentityGeneration, when not 0, records the identity generation the sandbox's
+	// agent took (a claimed warm-pool member's owner identity).
+	IdentityGeneration int64
+	// Progress, when not empty, becomes the message of the sandbox's open operations
+	// up to its generation (ProgressSandboxOperations), in the same statement.
+	Progress string
 }
 
 // ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
 // node that no longer owns the sandbox cannot overwrite it, and a node marked dead
 // cannot report at all (MarkDeadNodes settled its sandboxes). Returns the updated row.
 func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observed) (*Sandbox, error) {
-	row := s.pool.QueryRow(ctx, `UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
+	// One statement, one round trip: the row, the notification, and (with Progress) the
+	// open operations' message and their notifications.
+	row := s.pool.QueryRow(ctx, `WITH u AS (UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
 		error=$5, start_path=CASE WHEN $6='' THEN start_path ELSE $6 END,
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
 		status_changed_at=CASE WHEN state <> $3 THEN now() ELSE status_changed_at END,
 		status_reason=CASE WHEN $9 <> '' THEN $9 ELSE status_reason END, transition=$10,
-		snapshot_digest=CASE WHEN $3='suspended' THEN snapshot_digest ELSE '' END
-		WHERE id=$1 AND node_id=$2 AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive') RETURNING `+sandboxCols,
-		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition))
+		snapshot_digest=CASE WHEN $3='suspended' THEN snapshot_digest ELSE '' END,
+		identity_generation=CASE WHEN $11::bigint > 0 THEN $11 ELSE identity_generation END
+		WHERE id=$1 AND node_id=$2 AND EXISTS (SELECT 1 FROM nodes WHERE id=$2 AND state='alive') RETURNING *),
+	p AS (UPDATE operations SET state='running', message=$12, error='', updated_at=now(), done_at=NULL
+		WHERE $12 <> '' AND sandbox_id=$1 AND done_at IS NULL AND target_generation <= (SELECT generation FROM u) RETURNING id)
+	SELECT `+sandboxCols+` FROM u, LATERAL (SELECT pg_notify($13, u.id)) n,
+		LATERAL (SELECT count(pg_notify($14, p.id)) AS notified FROM p) o`,
+		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition),
+		o.IdentityGeneration, o.Progress, ChannelSandboxes, ChannelOperations)
 	sb, err := scanSandbox(row)
 	if err != nil {
 		return nil, notFound(err, "sandbox on this node", id)
-	}
-	if _, err := s.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ChannelSandboxes, id); err != nil {
-		return sb, err
 	}
 	return sb, nil
 }

@@ -209,14 +209,6 @@ func (s *Store) SnapshotsPending(ctx context.Context, sourceID string) ([]*Snaps
 	return collectSnapshots(rows)
 }
 
-// HasPendingSnapshots reports whether snapshots of a sandbox wait to be taken.
-func (s *Store) HasPendingSnapshots(ctx context.Context, sourceID string) (bool, error) {
-	var ok bool
-	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM snapshots WHERE source_sandbox=$1 AND state=$2)`,
-		sourceID, api.SnapshotCreating).Scan(&ok)
-	return ok, err
-}
-
 // NodeSnapshots lists every snapshot a node holds or is to take.
 func (s *Store) NodeSnapshots(ctx context.Context, nodeID string) ([]*Snapshot, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+snapshotCols+` FROM snapshots WHERE node_id=$1 ORDER BY created_at`, nodeID)

@@ -736,6 +736,9 @@ func TestSandboxRows(t *testing.T) {
 	if pend, err := st.ClonesPending(ctx, a.ID); err != nil || !slices.Equal(sandboxIDs(pend), sorted(cl1.ID, cl2.ID)) || pend[0].CloneBatch != "batch1" {
 		t.Fatalf("clones pending %v %v", sandboxIDs(pend), err)
 	}
+	if p, err := st.PendingWork(ctx, a.ID, 1<<40); err != nil || !p.Clones || p.Snapshots {
+		t.Fatalf("pending work with clones waiting: %+v %v", p, err)
+	}
 	if err := st.SetCloneReady(ctx, cl1.ID); err != nil {
 		t.Fatal(err)
 	}
@@ -748,6 +751,9 @@ func TestSandboxRows(t *testing.T) {
 	setDesired(t, ctx, st, cl2.ID, api.StateDeleted, "", api.OpDelete)
 	if pend, _ := st.ClonesPending(ctx, a.ID); len(pend) != 0 {
 		t.Fatalf("a clone being deleted is pending: %v", sandboxIDs(pend))
+	}
+	if p, err := st.PendingWork(ctx, a.ID, 1<<40); err != nil || p.Clones {
+		t.Fatalf("pending work after the clones: %+v %v", p, err)
 	}
 
 	// Unassigned sandboxes: failed when unplaceable, finished when deleted before placing.
@@ -1296,5 +1302,88 @@ func TestListenNotify(t *testing.T) {
 	case <-done:
 	case <-time.After(30 * time.Second):
 		t.Fatal("Listen did not return after its context ended")
+	}
+}
+
+// TestReportObservedInOneStatement: a report also sets the open operations' progress
+// message and the identity generation when asked, and announces the sandbox and each
+// operation it touched, all in the one statement.
+func TestReportObservedInOneStatement(t *testing.T) {
+	st, ctx := open(t)
+	registerNode(t, ctx, st, "n1")
+	sb, op := newSandbox(t, ctx, st, &store.Sandbox{})
+	if ok, err := st.AssignNode(ctx, sb.ID, "n1", "fake"); err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	notes := make(chan string, 16)
+	lctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		_ = st.Listen(lctx, slog.New(slog.DiscardHandler), func(c, p string) {
+			if p != "" {
+				notes <- c + " " + p
+			}
+		}, store.ChannelSandboxes, store.ChannelOperations)
+	}()
+	// The listener is connected once a notification of ours arrives.
+	deadline := time.Now().Add(30 * time.Second)
+	for connected := false; !connected; {
+		if err := st.Notify(ctx, store.ChannelSandboxes, "hello"); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-notes:
+			connected = true
+		case <-time.After(100 * time.Millisecond):
+			if time.Now().After(deadline) {
+				t.Fatal("the listener never connected")
+			}
+		}
+	}
+	for len(notes) > 0 {
+		<-notes
+	}
+	got, err := st.ReportObserved(ctx, sb.ID, "n1", store.Observed{State: api.StateCreating, Transition: lifecycle.TCreate,
+		Progress: "creating on node n1", IdentityGeneration: 7})
+	if err != nil || got.State != api.StateCreating || got.IdentityGeneration != 7 {
+		t.Fatalf("report: %+v %v", got, err)
+	}
+	if o, err := st.GetOperation(ctx, op.ID); err != nil || o.Message != "creating on node n1" || o.State != api.OpRunning {
+		t.Fatalf("operation after the report: %+v %v", o, err)
+	}
+	want := map[string]bool{store.ChannelSandboxes + " " + sb.ID: false, store.ChannelOperations + " " + op.ID: false}
+	for range want {
+		select {
+		case n := <-notes:
+			want[n] = true
+		case <-time.After(30 * time.Second):
+			t.Fatalf("notifications: %v", want)
+		}
+	}
+	for n, seen := range want {
+		if !seen {
+			t.Errorf("no notification %q", n)
+		}
+	}
+	// Without Progress and IdentityGeneration neither changes.
+	got, err = st.ReportObserved(ctx, sb.ID, "n1", store.Observed{State: api.StateRunning, ObservedGeneration: got.Generation})
+	if err != nil || got.IdentityGeneration != 7 {
+		t.Fatalf("second report: %+v %v", got, err)
+	}
+	if o, _ := st.GetOperation(ctx, op.ID); o.Message != "creating on node n1" {
+		t.Fatalf("the message changed without Progress: %q", o.Message)
+	}
+	// PendingWork sees the open operation up to its target generation only.
+	if p, err := st.PendingWork(ctx, sb.ID, op.TargetGeneration); err != nil || !p.OpenOps || p.Clones || p.Snapshots {
+		t.Fatalf("pending work: %+v %v", p, err)
+	}
+	if p, _ := st.PendingWork(ctx, sb.ID, op.TargetGeneration-1); p.OpenOps {
+		t.Fatal("an operation of a later generation counted as open")
+	}
+	if err := st.FinishSandboxOperations(ctx, sb.ID, op.TargetGeneration, api.OpSucceeded, ""); err != nil {
+		t.Fatal(err)
+	}
+	if p, _ := st.PendingWork(ctx, sb.ID, op.TargetGeneration); p.OpenOps {
+		t.Fatal("a finished operation counted as open")
 	}
 }

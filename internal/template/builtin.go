@@ -42,8 +42,9 @@ const (
 )
 
 // builtinRecipeVersion is bumped whenever the customization below changes what it
-// puts in the tree (package lists are part of the recipe id by themselves).
-const builtinRecipeVersion = "4"
+// puts in the tree, its recorded config included (package lists are part of the recipe
+// id by themselves). 5: the warm command.
+const builtinRecipeVersion = "5"
 
 var (
 	// bootstrapPackages go in with debootstrap; the rest with apt-get in the new tree:
@@ -61,6 +62,10 @@ var (
 	}
 )
 
+// warmPython is the builtin templates' warm command: a pool member starts python3 once,
+// so its owner's first python3 reads the interpreter from the page cache.
+func warmPython() *Command { return &Command{Argv: []string{"/usr/bin/python3", "-c", "pass"}} }
+
 // builtin is a builtin template's recipe.
 type builtin struct {
 	name string
@@ -77,7 +82,8 @@ type builtin struct {
 func builtinRecipe(name string) (builtin, bool) {
 	switch name {
 	case BaseTemplate:
-		return builtin{name: name, packages: basePackages, config: Config{User: baseUser, Workdir: baseHome, Env: map[string]string{}}}, true
+		return builtin{name: name, packages: basePackages, config: Config{User: baseUser, Workdir: baseHome, Env: map[string]string{},
+			Warm: warmPython()}}, true
 	case CodeInterpreterTemplate:
 		return builtin{
 			name:     name,
@@ -85,6 +91,7 @@ func builtinRecipe(name string) (builtin, bool) {
 			packages: codeInterpreterPackages,
 			config: Config{
 				User: baseUser, Workdir: baseHome, Env: map[string]string{},
+				Warm:  warmPython(),
 				Start: []string{"/usr/bin/python3", codeinterp.Path},
 				Ready: &Ready{
 					Command: Command{Argv: []string{"/usr/bin/curl", "-fsS", "-o", "/dev/null", fmt.Sprintf("http://127.0.0.1:%d/health", codeinterp.Port)}},

@@ -100,6 +100,11 @@ type Config struct {
 	DiskMB   int `json:"disk_mb,omitempty"`
 	// Ready is a readiness check run in the sandbox after Start.
 	Ready *Ready `json:"ready,omitempty"`
+	// Warm is a command each warm-pool member runs once it is up (booted or restored)
+	// and before it is parked, so that the files its owner's first command reads are in
+	// the sandbox's page cache: a restored sandbox starts with an empty one, and the
+	// first python3 costs two to four times a later one (docs/benchmarks.md).
+	Warm *Command `json:"warm,omitempty"`
 }
 
 // Ready is a readiness check: the command succeeds (exit 0) once the sandbox is ready.
@@ -416,6 +421,9 @@ func (c *Config) validate() error {
 	if c.Ready != nil && c.Ready.Command.Empty() {
 		return fmt.Errorf("ready.command is empty")
 	}
+	if c.Warm != nil && c.Warm.Empty() {
+		return fmt.Errorf("warm is empty")
+	}
 	return nil
 }
 
@@ -451,6 +459,10 @@ func (base Config) Merge(over Config) Config {
 	if over.Ready != nil {
 		r := *over.Ready
 		out.Ready = &r
+	}
+	if over.Warm != nil {
+		w := *over.Warm
+		out.Warm = &w
 	}
 	return out
 }

@@ -30,6 +30,7 @@ config:
   cpu: 2
   memory_mb: 1024
   ready: {command: "curl -fs localhost:8080", timeout: 20s}
+  warm: ["/usr/bin/app", "--check-config"]
 `))
 	if err != nil {
 		t.Fatal(err)
@@ -48,6 +49,9 @@ config:
 	}
 	if s.Config.Ready.Command.Shell == "" || s.Config.Ready.Timeout == 0 {
 		t.Errorf("ready = %+v", s.Config.Ready)
+	}
+	if s.Config.Warm == nil || strings.Join(s.Config.Warm.Args(), "|") != "/usr/bin/app|--check-config" {
+		t.Errorf("warm = %+v", s.Config.Warm)
 	}
 	// JSON round trip, as the spec travels in the build operation's params.
 	b, err := json.Marshal(s)
@@ -91,6 +95,7 @@ func TestParseSpecErrors(t *testing.T) {
 		{"name: x\nfrom: {dir: /d}\nconfig: {memory_mb: 10}", "memory_mb"},
 		{"name: x\nfrom: {dir: /d}\nconfig: {workdir: here}", "workdir"},
 		{"name: x\nfrom: {dir: /d}\nconfig: {start: 'not argv'}", "cannot unmarshal"},
+		{"name: x\nfrom: {dir: /d}\nconfig: {warm: ''}", "warm is empty"},
 		{"name: x\nname: y\nfrom: {dir: /d}", "already set"},
 		{"- just\n- a list", "cannot unmarshal"},
 	} {

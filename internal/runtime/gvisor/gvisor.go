@@ -109,6 +109,7 @@ type Runtime struct {
 	allowSUID bool
 	userns    *os.File // the user namespace of the id-mapped views; nil with NoUserNS
 	stop      context.CancelFunc
+	statuses  statusCache
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -442,6 +443,7 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
 	defer cancel()
 	full := r.args(args...)
+	defer r.statuses.change([]string{spec.ID})()
 	cmd := exec.CommandContext(ctx, r.cfg.RunscPath, full...)
 	cmd.Stdout = logf
 	cmd.Stderr = logf
@@ -510,7 +512,14 @@ func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error)
 	if !validID(id) {
 		return "", fmt.Errorf("gvisor status: invalid id %q", id)
 	}
-	st, err := r.state(ctx, id)
+	st, cached, gen := r.statuses.get(id)
+	var err error
+	if !cached {
+		st, err = r.state(ctx, id)
+		if err == nil {
+			r.statuses.put(id, st, gen)
+		}
+	}
 	if errors.Is(err, runtime.ErrNotFound) {
 		if _, rerr := r.readRecord(id); rerr == nil {
 			return runtime.StatusStopped, nil

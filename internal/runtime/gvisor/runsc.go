@@ -31,6 +31,9 @@ func (r *Runtime) runsc(ctx context.Context, args ...string) ([]byte, error) {
 
 // exec runs runsc with exactly args, bounded by the command timeout.
 func (r *Runtime) exec(ctx context.Context, args []string) ([]byte, error) {
+	if ok, ids := changes(args); ok {
+		defer r.statuses.change(ids)()
+	}
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
 	defer cancel()
 	var stdout, stderr bytes.Buffer

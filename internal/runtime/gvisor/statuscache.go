@@ -1,0 +1,131 @@
+package gvisor
+
+import (
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/spacedev/space/internal/runtime/instances"
+)
+
+// statusCache keeps what `runsc state` last said about each running or paused
+// instance, so that Status costs a read of /proc/<pid>/stat instead of a runsc process
+// (10–25 ms here) while nothing has changed. The node observes a sandbox before every
+// step it plans; a warm-pool claim waited for that process.
+//
+// Only this runtime changes its instances through runsc, and every runsc command that
+// may change one drops the cached state of each instance it names when it starts and
+// again when it ends (change; a command that names none drops them all): a state read
+// that overlaps a change of its instance is not kept, so the cache never holds a
+// status older than the instance's last change. What happens without runsc — a sandbox
+// process that dies or is killed — shows in /proc, which every hit reads: a hit needs
+// the same sandbox process (pid and start time) alive.
+type statusCache struct {
+	mu  sync.Mutex
+	gen uint64
+	// last is the generation of each instance's last change; floor that of a change
+	// of all (or of the last time last was emptied to bound it).
+	last  map[string]uint64
+	floor uint64
+	m     map[string]cachedState
+}
+
+type cachedState struct {
+	st    containerState
+	start uint64 // the sandbox process's start time (/proc/PID/stat)
+}
+
+// maxTracked bounds the cache: past it, it starts again empty.
+const maxTracked = 4096
+
+// get returns the cached state of id if its sandbox process is still the one it was
+// and alive, and the generation to hand to put after asking runsc.
+func (c *statusCache) get(id string) (containerState, bool, uint64) {
+	c.mu.Lock()
+	e, ok := c.m[id]
+	gen := c.gen
+	c.mu.Unlock()
+	if !ok {
+		return containerState{}, false, gen
+	}
+	if p, err := instances.ReadProc(e.st.PID); err != nil || !p.Live() || p.StartTime != e.start {
+		c.mu.Lock()
+		delete(c.m, id)
+		c.mu.Unlock()
+		return containerState{}, false, gen
+	}
+	return e.st, true, gen
+}
+
+// put keeps st for id unless a change of id began or ended since gen was read. Only
+// running and paused states with a live sandbox process are kept: anything else is
+// read from runsc every time.
+func (c *statusCache) put(id string, st containerState, gen uint64) {
+	if (st.Status != "running" && st.Status != "paused") || st.PID <= 0 {
+		return
+	}
+	p, err := instances.ReadProc(st.PID)
+	if err != nil || !p.Live() {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if gen < c.floor || gen < c.last[id] {
+		return
+	}
+	if c.m == nil {
+		c.m = map[string]cachedState{}
+	}
+	if len(c.m) >= maxTracked {
+		clear(c.m)
+	}
+	c.m[id] = cachedState{st: st, start: p.StartTime}
+}
+
+// change drops the cached state of ids (of every instance when ids is empty) for a
+// runsc command that may change them; the returned func drops it again when the
+// command has ended.
+func (c *statusCache) change(ids []string) func() {
+	mark := func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.gen++
+		if len(ids) == 0 || len(c.last) >= maxTracked {
+			c.floor = c.gen
+			c.last, c.m = nil, nil
+			if len(ids) == 0 {
+				return
+			}
+		}
+		if c.last == nil {
+			c.last = map[string]uint64{}
+		}
+		for _, id := range ids {
+			c.last[id] = c.gen
+			delete(c.m, id)
+		}
+	}
+	mark()
+	return mark
+}
+
+// changes reports whether a runsc invocation (global flags and all) may change an
+// instance, and the instance ids it names (every argument that looks like one: a
+// few more, like "pids", do no harm).
+func changes(args []string) (bool, []string) {
+	i := slices.IndexFunc(args, func(a string) bool { return !strings.HasPrefix(a, "-") })
+	if i < 0 {
+		return false, nil // --version and the like
+	}
+	switch args[i] {
+	case "state", "list", "ps", "flags", "help", "spec":
+		return false, nil
+	}
+	var ids []string
+	for _, a := range args[i+1:] {
+		if validID(a) {
+			ids = append(ids, a)
+		}
+	}
+	return true, ids
+}

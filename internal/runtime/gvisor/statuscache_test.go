@@ -1,0 +1,87 @@
+package gvisor
+
+import (
+	"os"
+	"slices"
+	"testing"
+)
+
+func TestChanges(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want bool
+		ids  []string
+	}{
+		{[]string{"--version"}, false, nil},
+		{[]string{"--root=/r", "--platform=systrap", "state", "abc"}, false, nil},
+		{[]string{"--root=/r", "list", "-format=json"}, false, nil},
+		{[]string{"--root=/r", "pause", "abc"}, true, []string{"abc"}},
+		{[]string{"--root=/r", "--platform=systrap", "checkpoint", "-image-path", "/d", "abc"}, true, []string{"abc"}},
+		{[]string{"--root=/r", "delete", "-force", "abc"}, true, []string{"abc"}},
+		{[]string{"--root=/r", "kill", "abc", "KILL"}, true, []string{"abc"}},
+	} {
+		got, ids := changes(c.args)
+		if got != c.want || !slices.Equal(ids, c.ids) {
+			t.Errorf("changes(%q) = %v %q, want %v %q", c.args, got, ids, c.want, c.ids)
+		}
+	}
+}
+
+// TestStatusCache: a state is kept only for a live sandbox process and only when no
+// change of its instance began or ended since it was asked; a hit needs the same
+// process alive; a change of another instance leaves it.
+func TestStatusCache(t *testing.T) {
+	var c statusCache
+	me := containerState{ID: "a", Status: "paused", PID: os.Getpid()}
+	_, ok, gen := c.get("a")
+	if ok {
+		t.Fatal("hit in an empty cache")
+	}
+	c.put("a", me, gen)
+	if st, ok, _ := c.get("a"); !ok || st.Status != "paused" {
+		t.Fatalf("get after put = %+v, %v", st, ok)
+	}
+	// A change of another instance keeps it.
+	c.change([]string{"b"})()
+	if _, ok, _ := c.get("a"); !ok {
+		t.Fatal("a change of b dropped a")
+	}
+	// A change of a drops it, and a read that overlapped the change is not kept.
+	_, _, gen = c.get("a")
+	done := c.change([]string{"a"})
+	if _, ok, _ := c.get("a"); ok {
+		t.Fatal("kept across its change")
+	}
+	c.put("a", me, gen)
+	done()
+	if _, ok, _ := c.get("a"); ok {
+		t.Fatal("a state read across a change was kept")
+	}
+	// A change that names no instance drops everything.
+	_, _, gen = c.get("a")
+	c.put("a", me, gen)
+	c.change(nil)()
+	if _, ok, _ := c.get("a"); ok {
+		t.Fatal("kept across a change of all")
+	}
+	// Stopped states and dead processes are never kept.
+	_, _, gen = c.get("a")
+	c.put("a", containerState{ID: "a", Status: "stopped", PID: os.Getpid()}, gen)
+	c.put("b", containerState{ID: "b", Status: "running", PID: 1 << 30}, gen)
+	if _, ok, _ := c.get("a"); ok {
+		t.Fatal("a stopped state was kept")
+	}
+	if _, ok, _ := c.get("b"); ok {
+		t.Fatal("a state without a live process was kept")
+	}
+	// A process whose start time differs (its pid was reused) is a miss.
+	c.put("a", me, gen)
+	c.mu.Lock()
+	e := c.m["a"]
+	e.start++
+	c.m["a"] = e
+	c.mu.Unlock()
+	if _, ok, _ := c.get("a"); ok {
+		t.Fatal("a reused pid was a hit")
+	}
+}
