@@ -2,6 +2,7 @@ package crashtest_test
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -27,6 +28,23 @@ type world struct {
 	// done, when set, says whether the action has ended (for actions without an
 	// operation, like deleting a snapshot).
 	done func() bool
+	// late, when set, finds an operation of the action whose request got no answer:
+	// the server died at the armed point before its response left (lateOps).
+	late func() (string, error)
+}
+
+// lateOps adds the operation of an action whose request got no answer to the world's
+// operations, once the server answers again.
+func lateOps(t *testing.T, s *server, w *world) {
+	t.Helper()
+	if w.late == nil {
+		return
+	}
+	op, err := w.late()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.ops, w.late = append(w.ops, op), nil
 }
 
 // scenario is one transition: a setup that brings sandboxes to the state it starts
@@ -101,7 +119,30 @@ func scenarios() []scenario {
 	act := func(v string, keep bool) func(t *testing.T, s *server, w *world) {
 		return func(t *testing.T, s *server, w *world) {
 			w.keep = keep
-			w.ops = append(w.ops, verb(t, s, w.ids[0], v))
+			id, since := w.ids[0], time.Now()
+			op, err := s.C.Lifecycle(ctx(t, time.Minute), id, v)
+			if err == nil {
+				w.ops = append(w.ops, op.ID)
+				return
+			}
+			// The node acts on the verb once it is committed, which may be before the
+			// api's answer has left: a point taken then kills the server first. The
+			// verb's operation is found once the server is back.
+			if !s.died(10 * time.Second) {
+				t.Fatalf("%s: %v", v, err)
+			}
+			w.late = func() (string, error) {
+				ops, err := s.C.SandboxOperations(ctx(t, time.Minute), id)
+				if err != nil {
+					return "", fmt.Errorf("%s after the server died answering it: %w", v, err)
+				}
+				for _, o := range ops {
+					if !o.CreatedAt.Before(since.Add(-time.Second)) && o.Kind != api.OpCreate {
+						return o.ID, nil
+					}
+				}
+				return "", fmt.Errorf("%s: the server died answering it, and no operation of it exists: %v", v, err)
+			}
 		}
 	}
 	withSnapshot := func(t *testing.T, s *server) *world {
@@ -375,6 +416,7 @@ func checkWorld(t *testing.T, s *server, w *world, where string) bool {
 		t.Errorf(where+": "+format, args...)
 		return false
 	}
+	lateOps(t, s, w)
 	// Every operation ends, within the deadline.
 	for _, op := range w.ops {
 		got, err := s.C.WaitOperation(ctx(t, converge), op)
