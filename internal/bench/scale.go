@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
 // scaleSteps are the counts of idle sandboxes the scale scenario measures at.
@@ -74,10 +75,16 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 		avail := memAvailable()
 		all := listProcs()
 		var cg, pss []float64
+		pssName := "PSS per sandbox: Sentry + gofer"
 		for _, id := range set.ids {
 			sp, gp := sandboxProcs(all, id)
 			if len(sp) == 0 {
-				continue
+				// A QEMU node's VM: one process.
+				if pid := qemu.FindVMProcess(id); pid > 0 {
+					sp, pssName = []int{pid}, "PSS per sandbox: QEMU"
+				} else {
+					continue
+				}
 			}
 			pss = append(pss, mib(sumMem(sp).PSS+sumMem(gp).PSS))
 			if c := cgroupMemory(sp[0]); c >= 0 {
@@ -98,7 +105,7 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 			withP99(result("scale", p("GET /v1/sandboxes/{id}"), "ms", get, "no idle sandboxes", get0)),
 			withP99(result("scale", p("GET /v1/sandboxes (list)"), "ms", list, "no idle sandboxes", list0)),
 			withP99(result("scale", p("exec `true`"), "ms", ex, "no idle sandboxes", exec0)),
-			result("scale", p("PSS per sandbox: Sentry + gofer"), "MiB", pss, "", nil),
+			result("scale", p(pssName), "MiB", pss, "", nil),
 		)
 		if len(cg) > 0 {
 			out = append(out, result("scale", p("sandbox cgroup memory"), "MiB", cg, "", nil))

@@ -17,7 +17,8 @@ import (
 // runs only when SPACE_BENCH_ONLY names the scenarios. SPACE_BENCH_RUNS sets --runs
 // (default 10), SPACE_BENCH_RUNNING_QUOTA raises the default tenant's running-sandbox
 // quota first, SPACE_BENCH_ARGS adds flags (space-separated, e.g. "--scale-max 100
-// --svg /tmp/svg"), SPACE_BENCH_JSON keeps the saved report at that path:
+// --svg /tmp/svg"), SPACE_BENCH_SERVE_ARGS adds flags to the server's (e.g. "--runtime
+// qemu" for a QEMU node), SPACE_BENCH_JSON keeps the saved report at that path:
 //
 //	SPACE_BENCH_ONLY=density,scale go test -run TestBenchFigures -v -timeout 2h ./internal/e2e/
 func TestBenchFigures(t *testing.T) {
@@ -29,7 +30,7 @@ func TestBenchFigures(t *testing.T) {
 	if runs == "" {
 		runs = "10"
 	}
-	s := start(t, options{})
+	s := start(t, options{Args: strings.Fields(os.Getenv("SPACE_BENCH_SERVE_ARGS"))})
 	if q := os.Getenv("SPACE_BENCH_RUNNING_QUOTA"); q != "" {
 		// The scale scenario's largest steps need more than the default 100 running.
 		if _, stderr, code := s.cli(t, "tenant", "set-quota", "default", "--running", q); code != 0 {
