@@ -93,6 +93,18 @@ type hostOpts struct {
 	// (PR_SET_THP_DISABLE) and the guest's scattered pages cost 4 KiB each on the host
 	// instead of 2 MiB.
 	THP bool
+	// MallocArenas caps glibc's malloc arenas in QEMU (MALLOC_ARENA_MAX), 0 for
+	// glibc's default (8 per core): each thread that allocates may otherwise get an
+	// arena of its own, whose freed memory stays with it.
+	MallocArenas int
+}
+
+// env is QEMU's environment for these settings.
+func (h hostOpts) env() []string {
+	if h.MallocArenas > 0 {
+		return []string{"MALLOC_ARENA_MAX=" + strconv.Itoa(h.MallocArenas)}
+	}
+	return nil
 }
 
 // defaultHostOpts is what the runtime gives every QEMU process (docs/benchmarks.md,

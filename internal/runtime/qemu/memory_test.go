@@ -62,6 +62,7 @@ func TestIdleMemory(t *testing.T) {
 		{name: "balloon, free page reporting", balloon: true, host: old},
 		{name: "tb-size=16", host: hostOpts{TCGCacheMB: 16, THP: true}},
 		{name: "tb-size=8", host: hostOpts{TCGCacheMB: 8, THP: true}},
+		{name: "MALLOC_ARENA_MAX=1", host: hostOpts{TCGCacheMB: 32, THP: true, MallocArenas: 1}},
 		{name: "defaults (Create)", balloon: true, host: rt.host},
 	}
 	initrd, err := rt.initrds.Build(ctx, agent)
