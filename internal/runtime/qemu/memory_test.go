@@ -26,6 +26,7 @@ type memoryVariant struct {
 	name    string
 	balloon bool
 	host    hostOpts
+	cmdline string // added to the guest kernel's command line
 }
 
 // TestIdleMemory boots idle VMs of the base template with each memory setting alone
@@ -60,10 +61,21 @@ func TestIdleMemory(t *testing.T) {
 		{name: "before: tb-size=32, THP, no balloon", host: old},
 		{name: "THP off", host: hostOpts{TCGCacheMB: 32}},
 		{name: "balloon, free page reporting", balloon: true, host: old},
+		{name: "balloon, reporting order 0", balloon: true, host: old, cmdline: "page_reporting.page_reporting_order=0"},
+		{name: "balloon, THP off", balloon: true, host: hostOpts{TCGCacheMB: 32}},
 		{name: "tb-size=16", host: hostOpts{TCGCacheMB: 16, THP: true}},
 		{name: "tb-size=8", host: hostOpts{TCGCacheMB: 8, THP: true}},
-		{name: "MALLOC_ARENA_MAX=1", host: hostOpts{TCGCacheMB: 32, THP: true, MallocArenas: 1}},
 		{name: "defaults (Create)", balloon: true, host: rt.host},
+	}
+	if v := os.Getenv("SPACE_QEMU_MEMORY_ONLY"); v != "" {
+		// A comma-separated list of variant indexes.
+		var keep []memoryVariant
+		for _, f := range strings.Split(v, ",") {
+			if i, err := strconv.Atoi(f); err == nil && i >= 0 && i < len(variants) {
+				keep = append(keep, variants[i])
+			}
+		}
+		variants = keep
 	}
 	initrd, err := rt.initrds.Build(ctx, agent)
 	if err != nil {
@@ -79,6 +91,7 @@ func TestIdleMemory(t *testing.T) {
 	type vm struct {
 		v    int
 		spec runtime.Spec
+		boot time.Duration
 	}
 	var vms []vm
 	var mu sync.Mutex
@@ -98,9 +111,13 @@ func TestIdleMemory(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			spec := runtime.Spec{ID: id, RootFS: disk, StateDir: t.TempDir(), AgentPath: agent, CPU: 1, MemoryMB: guestMB}
+			spec, err := rt.checkSpec(runtime.Spec{ID: id, RootFS: disk, StateDir: t.TempDir(), AgentPath: agent, CPU: 1, MemoryMB: guestMB})
+			if err != nil {
+				t.Fatal(err)
+			}
 			mu.Lock()
 			vms = append(vms, vm{v: i, spec: spec})
+			k := len(vms) - 1
 			mu.Unlock()
 			wg.Add(1)
 			sem <- struct{}{}
@@ -109,8 +126,9 @@ func TestIdleMemory(t *testing.T) {
 				defer func() { <-sem }()
 				m := machine{
 					MemoryMB: guestMB, CPU: 1, Accel: rt.accel, Kernel: rt.cfg.KernelPath, Initrd: initrd,
-					Append: cmdline, QEMU: rt.version, Balloon: v.balloon, Host: v.host,
+					Append: strings.TrimSpace(v.cmdline + " " + cmdline), QEMU: rt.version, Balloon: v.balloon, Host: v.host,
 				}
+				start := time.Now()
 				if err := rt.launch(ctx, spec, m, ""); err != nil {
 					errs <- fmt.Errorf("%s: %w", v.name, err)
 					return
@@ -121,6 +139,9 @@ func TestIdleMemory(t *testing.T) {
 				if _, err := c.WaitReady(rctx); err != nil {
 					errs <- fmt.Errorf("%s: agent not ready: %w", v.name, err)
 				}
+				mu.Lock()
+				vms[k].boot = time.Since(start)
+				mu.Unlock()
 			}()
 		}
 	}
@@ -132,7 +153,7 @@ func TestIdleMemory(t *testing.T) {
 	// Free page reporting reports a couple of seconds after pages are freed; the
 	// guest's start-up work is done well before this.
 	time.Sleep(30 * time.Second)
-	type row struct{ rss, pss, guest, thp, tcg, anon, file, filePSS, used []float64 }
+	type row struct{ rss, pss, guest, thp, tcg, anon, file, filePSS, used, boot []float64 }
 	rows := make([]row, len(variants))
 	mib := func(kb int) float64 { return float64(kb) / 1024 }
 	for _, x := range vms {
@@ -156,6 +177,7 @@ func TestIdleMemory(t *testing.T) {
 		r.file = append(r.file, mib(m.OwnFileRSS))
 		r.filePSS = append(r.filePSS, mib(m.OwnFilePSS))
 		r.used = append(r.used, mib(used))
+		r.boot = append(r.boot, x.boot.Seconds())
 	}
 	med := func(xs []float64) float64 {
 		s := slices.Clone(xs)
@@ -170,13 +192,118 @@ func TestIdleMemory(t *testing.T) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d VMs per variant, %d MiB guests, medians (MiB)\n", n, guestMB)
-	b.WriteString("| variant | QEMU RSS | QEMU PSS | guest RAM resident (of it THP) | TCG cache | QEMU own anon | QEMU files RSS / PSS | guest used (MemTotal − MemFree) | RSS − guest RAM |\n|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("| variant | QEMU RSS | QEMU PSS | guest RAM resident (of it THP) | TCG cache | QEMU own anon | QEMU files RSS / PSS | guest used (MemTotal − MemFree) | RSS − guest RAM | PSS − guest RAM | boot (s) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for i, v := range variants {
 		r := rows[i]
-		fmt.Fprintf(&b, "| %s | %.1f | %.1f | %.1f (%.0f) | %.1f | %.1f | %.1f / %.1f | %.1f | %.1f |\n", v.name,
-			med(r.rss), med(r.pss), med(r.guest), med(r.thp), med(r.tcg), med(r.anon), med(r.file), med(r.filePSS), med(r.used), med(r.rss)-med(r.guest))
+		fmt.Fprintf(&b, "| %s | %.1f | %.1f | %.1f (%.0f) | %.1f | %.1f | %.1f / %.1f | %.1f | %.1f | %.1f | %.1f |\n", v.name,
+			med(r.rss), med(r.pss), med(r.guest), med(r.thp), med(r.tcg), med(r.anon), med(r.file), med(r.filePSS), med(r.used),
+			med(r.rss)-med(r.guest), med(r.pss)-med(r.guest), med(r.boot))
 	}
 	t.Log("\n" + b.String())
+	if len(vms) > 0 {
+		t.Log("largest anonymous mappings of QEMU itself (KiB resident), first VM:\n" + anonMappings(rt.instancePID(vms[0].spec.ID, nil), guestMB))
+	}
+	if os.Getenv("SPACE_QEMU_MEMORY_KSM") != "" {
+		ksmPhase(t, rt, vms2specs(vms, func(x vm) runtime.Spec { return x.spec }), guestMB)
+	}
+}
+
+func vms2specs[T any](xs []T, f func(T) runtime.Spec) []runtime.Spec {
+	var out []runtime.Spec
+	for _, x := range xs {
+		out = append(out, f(x))
+	}
+	return out
+}
+
+// anonMappings lists pid's ten largest resident anonymous mappings other than the
+// guest's RAM.
+func anonMappings(pid, guestMB int) string {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps", pid))
+	if err != nil {
+		return err.Error()
+	}
+	type m struct {
+		hdr       string
+		size, rss int
+	}
+	var ms []m
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		if len(f) == 0 {
+			continue
+		}
+		if !strings.HasSuffix(f[0], ":") {
+			if len(f) == 5 || (len(f) > 5 && strings.HasPrefix(f[5], "[")) {
+				ms = append(ms, m{hdr: l})
+			} else {
+				ms = append(ms, m{hdr: ""})
+			}
+			continue
+		}
+		if len(ms) == 0 || len(f) < 2 {
+			continue
+		}
+		kb, _ := strconv.Atoi(f[1])
+		switch f[0] {
+		case "Size:":
+			ms[len(ms)-1].size = kb
+		case "Rss:":
+			ms[len(ms)-1].rss = kb
+		}
+	}
+	ms = slices.DeleteFunc(ms, func(x m) bool { return x.hdr == "" || x.size >= guestMB<<10 })
+	slices.SortFunc(ms, func(a, b m) int { return b.rss - a.rss })
+	var b strings.Builder
+	for i, x := range ms {
+		if i == 10 {
+			break
+		}
+		fmt.Fprintf(&b, "%8d of %8d  %s\n", x.rss, x.size, x.hdr)
+	}
+	return b.String()
+}
+
+// ksmPhase turns the host's KSM on for a minute (QEMU marks guest RAM mergeable by
+// default), logs the VMs' PSS before and after and what KSM reports, and puts the
+// host's KSM settings back (unmerging).
+func ksmPhase(t *testing.T, rt *Runtime, specs []runtime.Spec, guestMB int) {
+	const ksm = "/sys/kernel/mm/ksm/"
+	read := func(name string) string {
+		b, _ := os.ReadFile(ksm + name)
+		return strings.TrimSpace(string(b))
+	}
+	write := func(name, v string) {
+		if err := os.WriteFile(ksm+name, []byte(v), 0o644); err != nil {
+			t.Logf("ksm %s: %v", name, err)
+		}
+	}
+	if read("run") == "" {
+		t.Log("no KSM on this host")
+		return
+	}
+	pss := func() float64 {
+		var sum int
+		for _, s := range specs {
+			m, _ := ReadVMMemory(rt.instancePID(s.ID, nil), guestMB)
+			sum += m.PSS
+		}
+		return float64(sum) / 1024 / float64(len(specs))
+	}
+	run, scan, sleep := read("run"), read("pages_to_scan"), read("sleep_millisecs")
+	defer func() {
+		write("run", "2") // unmerge
+		write("pages_to_scan", scan)
+		write("sleep_millisecs", sleep)
+		write("run", run)
+	}()
+	before := pss()
+	write("pages_to_scan", "1000")
+	write("sleep_millisecs", "20")
+	write("run", "1")
+	time.Sleep(90 * time.Second)
+	t.Logf("KSM 90 s: PSS per VM %.1f → %.1f MiB; pages_sharing %s pages_shared %s full_scans %s general_profit %s",
+		before, pss(), read("pages_sharing"), read("pages_shared"), read("full_scans"), read("general_profit"))
 }
 
 // guestUsed reads the guest's MemTotal − MemFree (KiB): what its kernel holds, page

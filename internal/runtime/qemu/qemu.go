@@ -556,7 +556,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, rec r
 		Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID | syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
 	}
 	args := m.args(r.procName(spec.ID), incoming)
-	js := r.jail.forVM(m.Kernel, m.Initrd, rec.UID, args, append([]string{stateEnv + "=" + spec.StateDir}, m.Host.env()...))
+	js := r.jail.forVM(m.Kernel, m.Initrd, rec.UID, args, []string{stateEnv + "=" + spec.StateDir})
 	js.NoTHP = !m.Host.THP
 	r.log.DebugContext(ctx, "starting qemu", "id", spec.ID, "uid", rec.UID, "args", js.Args)
 	if err := cmd.Start(); err != nil {
