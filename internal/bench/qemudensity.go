@@ -22,7 +22,7 @@ func qemuDensity(ctx context.Context, cfg *Config, set *idleSet, srvBefore, srvA
 	type byPath struct{ rss, pss, cg, over []float64 }
 	paths := map[string]*byPath{}
 	var guest, thp, tcg, own, files, filesPSS, used, overUsed []float64
-	var rssByID = map[string]int{}
+	rssByID := map[string]int{}
 	for _, id := range set.ids {
 		pid := qemu.FindVMProcess(id)
 		if pid == 0 {

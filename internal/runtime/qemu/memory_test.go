@@ -42,9 +42,8 @@ func TestIdleMemory(t *testing.T) {
 		t.Skip("set SPACE_QEMU_MEMORY=1 to measure")
 	}
 	rt, _ := needQEMU(t)
-	n, _ := strconv.Atoi(os.Getenv("SPACE_QEMU_MEMORY_VMS"))
-	n = max(n, 1)
-	if os.Getenv("SPACE_QEMU_MEMORY_VMS") == "" {
+	n, err := strconv.Atoi(os.Getenv("SPACE_QEMU_MEMORY_VMS"))
+	if err != nil || n < 1 {
 		n = 2
 	}
 	guestMB, _ := strconv.Atoi(os.Getenv("SPACE_QEMU_MEMORY_MB"))
@@ -204,16 +203,12 @@ func TestIdleMemory(t *testing.T) {
 		t.Log("largest anonymous mappings of QEMU itself (KiB resident), first VM:\n" + anonMappings(rt.instancePID(vms[0].spec.ID, nil), guestMB))
 	}
 	if os.Getenv("SPACE_QEMU_MEMORY_KSM") != "" {
-		ksmPhase(t, rt, vms2specs(vms, func(x vm) runtime.Spec { return x.spec }), guestMB)
+		var specs []runtime.Spec
+		for _, x := range vms {
+			specs = append(specs, x.spec)
+		}
+		ksmPhase(t, rt, specs, guestMB)
 	}
-}
-
-func vms2specs[T any](xs []T, f func(T) runtime.Spec) []runtime.Spec {
-	var out []runtime.Spec
-	for _, x := range xs {
-		out = append(out, f(x))
-	}
-	return out
 }
 
 // anonMappings lists pid's ten largest resident anonymous mappings other than the
