@@ -233,6 +233,7 @@ type idleSet struct {
 	cfg  *Config
 	ids  []string
 	path map[string]string // each sandbox's start path
+	sb   map[string]api.Sandbox
 }
 
 // grow creates sandboxes like req until the set holds n (a few at a time), and returns
@@ -241,6 +242,7 @@ func (s *idleSet) grow(ctx context.Context, n int, tag string, req api.CreateSan
 	const parallel = 4
 	type res struct {
 		id, path string
+		sb       api.Sandbox
 		ms       float64
 		err      error
 	}
@@ -256,7 +258,7 @@ func (s *idleSet) grow(ctx context.Context, n int, tag string, req api.CreateSan
 				sb, err := s.cfg.Client.CreateAndWait(ctx, req)
 				r := res{ms: ms(time.Since(start)), err: err}
 				if sb != nil {
-					r.id, r.path = sb.ID, sb.StartPath
+					r.id, r.path, r.sb = sb.ID, sb.StartPath, *sb
 				}
 				ch <- r
 			}()
@@ -267,9 +269,9 @@ func (s *idleSet) grow(ctx context.Context, n int, tag string, req api.CreateSan
 			if r.id != "" {
 				s.ids = append(s.ids, r.id)
 				if s.path == nil {
-					s.path = map[string]string{}
+					s.path, s.sb = map[string]string{}, map[string]api.Sandbox{}
 				}
-				s.path[r.id] = r.path
+				s.path[r.id], s.sb[r.id] = r.path, r.sb
 			}
 			if r.err != nil && firstErr == nil {
 				firstErr = r.err
@@ -330,6 +332,9 @@ func density(ctx context.Context, cfg *Config) ([]Result, error) {
 	}
 	availAfter := memAvailable()
 	srvAfter := readProcMem(srv)
+	if set.sb[set.ids[0]].Runtime == "qemu" {
+		return qemuDensity(ctx, cfg, set, srvBefore, srvAfter, availBefore-availAfter)
+	}
 	all := listProcs()
 	type byPath struct{ pss, cg, own []float64 }
 	paths := map[string]*byPath{}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
 // scaleSteps are the counts of idle sandboxes the scale scenario measures at.
@@ -22,10 +23,15 @@ var scaleSteps = []int{10, 50, 100, 200}
 // every step measures the same start path.
 const scaleMemoryMB = 128
 
+// scaleDiskMB is their disk limit: an idle sandbox writes nothing, and a tenant's disk
+// quota charges each sandbox its limit (200 sandboxes of the default 10 GiB would be
+// 2 TiB, twice the default tenant quota: the count stopped at 102).
+const scaleDiskMB = 1024
+
 // scaleSettle is how long a step's sandboxes are left idle before memory is read.
 const scaleSettle = 3 * time.Second
 
-// scale creates idle sandboxes on the server in steps of 10, 50, 100 and 200 (those
+// scale creates idle sandboxes (scaleMemoryMB, scaleDiskMB) on the server in steps of 10, 50, 100 and 200 (those
 // below cfg.ScaleMax, then cfg.ScaleMax) and at each step reports how fast they were created, the API's latency
 // while they exist (GET of a sandbox, the list, a `true` command; the baseline is the
 // same request before any was created), and the host memory per sandbox.
@@ -60,10 +66,10 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 	for _, n := range append(steps, maxN) {
 		k := n - len(set.ids)
 		start := time.Now()
-		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB})
+		lat, err := set.grow(ctx, n, "scale", api.CreateSandboxRequest{FreshBoot: true, MemoryMB: scaleMemoryMB, DiskMB: scaleDiskMB})
 		if err != nil {
 			if strings.Contains(err.Error(), "quota_exceeded") {
-				err = fmt.Errorf("%w (raise the tenant's quota for the run, e.g. `space tenant set-quota default --running %d`, or lower --scale-max)", err, maxN+10)
+				err = fmt.Errorf("%w (raise the tenant's quota the error names for the run, e.g. `space tenant set-quota default --running %d` or `--disk-mb unlimited`, or lower --scale-max)", err, maxN+10)
 			}
 			return out, err
 		}
@@ -74,10 +80,16 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 		avail := memAvailable()
 		all := listProcs()
 		var cg, pss []float64
+		pssName := "PSS per sandbox: Sentry + gofer"
 		for _, id := range set.ids {
 			sp, gp := sandboxProcs(all, id)
 			if len(sp) == 0 {
-				continue
+				// A QEMU node's VM: one process.
+				if pid := qemu.FindVMProcess(id); pid > 0 {
+					sp, pssName = []int{pid}, "PSS per sandbox: QEMU"
+				} else {
+					continue
+				}
 			}
 			pss = append(pss, mib(sumMem(sp).PSS+sumMem(gp).PSS))
 			if c := cgroupMemory(sp[0]); c >= 0 {
@@ -98,7 +110,7 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 			withP99(result("scale", p("GET /v1/sandboxes/{id}"), "ms", get, "no idle sandboxes", get0)),
 			withP99(result("scale", p("GET /v1/sandboxes (list)"), "ms", list, "no idle sandboxes", list0)),
 			withP99(result("scale", p("exec `true`"), "ms", ex, "no idle sandboxes", exec0)),
-			result("scale", p("PSS per sandbox: Sentry + gofer"), "MiB", pss, "", nil),
+			result("scale", p(pssName), "MiB", pss, "", nil),
 		)
 		if len(cg) > 0 {
 			out = append(out, result("scale", p("sandbox cgroup memory"), "MiB", cg, "", nil))

@@ -11,13 +11,15 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/bench"
+	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
 // TestBenchFigures runs `space bench` against a fresh server for docs/benchmarks.md; it
 // runs only when SPACE_BENCH_ONLY names the scenarios. SPACE_BENCH_RUNS sets --runs
 // (default 10), SPACE_BENCH_RUNNING_QUOTA raises the default tenant's running-sandbox
 // quota first, SPACE_BENCH_ARGS adds flags (space-separated, e.g. "--scale-max 100
-// --svg /tmp/svg"), SPACE_BENCH_JSON keeps the saved report at that path:
+// --svg /tmp/svg"), SPACE_BENCH_SERVE_ARGS adds flags to the server's (e.g. "--runtime
+// qemu" for a QEMU node), SPACE_BENCH_JSON keeps the saved report at that path:
 //
 //	SPACE_BENCH_ONLY=density,scale go test -run TestBenchFigures -v -timeout 2h ./internal/e2e/
 func TestBenchFigures(t *testing.T) {
@@ -29,7 +31,7 @@ func TestBenchFigures(t *testing.T) {
 	if runs == "" {
 		runs = "10"
 	}
-	s := start(t, options{})
+	s := start(t, options{Args: strings.Fields(os.Getenv("SPACE_BENCH_SERVE_ARGS"))})
 	if q := os.Getenv("SPACE_BENCH_RUNNING_QUOTA"); q != "" {
 		// The scale scenario's largest steps need more than the default 100 running.
 		if _, stderr, code := s.cli(t, "tenant", "set-quota", "default", "--running", q); code != 0 {
@@ -104,5 +106,51 @@ func TestBenchDensityScale(t *testing.T) {
 	}
 	if ids := s.runscIDs(); len(ids) != 0 {
 		t.Errorf("sandboxes left after the bench: %v", ids)
+	}
+}
+
+// TestBenchDensityQEMU runs the density scenario small (2 VMs of each kind) on a QEMU
+// node: the breakdown finds every VM's QEMU process, the guest's RAM in it, and the
+// guest's own view. The figures themselves are not asserted.
+func TestBenchDensityQEMU(t *testing.T) {
+	requireHost(t)
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
+	}
+	if _, err := qemu.DefaultKernel(); err != nil {
+		t.Skipf("no guest kernel: %v (apt-get install linux-image-cloud-amd64)", err)
+	}
+	s := start(t, options{Args: []string{"--runtime", "qemu", "--default-memory", "256"}})
+	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density", "-o", "json")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s", code, stderr)
+	}
+	var rs []bench.Result
+	if err := json.Unmarshal([]byte(out), &rs); err != nil {
+		t.Fatalf("bench output: %v\n%s", err, out)
+	}
+	want := map[string]bool{
+		"QEMU RSS per idle VM, booted":                              false,
+		"guest RAM resident on the host":                            false,
+		"guest's own use (MemTotal − MemFree, page cache included)": false,
+		"QEMU own anonymous memory (heap, stacks, buffers)":         false,
+	}
+	for _, r := range rs {
+		t.Logf("%s: %.1f %s", r.Metric, r.Median, r.Unit)
+		if _, ok := want[r.Metric]; !ok {
+			continue
+		}
+		want[r.Metric] = true
+		if r.Median <= 0 {
+			t.Errorf("result %+v", r)
+		}
+		if r.Metric == "QEMU RSS per idle VM, booted" && r.Runs < 2 {
+			t.Errorf("density: %d booted VMs measured", r.Runs)
+		}
+	}
+	for m, seen := range want {
+		if !seen {
+			t.Errorf("no row %q", m)
+		}
 	}
 }

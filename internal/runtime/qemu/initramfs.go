@@ -8,12 +8,14 @@ package qemu
 // console and serial ports, the entropy device and ext4. Whatever the kernel has built
 // in is skipped; dependencies come from modules.dep.
 func guestModules() []string {
-	return []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "ext4"}
+	return []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "virtio_balloon", "ext4"}
 }
 
 // optionalModule tells the modules a kernel may lack without being unusable here
 // (without virtio_net, only sandboxes with a network policy cannot run).
-func optionalModule(name string) bool { return name == "virtio_rng" || name == "virtio_net" }
+func optionalModule(name string) bool {
+	return name == "virtio_rng" || name == "virtio_net" || name == "virtio_balloon"
+}
 
 // initramfsDir is where built initramfs images are cached, under the root dir.
 const initramfsDir = "initramfs"

@@ -72,10 +72,13 @@ type jailSpec struct {
 	UID   int        `json:"uid"`
 	GID   int        `json:"gid"`
 	// Groups are the supplementary groups (kvm's, for /dev/kvm).
-	Groups []int    `json:"groups"`
-	Path   string   `json:"path"` // QEMU's path inside the jail
-	Args   []string `json:"args"`
-	Env    []string `json:"env"`
+	Groups []int `json:"groups"`
+	// NoTHP disables transparent huge pages for QEMU (PR_SET_THP_DISABLE, kept across
+	// exec): see hostOpts.THP.
+	NoTHP bool     `json:"no_thp,omitempty"`
+	Path  string   `json:"path"` // QEMU's path inside the jail
+	Args  []string `json:"args"`
+	Env   []string `json:"env"`
 }
 
 // jailBind is a read-only bind mount of a host file or directory into the jail.
@@ -114,6 +117,11 @@ func runJail() error {
 	}
 	if err := dropPrivileges(js.UID, js.GID, js.Groups); err != nil {
 		return err
+	}
+	if js.NoTHP {
+		if err := unix.Prctl(unix.PR_SET_THP_DISABLE, 1, 0, 0, 0); err != nil {
+			return fmt.Errorf("disable transparent huge pages: %w", err)
+		}
 	}
 	return fmt.Errorf("exec %s: %w", js.Path, syscall.Exec(js.Path, js.Args, js.Env))
 }

@@ -72,11 +72,40 @@ type machine struct {
 	// Network gives the VM a virtio-net NIC on a tap device in the sandbox's network
 	// namespace (network.OpenTap): a restore needs a namespace too.
 	Network bool `json:"network,omitempty"`
+	// Balloon gives the VM a virtio-balloon device with free page reporting: the guest
+	// tells QEMU which of its pages are free (in 2 MiB blocks, a couple of seconds after
+	// they are freed) and QEMU gives them back to the host, so the VM holds what the
+	// guest uses rather than everything it ever touched. A device, so part of the
+	// stream: checkpoints made before it existed restore without one.
+	Balloon bool `json:"balloon,omitempty"`
+
+	// Host-side settings of the QEMU process, not of the guest's devices: not saved
+	// with a checkpoint (a restore takes the runtime's current ones).
+	Host hostOpts `json:"-"`
 }
 
-// tcgCacheMB sizes TCG's translated-code cache (MiB). Measured on a 256 MiB guest:
-// 32 MiB saves ~45 MiB of resident memory against 64 MiB at the same boot time.
-const tcgCacheMB = 32
+// hostOpts are the settings of a VM's QEMU process the guest does not see.
+type hostOpts struct {
+	// TCGCacheMB sizes TCG's translated-code cache (tb-size), 0 for tcgCacheMB.
+	TCGCacheMB int
+	// THP lets the host back guest RAM with transparent huge pages (QEMU asks for
+	// them on its RAM with MADV_HUGEPAGE). Off, the jail disables them for the process
+	// (PR_SET_THP_DISABLE): the guest's scattered pages then cost 4 KiB each on the host
+	// instead of 2 MiB, which saved 9 MiB of an idle 512 MiB guest without the balloon
+	// and nothing with it (its reports free whole 2 MiB blocks), while huge pages
+	// speed up a KVM guest: on by default.
+	THP bool
+}
+
+// defaultHostOpts is what the runtime gives every QEMU process (docs/benchmarks.md,
+// "QEMU memory", has what each setting saves).
+func defaultHostOpts() hostOpts { return hostOpts{TCGCacheMB: tcgCacheMB, THP: true} }
+
+// tcgCacheMB sizes TCG's translated-code cache (MiB); an idle guest fills it. Measured
+// on 512 MiB guests (TestIdleMemory): 16 MiB holds 16 MiB less code and ~3 MiB less of
+// QEMU's bookkeeping than 32 at the same boot time; 8 MiB nearly tripled the boot (the
+// kernel's code retranslated over and over).
+const tcgCacheMB = 16
 
 // maxCmdline is the x86 kernel's command line limit (COMMAND_LINE_SIZE) with some room.
 const maxCmdline = 2000
@@ -129,7 +158,11 @@ func (m machine) args(name string, incoming bool) []string {
 	default:
 		// TCG's translated-code cache defaults to 1 GiB; a sandbox's working set fits
 		// in far less and the cache is part of the VM's resident memory.
-		a = append(a, "-accel", AccelTCG+",tb-size="+strconv.Itoa(tcgCacheMB))
+		tb := m.Host.TCGCacheMB
+		if tb <= 0 {
+			tb = tcgCacheMB
+		}
+		a = append(a, "-accel", AccelTCG+",tb-size="+strconv.Itoa(tb))
 	}
 	a = append(a,
 		"-m", strconv.Itoa(m.MemoryMB),
@@ -156,6 +189,12 @@ func (m machine) args(name string, incoming bool) []string {
 		"-chardev", "socket,id=qmp,server=on,wait=off,fd="+fd(fdQMP),
 		"-mon", "chardev=qmp,mode=control",
 	)
+	if m.Balloon {
+		// Free page reporting only: the balloon is never inflated (a sandbox's memory
+		// limit is its guest size); deflate-on-oom lets a guest short of memory take
+		// any pages back from it all the same.
+		a = append(a, "-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on")
+	}
 	if m.Network {
 		// The tap was made by the node in the sandbox's namespace; QEMU only gets its
 		// descriptor (it stays in its own empty namespace).

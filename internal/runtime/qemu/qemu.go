@@ -116,6 +116,7 @@ type Runtime struct {
 	version     string // QEMU's version
 	rootKey     string // short hash of RootDir, part of every process name
 	tscKHz      int64  // the host's TSC frequency, given to TCG guests (0: unknown)
+	host        hostOpts
 
 	initrds *initramfs.Cache
 	uids    *uidLeases
@@ -249,6 +250,7 @@ func New(cfg Config) (*Runtime, error) {
 		uids:        uids,
 		cgroups:     cgs,
 		jail:        jail,
+		host:        defaultHostOpts(),
 	}
 	r.initrds = &initramfs.Cache{
 		Dir:        filepath.Join(cfg.RootDir, initramfsDir),
@@ -399,7 +401,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	m := machine{
 		MemoryMB: spec.MemoryMB, CPU: spec.CPU, Accel: r.accel,
 		Kernel: r.cfg.KernelPath, Initrd: initrd, Append: cmdline, QEMU: r.version,
-		Network: spec.NetNS != "",
+		Network: spec.NetNS != "", Balloon: true, Host: r.host,
 	}
 	if err := r.launch(ctx, spec, m, ""); err != nil {
 		return fmt.Errorf("qemu create %s: %w", spec.ID, err)
@@ -555,6 +557,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, m machine, rec r
 	}
 	args := m.args(r.procName(spec.ID), incoming)
 	js := r.jail.forVM(m.Kernel, m.Initrd, rec.UID, args, []string{stateEnv + "=" + spec.StateDir})
+	js.NoTHP = !m.Host.THP
 	r.log.DebugContext(ctx, "starting qemu", "id", spec.ID, "uid", rec.UID, "args", js.Args)
 	if err := cmd.Start(); err != nil {
 		return 0, 0, fmt.Errorf("start qemu jail: %w", err)

@@ -51,6 +51,13 @@ func TestArgsGolden(t *testing.T) {
 			b.WriteString(a + "\n")
 		}
 	}
+	m.Balloon, m.Host = true, hostOpts{TCGCacheMB: 16}
+	b.WriteString("# balloon, tb-size=16\n")
+	for _, a := range m.args("space-0000-id", false) {
+		if strings.Contains(a, "balloon") || strings.Contains(a, "tb-size") {
+			b.WriteString(a + "\n")
+		}
+	}
 	m.Accel = AccelKVM
 	b.WriteString("# kvm\n" + strings.Join(m.args("space-0000-id", false)[:8], "\n") + "\n")
 	golden := filepath.Join("testdata", "args.golden")

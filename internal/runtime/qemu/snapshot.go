@@ -210,6 +210,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) er
 		return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 	}
 	defer unlock()
+	m.Host = r.host
 	if err := r.launch(ctx, spec, m, dir); err != nil {
 		return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 	}
