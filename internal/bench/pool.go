@@ -35,7 +35,7 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 		return nil, fmt.Errorf("set pool (needs an admin key): %w", err)
 	}
 	defer cfg.Client.SetPool(context.WithoutCancel(ctx), api.SetPoolRequest{Template: cfg.Template, Size: 0})
-	var total, posted, seen, lag, exec []float64
+	var total, posted, seen, lag, exec, again []float64
 	steps := map[string][]float64{}
 	for len(total) < cfg.Runs {
 		if err := waitPoolFull(ctx, cfg); err != nil {
@@ -62,6 +62,17 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 			}
 		}
 		tExit := time.Since(start)
+		// The same command again: what the first one would cost with nothing left
+		// cold (the floor of the last step).
+		var tAgain time.Duration
+		if err == nil {
+			t0 := time.Now()
+			code, err = cfg.Client.Exec(ctx, sb.ID, api.CreateSessionRequest{Argv: []string{"python3", "-c", "pass"}}, client.Output{})
+			tAgain = time.Since(t0)
+			if err == nil && code != 0 {
+				err = fmt.Errorf("python3 -c pass: exit %d", code)
+			}
+		}
 		if derr := deleteAndWait(ctx, cfg.Client, sb.ID); err == nil && derr != nil {
 			err = derr
 		}
@@ -79,6 +90,7 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 			lag = append(lag, ms(seenAt.Sub(*op.DoneAt))) // same host: the bench runs on the server's
 		}
 		exec = append(exec, ms(tExit-tSeen))
+		again = append(again, ms(tAgain))
 		for i := 1; i < len(op.Timeline); i++ {
 			e := op.Timeline[i]
 			steps[e.Phase] = append(steps[e.Phase], e.Ms-op.Timeline[i-1].Ms)
@@ -95,5 +107,6 @@ func pool(ctx context.Context, cfg *Config) ([]Result, error) {
 		result("pool", "pool client: then operation seen done", "ms", seen, "", nil),
 		result("pool", "pool client: done_at → seen done (the wait's answer)", "ms", lag, "", nil),
 		result("pool", "pool client: then `python3 -c pass` round trip", "ms", exec, "", nil),
+		result("pool", "pool client: a second `python3 -c pass` (the floor)", "ms", again, "", nil),
 	), nil
 }
