@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"strings"
 
 	"github.com/spacedev/space/api"
@@ -105,22 +104,9 @@ func guestUsedKB(ctx context.Context, c *client.Client, id string) (int, error) 
 	if err != nil || code != 0 {
 		return 0, fmt.Errorf("read the guest's meminfo: exit %d: %v", code, err)
 	}
-	var total, free int
-	for _, l := range strings.Split(out.String(), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 2 {
-			continue
-		}
-		kb, _ := strconv.Atoi(f[1])
-		switch f[0] {
-		case "MemTotal:":
-			total = kb
-		case "MemFree:":
-			free = kb
-		}
+	kb, err := qemu.GuestUsedKB(out.String())
+	if err != nil {
+		return 0, fmt.Errorf("sandbox %s: %w", id, err)
 	}
-	if total == 0 {
-		return 0, fmt.Errorf("sandbox %s: no MemTotal in /proc/meminfo", id)
-	}
-	return total - free, nil
+	return kb, nil
 }

@@ -132,3 +132,26 @@ func FindVMProcess(id string) int {
 	}
 	return 0
 }
+
+// GuestUsedKB reads MemTotal − MemFree (KiB) from the text of a guest's /proc/meminfo:
+// what its kernel holds, page cache included.
+func GuestUsedKB(meminfo string) (int, error) {
+	var total, free int
+	for _, l := range strings.Split(meminfo, "\n") {
+		f := strings.Fields(l)
+		if len(f) < 2 {
+			continue
+		}
+		kb, _ := strconv.Atoi(f[1])
+		switch f[0] {
+		case "MemTotal:":
+			total = kb
+		case "MemFree:":
+			free = kb
+		}
+	}
+	if total == 0 {
+		return 0, fmt.Errorf("no MemTotal in the guest's /proc/meminfo")
+	}
+	return total - free, nil
+}

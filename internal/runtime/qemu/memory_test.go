@@ -322,22 +322,15 @@ func guestUsed(ctx context.Context, c *agentclient.Client) (int, error) {
 			done = true
 		}
 	}
-	var total, free int
-	for _, l := range strings.Split(data.String(), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 2 {
-			continue
-		}
-		kb, _ := strconv.Atoi(f[1])
-		switch f[0] {
-		case "MemTotal:":
-			total = kb
-		case "MemFree:":
-			free = kb
-		}
+	return GuestUsedKB(data.String())
+}
+
+func TestGuestUsedKB(t *testing.T) {
+	kb, err := GuestUsedKB("MemTotal:        1000 kB\nMemFree:          300 kB\nMemAvailable:     700 kB\n")
+	if err != nil || kb != 700 {
+		t.Fatalf("GuestUsedKB = %d, %v; want 700", kb, err)
 	}
-	if total == 0 {
-		return 0, fmt.Errorf("no MemTotal in the guest's /proc/meminfo")
+	if _, err := GuestUsedKB("MemFree: 3 kB\n"); err == nil {
+		t.Fatal("no MemTotal: no error")
 	}
-	return total - free, nil
 }
