@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/bench"
-	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
 // TestBenchFigures runs `space bench` against a fresh server for docs/benchmarks.md; it
@@ -106,51 +105,5 @@ func TestBenchDensityScale(t *testing.T) {
 	}
 	if ids := s.runscIDs(); len(ids) != 0 {
 		t.Errorf("sandboxes left after the bench: %v", ids)
-	}
-}
-
-// TestBenchDensityQEMU runs the density scenario small (2 VMs of each kind) on a QEMU
-// node: the breakdown finds every VM's QEMU process, the guest's RAM in it, and the
-// guest's own view. The figures themselves are not asserted.
-func TestBenchDensityQEMU(t *testing.T) {
-	requireHost(t)
-	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
-		t.Skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
-	}
-	if _, err := qemu.DefaultKernel(); err != nil {
-		t.Skipf("no guest kernel: %v (apt-get install linux-image-cloud-amd64)", err)
-	}
-	s := start(t, options{Args: []string{"--runtime", "qemu", "--default-memory", "256"}})
-	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density", "-o", "json")
-	if code != 0 {
-		t.Fatalf("space bench: exit %d\n%s", code, stderr)
-	}
-	var rs []bench.Result
-	if err := json.Unmarshal([]byte(out), &rs); err != nil {
-		t.Fatalf("bench output: %v\n%s", err, out)
-	}
-	want := map[string]bool{
-		"QEMU RSS per idle VM, booted":                              false,
-		"guest RAM resident on the host":                            false,
-		"guest's own use (MemTotal − MemFree, page cache included)": false,
-		"QEMU own anonymous memory (heap, stacks, buffers)":         false,
-	}
-	for _, r := range rs {
-		t.Logf("%s: %.1f %s", r.Metric, r.Median, r.Unit)
-		if _, ok := want[r.Metric]; !ok {
-			continue
-		}
-		want[r.Metric] = true
-		if r.Median <= 0 {
-			t.Errorf("result %+v", r)
-		}
-		if r.Metric == "QEMU RSS per idle VM, booted" && r.Runs < 2 {
-			t.Errorf("density: %d booted VMs measured", r.Runs)
-		}
-	}
-	for m, seen := range want {
-		if !seen {
-			t.Errorf("no row %q", m)
-		}
 	}
 }

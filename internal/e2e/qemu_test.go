@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"os/exec"
 	"strings"
 	"testing"
@@ -8,14 +9,13 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
-// TestQEMUNode runs a whole node on the qemu runtime (TCG on hosts without hardware
-// KVM): create from base (ext4 image reflinked per sandbox), exec, files, suspend and
-// wake with a process and a file intact, clone with distinct entropy, delete leaving
-// nothing; and the node reports its runtime and accelerator.
-func TestQEMUNode(t *testing.T) {
+// requireQEMU skips a test without what a QEMU node needs on the host.
+func requireQEMU(t *testing.T) {
+	t.Helper()
 	requireHost(t)
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		t.Skip("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
@@ -23,6 +23,14 @@ func TestQEMUNode(t *testing.T) {
 	if _, err := qemu.DefaultKernel(); err != nil {
 		t.Skipf("no guest kernel: %v (apt-get install linux-image-cloud-amd64)", err)
 	}
+}
+
+// TestQEMUNode runs a whole node on the qemu runtime (TCG on hosts without hardware
+// KVM): create from base (ext4 image reflinked per sandbox), exec, files, suspend and
+// wake with a process and a file intact, clone with distinct entropy, delete leaving
+// nothing; and the node reports its runtime and accelerator.
+func TestQEMUNode(t *testing.T) {
+	requireQEMU(t)
 	s := start(t, options{Args: []string{"--runtime", "qemu", "--default-memory", "256"}})
 	c := ctx(t, 8*time.Minute)
 	var nodes []api.Node
@@ -86,5 +94,46 @@ func TestQEMUNode(t *testing.T) {
 			t.Fatalf("delete: %+v %v", op, err)
 		}
 		assertGone(t, s, id)
+	}
+	// space bench's density scenario on the same node (its own sandboxes, gone after).
+	checkQEMUDensity(t, s)
+}
+
+// checkQEMUDensity runs the density scenario small (2 VMs of each kind) on a QEMU
+// node: the breakdown finds every VM's QEMU process, the guest's RAM in it, and the
+// guest's own view. The figures themselves are not asserted.
+func checkQEMUDensity(t *testing.T, s *srv) {
+	t.Helper()
+	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density", "-o", "json")
+	if code != 0 {
+		t.Fatalf("space bench: exit %d\n%s", code, stderr)
+	}
+	var rs []bench.Result
+	if err := json.Unmarshal([]byte(out), &rs); err != nil {
+		t.Fatalf("bench output: %v\n%s", err, out)
+	}
+	want := map[string]bool{
+		"QEMU RSS per idle VM, booted":                              false,
+		"guest RAM resident on the host":                            false,
+		"guest's own use (MemTotal − MemFree, page cache included)": false,
+		"QEMU own anonymous memory (heap, stacks, buffers)":         false,
+	}
+	for _, r := range rs {
+		t.Logf("%s: %.1f %s", r.Metric, r.Median, r.Unit)
+		if _, ok := want[r.Metric]; !ok {
+			continue
+		}
+		want[r.Metric] = true
+		if r.Median <= 0 {
+			t.Errorf("result %+v", r)
+		}
+		if r.Metric == "QEMU RSS per idle VM, booted" && r.Runs < 2 {
+			t.Errorf("density: %d booted VMs measured", r.Runs)
+		}
+	}
+	for m, seen := range want {
+		if !seen {
+			t.Errorf("no row %q", m)
+		}
 	}
 }
