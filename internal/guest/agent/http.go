@@ -389,9 +389,13 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
 	// Headers go out now: a client attaching to a gated process must not wait for the
-	// first frame to learn that the stream is open.
-	if err := rc.Flush(); err != nil {
-		return
+	// first frame to learn that the stream is open. A started process has its start
+	// frame ready, so the headers go out with it (a short command's whole answer, start
+	// to exit, is then one host write).
+	if !p.hasStarted() {
+		if err := rc.Flush(); err != nil {
+			return
+		}
 	}
 	ctx := r.Context()
 	// Frames gather in bw and go out in one write per flush: under gVisor every write
