@@ -421,10 +421,7 @@ func (p *process) pump(f *os.File, stream byte) {
 	var fl *flow
 	if f != p.ptm {
 		if rc, err := f.SyscallConn(); err == nil {
-			_ = rc.Control(func(fd uintptr) {
-				_, _ = unix.FcntlInt(fd, unix.F_SETPIPE_SZ, pumpPipeSize)
-				fl = &flow{fd: int(fd)}
-			})
+			_ = rc.Control(func(fd uintptr) { fl = &flow{fd: int(fd)} })
 		}
 	}
 	buf := make([]byte, pumpBuf)
@@ -500,10 +497,17 @@ var errFlowIdle = errors.New("output idle")
 type flow struct {
 	fd     int
 	on     bool
+	sized  bool // the pipe was enlarged to pumpPipeSize
 	window time.Duration
 }
 
+// start puts the pipe in flow. The first time, it enlarges the pipe (only then: a
+// short command's pipes never need it, and every call is a trap into the sentry).
 func (fl *flow) start() {
+	if !fl.sized {
+		_, _ = unix.FcntlInt(uintptr(fl.fd), unix.F_SETPIPE_SZ, pumpPipeSize)
+		fl.sized = true
+	}
 	fl.on, fl.window = true, pumpWindow
 	if err := unix.SetNonblock(fl.fd, true); err != nil {
 		fl.on = false
