@@ -2,10 +2,12 @@ package agent_test
 
 import (
 	"bytes"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/spacedev/space/internal/guest/agent"
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
@@ -46,4 +48,34 @@ func TestExecOneCall(t *testing.T) {
 	}
 	_, err = e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"true"}, User: "nobody-here"}, nil)
 	wantAgentError(t, err, 400, wire.ErrCodeUnknownUser)
+}
+
+// A writer of many small pieces puts its output pipe in flow (read without blocking,
+// in windows); a pause takes it back to blocking reads, and a second burst into flow
+// again. Every byte arrives once, in order, the line after each pause included, and
+// the exit comes after the last byte.
+func TestExecOutputFlowAndPauses(t *testing.T) {
+	e := startAgent(t, func(c *agent.Config) { c.JournalBytes = 64 << 20 })
+	ctx := testCtx(t, 60*time.Second)
+	script := "seq 1 300000; sleep 0.3; echo mid; seq 300001 600000; sleep 0.05; echo end; seq 600001 700000"
+	x, err := e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"sh", "-c", script}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want bytes.Buffer
+	seq := func(from, to int) {
+		for i := from; i <= to; i++ {
+			want.WriteString(strconv.Itoa(i))
+			want.WriteByte('\n')
+		}
+	}
+	seq(1, 300000)
+	want.WriteString("mid\n")
+	seq(300001, 600000)
+	want.WriteString("end\n")
+	seq(600001, 700000)
+	r := consume(t, x.Out, 0)
+	if exitCode(t, r.exit) != 0 || len(r.gaps) != 0 || !bytes.Equal(r.stdout, want.Bytes()) {
+		t.Fatalf("flow: exit %+v, gaps %v, %d bytes of stdout, want %d", r.exit, r.gaps, len(r.stdout), want.Len())
+	}
 }

@@ -309,7 +309,10 @@ func queryInt(r *http.Request, name string, def int64) (int64, error) {
 
 const (
 	// outputWriteBuf gathers the frames of one flush (a whole outputReadBuf frame fits).
-	outputWriteBuf = 256 << 10
+	// It stays under a host unix socket's default send buffer (208 KiB), the most a
+	// write through gVisor's host socket takes at once: a larger flush is two writes
+	// and a wait for the socket in between.
+	outputWriteBuf = 192 << 10
 	// bulkOutput is the output per flush above which a stream counts as in full flow,
 	// and coalesceWindow how long such a stream gathers output between writes.
 	bulkOutput     = 32 << 10
@@ -386,9 +389,13 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
 	// Headers go out now: a client attaching to a gated process must not wait for the
-	// first frame to learn that the stream is open.
-	if err := rc.Flush(); err != nil {
-		return
+	// first frame to learn that the stream is open. A started process has its start
+	// frame ready, so the headers go out with it (a short command's whole answer, start
+	// to exit, is then one host write).
+	if !p.hasStarted() {
+		if err := rc.Flush(); err != nil {
+			return
+		}
 	}
 	ctx := r.Context()
 	// Frames gather in bw and go out in one write per flush: under gVisor every write
@@ -399,6 +406,17 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 			return err
 		}
 		return rc.Flush()
+	}
+	// bulkFlush passes a bulk of frames on without flushing the HTTP layer: net/http
+	// writes a chunk's data of more than its 4 KiB buffer through to the connection, and
+	// only the chunk's closing CRLF waits in that buffer for the next chunk (or the
+	// next flush): one host write fewer per bulk. The reader has every byte of the
+	// chunk's data meanwhile.
+	bulkFlush := func() error {
+		if bw.Buffered() < bulkOutput {
+			return flush()
+		}
+		return bw.Flush()
 	}
 	var lastBulk time.Time // when a flush last carried a bulk of output
 
@@ -464,7 +482,7 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 			}
 		}
 		if wrote > 0 {
-			if err := flush(); err != nil {
+			if err := bulkFlush(); err != nil {
 				return
 			}
 			if wrote >= bulkOutput {
@@ -482,7 +500,11 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 			// A stream in full flow (the last flush carried a bulk) gathers output for the
 			// rest of a window before the next write, so a writer of small pieces costs
 			// one host write per window, not one per piece. A quiet stream's first bytes
-			// and every exit go out at once.
+			// and every exit go out at once, and so does a bulk that is already there
+			// (a pump in flow gathers output in windows of its own).
+			if _, end := p.journal.bounds(); end-pos >= bulkOutput {
+				break
+			}
 			if wait := coalesceWindow - time.Since(lastBulk); !lastBulk.IsZero() && wait > 0 {
 				t := time.NewTimer(wait)
 				select {

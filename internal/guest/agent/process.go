@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -31,6 +32,11 @@ const (
 	// which holds pumpPipeSize bytes (Linux's default pipe-max-size) where allowed.
 	pumpWindow   = time.Millisecond
 	pumpPipeSize = 1 << 20
+	// pumpTarget is what a read of a pipe in flow aims at (a quarter of the pipe), and
+	// pumpMaxWindow the longest wait between two reads: what a stream's last bytes and
+	// EOF can be delayed by while a writer keeps the pipe in flow.
+	pumpTarget    = pumpPipeSize / 4
+	pumpMaxWindow = 8 * time.Millisecond
 )
 
 // process is one program started by the agent.
@@ -400,32 +406,76 @@ func outputPipe() (r, w *os.File, err error) {
 //
 // A program writing a stream of small pieces (head, cat, a shell loop: 4–8 KiB each)
 // would cost a read, a journal append and a reader's wake-up per piece, each a trap into
-// the sentry under gVisor. Once two small reads come within pumpWindow, the pump waits
-// out a window before reading again, and the pipe (enlarged to pumpPipeSize, so the
-// writer does not block meanwhile) gathers the pieces for one read. A lone burst (a
-// line, the first bytes of a stream) is read at once, and EOF ends the pump at once.
+// the sentry under gVisor. Once two small reads come within pumpWindow, the pump is in
+// flow: it lets the pipe (enlarged to pumpPipeSize, so the writer does not block
+// meanwhile) gather the pieces between reads. A lone burst (a line, the first bytes of a
+// stream) is read at once, and EOF ends the pump at once while it waits in a read.
+//
+// An output pipe in flow is read without blocking (see flow) and its window adapts to
+// the writer's rate, so that each read takes about pumpTarget bytes whatever the load:
+// a fixed window would make the reads (and everything downstream of them: appends,
+// wake-ups, host writes) smaller, and so more numerous per byte, exactly when the
+// sandbox is short of CPU. A PTY master keeps plain blocking reads: it is shared with
+// stdin writes.
 func (p *process) pump(f *os.File, stream byte) {
-	if rc, err := f.SyscallConn(); err == nil {
-		_ = rc.Control(func(fd uintptr) { _, _ = unix.FcntlInt(fd, unix.F_SETPIPE_SZ, pumpPipeSize) })
+	var fl *flow
+	if f != p.ptm {
+		if rc, err := f.SyscallConn(); err == nil {
+			_ = rc.Control(func(fd uintptr) { fl = &flow{fd: int(fd)} })
+		}
 	}
 	buf := make([]byte, pumpBuf)
 	var last time.Time
 	for {
-		n, err := f.Read(buf)
+		var n int
+		var err error
+		if fl != nil && fl.on {
+			n, err = fl.read(buf)
+		} else {
+			n, err = f.Read(buf)
+		}
 		if n > 0 {
 			p.journal.append(stream, buf[:n])
 			now := time.Now()
-			if err == nil && n < len(buf)/2 && now.Sub(last) < pumpWindow {
+			soon := now.Sub(last) < pumpWindow
+			switch {
+			case err != nil:
+			case fl != nil:
+				if !fl.on && soon {
+					fl.start()
+				}
+				if !fl.on {
+					break
+				}
+				if n == len(buf) {
+					// The pipe held more than the buffer: read on at once, with a
+					// buffer that takes the whole pipe.
+					if len(buf) < pumpPipeSize {
+						buf = make([]byte, pumpPipeSize)
+					}
+					break
+				}
+				fl.adapt(n)
+				time.Sleep(fl.window)
+				now = time.Now()
+			case n < len(buf)/2 && soon:
 				time.Sleep(pumpWindow)
 				now = time.Now()
 			}
 			last = now
+		}
+		if errors.Is(err, errFlowIdle) {
+			// The writer paused: wait in a blocking read again, where its next bytes
+			// (or EOF) end the wait at once.
+			fl.stop()
+			continue
 		}
 		if err != nil {
 			// EOF for pipes; EIO for a PTY master once the terminal is gone.
 			break
 		}
 	}
+	runtime.KeepAlive(f)
 	f.Close()
 	p.mu.Lock()
 	p.openOutputs--
@@ -434,6 +484,74 @@ func (p *process) pump(f *os.File, stream byte) {
 	}
 	p.checkDoneLocked()
 	p.mu.Unlock()
+}
+
+// errFlowIdle ends a pump's flow: the pipe was empty after a whole window.
+var errFlowIdle = errors.New("output idle")
+
+// flow is the state of an output pipe read in flow: the descriptor is non-blocking and
+// read directly, every window, instead of blocking in a read per piece the program
+// writes. The window grows (doubling, up to pumpMaxWindow) while reads return less
+// than pumpTarget and shrinks while they return more, so a read takes about a quarter
+// of the pipe: the writer never fills it, and each read carries a bulk.
+type flow struct {
+	fd     int
+	on     bool
+	sized  bool // the pipe was enlarged to pumpPipeSize
+	window time.Duration
+}
+
+// start puts the pipe in flow. The first time, it enlarges the pipe (only then: a
+// short command's pipes never need it, and every call is a trap into the sentry).
+func (fl *flow) start() {
+	if !fl.sized {
+		_, _ = unix.FcntlInt(uintptr(fl.fd), unix.F_SETPIPE_SZ, pumpPipeSize)
+		fl.sized = true
+	}
+	fl.on, fl.window = true, pumpWindow
+	if err := unix.SetNonblock(fl.fd, true); err != nil {
+		fl.on = false
+	}
+}
+
+// stop makes the descriptor blocking again; while it cannot, the pump stays in flow
+// at its longest window.
+func (fl *flow) stop() {
+	if err := unix.SetNonblock(fl.fd, false); err != nil {
+		fl.window = pumpMaxWindow
+		time.Sleep(fl.window)
+		return
+	}
+	fl.on = false
+}
+
+// read reads what the pipe holds without blocking: io.EOF at the end of the output,
+// errFlowIdle when the pipe is empty (the writer paused for a whole window).
+func (fl *flow) read(buf []byte) (int, error) {
+	for {
+		n, err := unix.Read(fl.fd, buf)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			return 0, errFlowIdle
+		case err != nil:
+			return 0, err
+		case n == 0:
+			return 0, io.EOF
+		}
+		return n, nil
+	}
+}
+
+// adapt sets the next window from the size of the last read.
+func (fl *flow) adapt(n int) {
+	switch {
+	case n < pumpTarget/2:
+		fl.window = min(fl.window*2, pumpMaxWindow)
+	case n > pumpTarget*2:
+		fl.window = max(fl.window/2, pumpWindow)
+	}
 }
 
 // readStatus reads a gate's exec status pipe: bytes are an exec error, plain EOF
