@@ -122,16 +122,16 @@ type Config struct {
 
 // Node is a running node role.
 type Node struct {
-	cfg Config
+	cfg   Config
+	st    *store.Store
+	rt    runtime.Runtime
+	disk  Disk
+	net   NetworkManager
+	log   *slog.Logger
+	epoch int64
+	info  runtime.Info
 	// opDone, when set, is told each operation this node completes (OnOperationDone).
 	opDone atomic.Pointer[func(opID string)]
-	st     *store.Store
-	rt     runtime.Runtime
-	disk   Disk
-	net    NetworkManager
-	log    *slog.Logger
-	epoch  int64
-	info   runtime.Info
 
 	work     context.Context // cancelled only after the shutdown grace period
 	stopping chan struct{}   // closed when shutdown begins: idle workers exit
