@@ -156,6 +156,7 @@ type Node struct {
 	pushes    pushJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
+	syncs     pendingSyncs // suspend checkpoints made durable in the background (durability.go)
 
 	// builtins shares one wait for a builtin template among this node's creates
 	// (templates.go): one database connection waits for the fleet-wide build lock.
@@ -509,6 +510,9 @@ func (n *Node) recover(ctx context.Context) error {
 	for _, sb := range list {
 		live[sb.ID] = true
 		runs[sb.ID] = sb.State != "failed"
+		if sb.State == "suspended" && sb.Transition == "" {
+			n.syncWrittenLater(sb.ID) // a crash may have cut its background sync short
+		}
 		if sb.State != "running" || sb.DesiredState != "running" || sb.Transition != "" {
 			continue // anything else is adopted (or not) by its worker's plan
 		}
