@@ -349,6 +349,7 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 		}
 		_ = n.rt.Destroy(ctx, sb.ID)
 		n.dropAgent(sb.ID)
+		n.marks.mark(sb.ID, "destroyed")
 		crash.Point("suspend.destroyed")
 		// Written, not yet durable: the fsync runs once the suspend is reported
 		// (durability.go).
@@ -367,10 +368,12 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 	if err := n.quiesce(ctx, id); err != nil {
 		return err
 	}
+	n.marks.mark(id, "quiesced")
 	crash.Point("checkpoint.quiesced")
 	if err := snap.Checkpoint(ctx, id, dir); err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
+	n.marks.mark(id, "checkpointed")
 	crash.Point("checkpoint.saved")
 	if err := n.disk.MarkWritten(dir); err != nil {
 		return err
@@ -463,11 +466,13 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 	if err := snap.Restore(ctx, n.spec(sb, root, att), dir); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
+	n.marks.mark(sb.ID, "instance")
 	crash.Point("restore.instance")
 	if err := n.resumeAgent(ctx, sb); err != nil {
 		_ = n.rt.Destroy(ctx, sb.ID)
 		return err
 	}
+	n.marks.mark(sb.ID, "identity")
 	crash.Point("restore.resumed")
 	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
 		_ = n.rt.Destroy(ctx, sb.ID)
