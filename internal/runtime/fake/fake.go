@@ -308,8 +308,17 @@ func (r *Runtime) CheckpointPaused(_ context.Context, id, dir string) error {
 	if _, err := r.read(id); err != nil {
 		return err
 	}
-	if st, err := r.Status(context.Background(), id); err != nil || st != runtime.StatusPaused {
-		return fmt.Errorf("fake checkpoint %s: not paused (%s, %v)", id, st, err)
+	// SIGSTOP lands a moment after Pause returns.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		st, err := r.Status(context.Background(), id)
+		if err == nil && st == runtime.StatusPaused {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("fake checkpoint %s: not paused (%s, %v)", id, st, err)
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 	data, _ := json.Marshal(map[string]any{"id": id, "at": time.Now()})
 	return os.WriteFile(filepath.Join(dir, checkpointFile), data, 0o600)
