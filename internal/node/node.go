@@ -510,9 +510,8 @@ func (n *Node) recover(ctx context.Context) error {
 	for _, sb := range list {
 		live[sb.ID] = true
 		runs[sb.ID] = sb.State != "failed"
-		if sb.State == "suspended" && sb.Transition == "" {
-			n.syncWrittenLater(sb.ID) // a crash may have cut its background sync short
-		}
+		// A crash may have cut a suspend's background sync short (durability.go).
+		n.syncWrittenLater(sb.ID)
 		if sb.State != "running" || sb.DesiredState != "running" || sb.Transition != "" {
 			continue // anything else is adopted (or not) by its worker's plan
 		}

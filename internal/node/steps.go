@@ -444,6 +444,10 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 	if err == nil && moved != "" {
 		n.noteMove(ctx, sb, moved)
 	}
+	if err != nil {
+		// Still suspended on its checkpoint (if that is left): make it durable.
+		n.syncWrittenLater(sb.ID)
+	}
 	return err
 }
 
