@@ -43,7 +43,7 @@ type Disk interface {
 	// without marking it. IsComplete accepts both, IsDurable only the first.
 	MarkComplete(dir string) error
 	MarkWritten(dir string) error
-	Sync(dir string) error
+	Sync(ctx context.Context, dir string) error
 	Unmark(dir string) error
 	IsComplete(dir string) bool
 	IsDurable(dir string) bool

@@ -1,6 +1,7 @@
 package node
 
 import (
+	"context"
 	"sync"
 
 	"github.com/spacedev/space/internal/crash"
@@ -23,7 +24,7 @@ type pendingSyncs struct {
 }
 
 type pendingSync struct {
-	dir       string
+	cancel    context.CancelFunc // stops the write-back between chunks
 	cancelled bool
 }
 
@@ -31,10 +32,12 @@ type pendingSync struct {
 // later cancelSync (the checkpoint is restored, removed or replaced) keeps it from
 // marking a directory it no longer owns.
 func (n *Node) syncLater(id, dir string) {
-	p := &pendingSync{dir: dir}
+	ctx, cancel := context.WithCancel(n.work)
+	p := &pendingSync{cancel: cancel}
 	n.syncs.mu.Lock()
 	if old := n.syncs.m[id]; old != nil {
 		old.cancelled = true
+		old.cancel()
 	}
 	if n.syncs.m == nil {
 		n.syncs.m = map[string]*pendingSync{}
@@ -44,10 +47,12 @@ func (n *Node) syncLater(id, dir string) {
 	n.wg.Add(1)
 	go func() {
 		defer n.wg.Done()
-		// The fsyncs run unlocked (a wake meanwhile cancels and goes on at once); only
-		// the marker is written under the lock, so it never lands in a directory that
-		// was taken over.
-		err := n.disk.Sync(dir)
+		defer cancel()
+		// The fsyncs run unlocked (a wake meanwhile cancels and goes on at once, and
+		// the write-back stops: a restored checkpoint is removed, its pages need never
+		// reach the disk); only the marker is written under the lock, so it never lands
+		// in a directory that was taken over.
+		err := n.disk.Sync(ctx, dir)
 		n.syncs.mu.Lock()
 		defer n.syncs.mu.Unlock()
 		if n.syncs.m[id] == p {
@@ -74,6 +79,7 @@ func (n *Node) cancelSync(id string) {
 	defer n.syncs.mu.Unlock()
 	if p := n.syncs.m[id]; p != nil {
 		p.cancelled = true
+		p.cancel()
 		delete(n.syncs.m, id)
 	}
 }

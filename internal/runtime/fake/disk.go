@@ -258,7 +258,7 @@ func (d *Disk) MarkComplete(dir string) error {
 }
 
 // Sync does nothing: the fake store makes no durability promise.
-func (d *Disk) Sync(string) error { return nil }
+func (d *Disk) Sync(context.Context, string) error { return nil }
 
 // MarkWritten marks a checkpoint directory written this boot (as storage does).
 func (d *Disk) MarkWritten(dir string) error {
