@@ -275,7 +275,8 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 // checkpointSourceLive is checkpointSource on a runtime that checkpoints without
 // stopping: the source is quiesced and paused, checkpointed, its disk copied while it
 // is still paused (so the copy matches the memory image), and resumed: it never stops,
-// so it needs no restore. The source is running (its agent quiesced) when called.
+// so it needs no restore. The source's instance is running when called (a paused
+// source was resumed for its agent's quiesce; it is paused again at the end).
 func (n *Node) checkpointSourceLive(ctx context.Context, snap runtime.Snapshotter, live runtime.LiveCheckpointer, src *store.Sandbox, root, memDir, diskCopy string, back func()) (restored bool, err error) {
 	wasPaused := src.State == api.StatePaused
 	failed := func(cause error) (bool, error) {
