@@ -239,7 +239,8 @@ type SandboxMove struct {
 type TimelineEntry struct {
 	// Phase is what was reached: accepted, claimed (a warm-pool member was taken),
 	// node (the node began), recorded (it recorded the transition), disk, instance,
-	// restored, resumed, agent, identity, reported (the state it reached), done.
+	// restored, resumed, agent, identity, quiesced (the agent closed its transport for
+	// a checkpoint), checkpointed, destroyed, reported (the state it reached), done.
 	Phase string `json:"phase"`
 	// At is when, by the clock of the process that recorded it.
 	At time.Time `json:"at"`

@@ -17,13 +17,17 @@ import (
 )
 
 // A checkpoint directory (the runtime's memory and device state files) travels as a
-// tar stream of its regular files and directories; its completion marker does not (a
+// tar stream of its regular files and directories; its completion markers do not (a
 // pull marks its copy complete itself, once every file is written). Nothing else is
 // allowed in a checkpoint: links and device nodes would let an extracted checkpoint
 // point outside its directory.
 
-// completeMarker is storage's completion marker of a checkpoint directory.
-const completeMarker = "complete"
+// completeMarker and writtenMarker are storage's completion markers of a checkpoint
+// directory (durable, and complete on the boot of the host that wrote it).
+const (
+	completeMarker = "complete"
+	writtenMarker  = "written"
+)
 
 // writeCheckpoint writes dir as a tar stream to w. Headers carry no owner and no
 // sub-second times, so the same directory always gives the same stream.
@@ -41,7 +45,7 @@ func writeCheckpoint(ctx context.Context, dir string, w io.Writer) error {
 		if err != nil {
 			return err
 		}
-		if rel == "." || rel == completeMarker {
+		if rel == "." || rel == completeMarker || rel == writtenMarker {
 			return nil
 		}
 		info, err := d.Info()
@@ -108,7 +112,7 @@ func extractCheckpoint(ctx context.Context, r io.Reader, dir string, limit int64
 			return fault.New(fault.BadGateway, "checkpoint stream: %v", err)
 		}
 		name := path.Clean(hdr.Name)
-		if !filepath.IsLocal(name) || name == completeMarker {
+		if !filepath.IsLocal(name) || name == completeMarker || name == writtenMarker {
 			return fault.New(fault.BadGateway, "checkpoint stream: refused entry %q", hdr.Name)
 		}
 		switch hdr.Typeflag {

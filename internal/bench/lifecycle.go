@@ -172,24 +172,43 @@ func suspendWake(ctx context.Context, cfg *Config) ([]Result, error) {
 		}
 		runs := cfg.Runs
 		var sus, wake []float64
+		// Where the time goes: each phase of the operations' timelines (the step from
+		// the phase before), in the order first seen.
+		steps := map[string][]float64{}
+		var order []string
+		phases := func(verb string, op *api.Operation) {
+			for i := 1; op != nil && i < len(op.Timeline); i++ {
+				k := verb + " → " + op.Timeline[i].Phase
+				if _, ok := steps[k]; !ok {
+					order = append(order, k)
+				}
+				steps[k] = append(steps[k], op.Timeline[i].Ms-op.Timeline[i-1].Ms)
+			}
+		}
 		for i := 0; i < runs; i++ {
 			start := time.Now()
-			if _, err := cfg.Client.LifecycleAndWait(ctx, sb.ID, "suspend"); err != nil {
+			op, err := cfg.Client.LifecycleAndWait(ctx, sb.ID, "suspend")
+			if err != nil {
 				done()
 				return nil, err
 			}
 			sus = append(sus, ms(time.Since(start)))
+			phases("suspend", op)
 			start = time.Now()
-			if _, err := cfg.Client.LifecycleAndWait(ctx, sb.ID, "wake"); err != nil {
+			if op, err = cfg.Client.LifecycleAndWait(ctx, sb.ID, "wake"); err != nil {
 				done()
 				return nil, err
 			}
 			wake = append(wake, ms(time.Since(start)))
+			phases("wake", op)
 		}
 		done()
 		out = append(out,
 			result("suspend", fmt.Sprintf("suspend, %d MiB touched", mib), "ms", sus, "", nil),
 			result("suspend", fmt.Sprintf("wake from suspend, %d MiB touched", mib), "ms", wake, "", nil))
+		for _, k := range order {
+			out = append(out, result("suspend", fmt.Sprintf("%d MiB timeline: %s", mib, k), "ms", steps[k], "", nil))
+		}
 	}
 	return out, nil
 }

@@ -215,6 +215,8 @@ func TestPlanTable(t *testing.T) {
 		{"running lost its instance", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1, Disk: true}, Action{Step: Reboot, Note: LostInstance}},
 		{"running lost instance, clone checkpoint left", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1, CloneCheckpoint: true, Disk: true}, Action{Step: RestoreLeft}},
 		{"clone source interrupted, instance up", Facts{State: R, Desired: R, Transition: TCloneSource, Generation: 1, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true}, Action{Step: Adopt, State: R}},
+		{"clone source interrupted while paused for its checkpoint", Facts{State: R, Desired: R, Transition: TCloneSource, Generation: 1, ObservedGeneration: 1, Instance: InstancePaused, Disk: true}, Action{Step: Adopt, State: R}},
+		{"paused clone source interrupted, instance resumed", Facts{State: P, Desired: P, Transition: TCloneSource, Generation: 1, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true}, Action{Step: Adopt, State: P}},
 		{"running lost instance and disk", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1}, Action{Step: Settle, State: api.StateFailed, Error: "the sandbox's disk is missing", Note: LostInstance}},
 		{"paused lost its instance", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Disk: true}, Action{Step: Resolve, State: St, Note: LostInstance}},
 		{"running but paused on host", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1, Instance: InstancePaused, Disk: true}, Action{Step: Resolve, State: P}},

@@ -308,8 +308,10 @@ func checkResting(f Facts) (Action, bool) {
 	case api.StateRunning, api.StatePaused:
 		if f.Instance == InstanceRunning || f.Instance == InstancePaused {
 			if f.Transition == TCloneSource {
-				// Interrupted while checkpointing for clones: the agent may be quiesced.
-				return Action{Step: Adopt, State: instanceState(f.Instance)}, true
+				// Interrupted while checkpointing for clones: the agent may be quiesced,
+				// the instance paused for the checkpoint. It goes back to the state it
+				// rests in.
+				return Action{Step: Adopt, State: f.State}, true
 			}
 			if s := instanceState(f.Instance); s != f.State {
 				return Action{Step: Resolve, State: s}, true

@@ -38,9 +38,15 @@ type Disk interface {
 	// SnapshotDir and ListSnapshotDirs locate named snapshots (snapshots/<id>).
 	SnapshotDir(id string) (string, error)
 	ListSnapshotDirs() ([]string, error)
+	// MarkComplete makes a checkpoint durable (fsync) and marks it complete; MarkWritten
+	// marks it complete for this boot of the host only (no fsync), Sync fsyncs it
+	// without marking it. IsComplete accepts both, IsDurable only the first.
 	MarkComplete(dir string) error
+	MarkWritten(dir string) error
+	Sync(ctx context.Context, dir string) error
 	Unmark(dir string) error
 	IsComplete(dir string) bool
+	IsDurable(dir string) bool
 	CopyDisk(ctx context.Context, src, dst string, readOnly bool) error
 	CopyTree(ctx context.Context, src, dst string) error
 	RemoveAll(ctx context.Context, path string) error

@@ -159,6 +159,7 @@ type Node struct {
 	pushes    pushJobs
 	agentHash string // of the agent binary sandboxes run
 	marks     timelines
+	syncs     pendingSyncs // suspend checkpoints made durable in the background (durability.go)
 
 	// builtins shares one wait for a builtin template among this node's creates
 	// (templates.go): one database connection waits for the fleet-wide build lock.
@@ -521,6 +522,8 @@ func (n *Node) recover(ctx context.Context) error {
 	for _, sb := range list {
 		live[sb.ID] = true
 		runs[sb.ID] = sb.State != "failed"
+		// A crash may have cut a suspend's background sync short (durability.go).
+		n.syncWrittenLater(sb.ID)
 		if sb.State != "running" || sb.DesiredState != "running" || sb.Transition != "" {
 			continue // anything else is adopted (or not) by its worker's plan
 		}

@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -121,6 +122,10 @@ func (n *Node) buildBaseSnapshot(ctx context.Context, digest string, spec store.
 	}
 	crash.Point("basesnap.checkpointed")
 	_ = n.rt.Destroy(ctx, sb.ID)
+	// A base snapshot outlives this boot of the host: durable before it is published.
+	if err := n.disk.MarkComplete(filepath.Join(tmp, "checkpoint")); err != nil {
+		return err
+	}
 	if err := n.disk.CopyDisk(ctx, root, filepath.Join(tmp, "disk"), true); err != nil {
 		return err
 	}
@@ -226,6 +231,9 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 			return true, err
 		}
 	}
+	if live, ok := snap.(runtime.LiveCheckpointer); ok {
+		return n.checkpointSourceLive(ctx, snap, live, src, root, memDir, diskCopy, back)
+	}
 	if err := n.checkpoint(ctx, snap, src.ID, memDir); err != nil {
 		out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, err)
 		if out.state == api.StateRunning && wasPaused {
@@ -264,6 +272,73 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 	return true, derr
 }
 
+// checkpointSourceLive is checkpointSource on a runtime that checkpoints without
+// stopping: the source is quiesced and paused, checkpointed, its disk copied while it
+// is still paused (so the copy matches the memory image), and resumed: it never stops,
+// so it needs no restore. The source's instance is running when called (a paused
+// source was resumed for its agent's quiesce; it is paused again at the end).
+func (n *Node) checkpointSourceLive(ctx context.Context, snap runtime.Snapshotter, live runtime.LiveCheckpointer, src *store.Sandbox, root, memDir, diskCopy string, back func()) (restored bool, err error) {
+	wasPaused := src.State == api.StatePaused
+	failed := func(cause error) (bool, error) {
+		_ = snap.Resume(ctx, src.ID) // paused by us, or not: afterFailedCheckpoint looks
+		out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, cause)
+		if out.state == api.StateRunning && wasPaused {
+			_ = n.pauseInstance(ctx, src.ID)
+			out.state = api.StatePaused
+		}
+		n.report(ctx, src, store.Observed{State: out.state, ObservedGeneration: src.ObservedGeneration, Error: joinNonEmpty(lossError(out.note), src.Error)})
+		return true, cerr
+	}
+	if err := os.MkdirAll(memDir, 0o700); err != nil {
+		return failed(err)
+	}
+	if err := n.quiesce(ctx, src.ID); err != nil {
+		return failed(err)
+	}
+	crash.Point("checkpoint.quiesced")
+	if err := snap.Pause(ctx, src.ID); err != nil {
+		return failed(fmt.Errorf("pause: %w", err))
+	}
+	crash.Point("clone.source.paused")
+	if err := live.CheckpointPaused(ctx, src.ID, memDir); err != nil {
+		return failed(fmt.Errorf("checkpoint: %w", err))
+	}
+	// Complete while it matches the paused source: if the instance vanished now, the
+	// next plan would restore the source from it (lifecycle.RestoreLeft).
+	if err := n.disk.MarkWritten(memDir); err != nil {
+		return failed(err)
+	}
+	crash.Point("clone.source.checkpointed")
+	derr := n.disk.CopyDisk(ctx, root, diskCopy, true)
+	crash.Point("clone.source.disk-copied")
+	// From the resume on, the checkpoint is older than the source: never restore it.
+	if err := n.disk.Unmark(memDir); err != nil {
+		return failed(fmt.Errorf("retire clone checkpoint: %w", err))
+	}
+	if err := snap.Resume(ctx, src.ID); err != nil {
+		// The source is still what the checkpoint holds: leave it to recovery, which
+		// restores it from there.
+		rerr := fmt.Errorf("resume the source after its snapshot: %w", err)
+		if merr := n.disk.MarkWritten(memDir); merr != nil {
+			return failed(errors.Join(rerr, merr))
+		}
+		n.dropAgent(src.ID)
+		_ = n.rt.Destroy(ctx, src.ID)
+		return false, rerr
+	}
+	crash.Point("clone.source.resumed")
+	if err := n.resumeAgent(ctx, src); err != nil {
+		return failed(fmt.Errorf("resume the source's agent: %w", err))
+	}
+	n.setReady(src.ID, true)
+	if wasPaused {
+		_ = n.pauseInstance(ctx, src.ID)
+	}
+	back()
+	crash.Point("clone.source.back")
+	return true, derr
+}
+
 // prepareClone gives one clone its disk and memory image (both O(1) copies).
 func (n *Node) prepareClone(ctx context.Context, c *store.Sandbox, memDir, disk string) error {
 	if err := n.disk.CheckSpace(int64(c.Spec.MemoryMB) << 20); err != nil {
@@ -282,7 +357,12 @@ func (n *Node) prepareClone(ctx context.Context, c *store.Sandbox, memDir, disk 
 	if err := n.disk.CopyTree(ctx, memDir, cp); err != nil {
 		return err
 	}
-	return n.disk.MarkComplete(cp)
+	// The clone starts from it at once: complete on this boot is enough (a clone that
+	// has not started when the host reboots fails: startClone).
+	if err := n.disk.Unmark(cp); err != nil {
+		return err
+	}
+	return n.disk.MarkWritten(cp)
 }
 
 func (n *Node) failClones(ctx context.Context, clones []*store.Sandbox, cause error) {
@@ -319,6 +399,9 @@ func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
 		cp, err := n.disk.CheckpointDir(sb.ID)
 		if err != nil {
 			return err
+		}
+		if !n.disk.IsComplete(cp) {
+			return errors.New("its memory image is not complete (written before the host rebooted)")
 		}
 		root, err := n.diskPath(sb.ID)
 		if err != nil {

@@ -260,6 +260,7 @@ func (n *Node) reboot(ctx context.Context, sb *store.Sandbox, note string) error
 	n.log.Warn("sandbox lost its memory; booting it again from its disk", "sandbox", sb.ID, "why", note)
 	n.dropAgent(sb.ID)
 	_ = n.rt.Destroy(ctx, sb.ID)
+	n.cancelSync(sb.ID)
 	if dir, err := n.disk.CheckpointDir(sb.ID); err == nil {
 		_ = n.disk.RemoveAll(ctx, dir) // stale: the disk moves on from here
 	}
@@ -326,6 +327,7 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 	}
 	wasPaused := sb.State == api.StatePaused
 	moving := sb.MoveFrom == n.cfg.ID
+	n.cancelSync(sb.ID)
 	defer func() {
 		// With a registry the snapshot is pushed once the suspend is reported, in the
 		// background (moves.go); a move off this node waits for it.
@@ -358,12 +360,18 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 		}
 		_ = n.rt.Destroy(ctx, sb.ID)
 		n.dropAgent(sb.ID)
+		n.marks.mark(sb.ID, "destroyed")
 		crash.Point("suspend.destroyed")
+		// Written, not yet durable: the fsync runs once the suspend is reported
+		// (durability.go).
+		n.syncLater(sb.ID, dir)
 		return outcome{state: api.StateSuspended}, nil
 	})
 }
 
-// checkpoint quiesces the agent, saves the instance into dir and marks it complete.
+// checkpoint quiesces the agent, saves the instance into dir and marks it written: it
+// is complete until the host reboots (storage MarkWritten). A caller that keeps it
+// longer makes it durable (MarkComplete, or syncLater).
 func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
@@ -371,12 +379,14 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 	if err := n.quiesce(ctx, id); err != nil {
 		return err
 	}
+	n.marks.mark(id, "quiesced")
 	crash.Point("checkpoint.quiesced")
 	if err := snap.Checkpoint(ctx, id, dir); err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
+	n.marks.mark(id, "checkpointed")
 	crash.Point("checkpoint.saved")
-	if err := n.disk.MarkComplete(dir); err != nil {
+	if err := n.disk.MarkWritten(dir); err != nil {
 		return err
 	}
 	crash.Point("checkpoint.marked")
@@ -403,8 +413,10 @@ func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir
 // not restore it boots from the disk (wake takes whichever path works) and says what
 // was lost.
 func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
-	// A push of the snapshot in flight is stale from now on (moves.go).
+	// A push of the snapshot in flight is stale from now on (moves.go), and so is its
+	// background sync.
 	n.stopPush(sb.ID)
+	n.cancelSync(sb.ID)
 	moved := ""
 	err := n.transition(ctx, sb, lifecycle.TRestore, "", func() (outcome, error) {
 		if err := n.disk.CheckSpace(0); err != nil {
@@ -443,6 +455,10 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 	if err == nil && moved != "" {
 		n.noteMove(ctx, sb, moved)
 	}
+	if err != nil {
+		// Still suspended on its checkpoint (if that is left): make it durable.
+		n.syncWrittenLater(sb.ID)
+	}
 	return err
 }
 
@@ -465,11 +481,13 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 	if err := snap.Restore(ctx, n.spec(sb, root, att), dir); err != nil {
 		return fmt.Errorf("restore: %w", err)
 	}
+	n.marks.mark(sb.ID, "instance")
 	crash.Point("restore.instance")
 	if err := n.resumeAgent(ctx, sb); err != nil {
 		_ = n.rt.Destroy(ctx, sb.ID)
 		return err
 	}
+	n.marks.mark(sb.ID, "identity")
 	crash.Point("restore.resumed")
 	if err := n.configureGuestNetwork(ctx, sb.ID, att); err != nil {
 		_ = n.rt.Destroy(ctx, sb.ID)
@@ -482,6 +500,7 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 // stop powers the sandbox off; its disk is kept, its memory (and any checkpoint) not.
 func (n *Node) stop(ctx context.Context, sb *store.Sandbox) error {
 	n.stopPush(sb.ID)
+	n.cancelSync(sb.ID)
 	return n.transition(ctx, sb, lifecycle.TStop, sb.StatusReason, func() (outcome, error) {
 		n.dropAgent(sb.ID)
 		if err := n.rt.Destroy(ctx, sb.ID); err != nil {
@@ -519,6 +538,7 @@ func (n *Node) delete(ctx context.Context, sb *store.Sandbox) error {
 // cleanupLocal removes everything this node holds for a sandbox. Idempotent.
 func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 	n.stopPush(id)
+	n.cancelSync(id)
 	n.stopPush(periodicKey(id))
 	n.dropAgent(id)
 	var errs []error
@@ -546,6 +566,13 @@ func (n *Node) adopt(ctx context.Context, sb *store.Sandbox, target string) erro
 	err := n.rt.Adopt(ctx, n.spec(sb, root, nil))
 	if err == nil {
 		err = n.reviveInstance(ctx, sb, target)
+	}
+	if err == nil && sb.Transition == lifecycle.TCloneSource {
+		// The source runs on from here: a checkpoint its clone preparation left is
+		// older than it now and must never restore it.
+		if cp := n.cloneCheckpoint(sb.ID); cp != "" {
+			_ = n.disk.Unmark(cp)
+		}
 	}
 	if err != nil {
 		if n.work.Err() != nil {

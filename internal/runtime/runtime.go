@@ -163,11 +163,22 @@ type Snapshotter interface {
 	// Resume continues a paused instance.
 	Resume(ctx context.Context, id string) error
 	// Checkpoint writes the instance's memory and device state into dir (an empty
-	// directory on the node's btrfs store), fsyncs it, and stops the instance, freeing
-	// its resources (Destroy is still called afterwards to remove leftovers).
+	// directory on the node's btrfs store) and stops the instance, freeing its
+	// resources (Destroy is still called afterwards to remove leftovers). The node
+	// fsyncs the files when it needs them durable (a runtime may do it already).
 	Checkpoint(ctx context.Context, id, dir string) error
 	// Restore starts an instance from a checkpoint in dir. spec.RootFS may be a copy of
 	// the disk the checkpoint was taken with (a clone); spec.ID may differ from the
 	// checkpointed instance's id. On error everything it created is removed.
 	Restore(ctx context.Context, spec Spec, dir string) error
+}
+
+// LiveCheckpointer is implemented by Snapshotters that can checkpoint an instance
+// without stopping it: a clone source or a named snapshot's source then needs no
+// restore of its own.
+type LiveCheckpointer interface {
+	// CheckpointPaused writes a paused instance's memory and device state into dir as
+	// Checkpoint does, and leaves it paused: nothing in it runs (and nothing it writes
+	// reaches its disk) until Resume.
+	CheckpointPaused(ctx context.Context, id, dir string) error
 }

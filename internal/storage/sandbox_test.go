@@ -61,3 +61,35 @@ func TestRemoveInsideSandboxVolume(t *testing.T) {
 		t.Errorf("the sandbox's root filesystem suffered: %v", err)
 	}
 }
+
+// TestMarkWritten: a checkpoint marked written counts as complete on this boot of the
+// host, not on another (its data may not have reached the disk); MarkComplete makes it
+// durable and Unmark retires both markers.
+func TestMarkWritten(t *testing.T) {
+	s := templatetest.Store(t)
+	cp, err := s.CheckpointDir("w")
+	must(t, err)
+	must(t, os.MkdirAll(cp, 0o700))
+	must(t, os.WriteFile(filepath.Join(cp, "memory"), make([]byte, 1<<20), 0o600))
+	if s.IsComplete(cp) {
+		t.Fatal("an unmarked checkpoint is complete")
+	}
+	must(t, s.MarkWritten(cp))
+	if !s.IsComplete(cp) || s.IsDurable(cp) {
+		t.Errorf("written: complete %v (want true), durable %v (want false)", s.IsComplete(cp), s.IsDurable(cp))
+	}
+	// Written during another boot of the host.
+	must(t, os.WriteFile(filepath.Join(cp, "written"), []byte("00000000-0000-0000-0000-000000000000\n"), 0o600))
+	if s.IsComplete(cp) {
+		t.Error("a checkpoint written during another boot is complete")
+	}
+	must(t, s.MarkWritten(cp))
+	must(t, s.MarkComplete(cp))
+	if !s.IsComplete(cp) || !s.IsDurable(cp) {
+		t.Errorf("after MarkComplete: complete %v, durable %v", s.IsComplete(cp), s.IsDurable(cp))
+	}
+	must(t, s.Unmark(cp))
+	if s.IsComplete(cp) {
+		t.Error("complete after Unmark")
+	}
+}

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacedev/space/internal/durable"
 )
 
@@ -22,10 +24,15 @@ import (
 //
 // A checkpoint directory is complete once it holds the file "complete"; everything in
 // it is fsynced before that marker is written, and readers ignore incomplete ones.
+// Before that, a checkpoint may be marked "written": its files are whole in the host's
+// page cache but not yet on disk. The marker holds the host's boot id, and a written
+// checkpoint counts as complete only on the boot that wrote it: a crash of space keeps
+// the page cache, a crash of the host does not (docs/lifecycle.md, "Durability").
 
 const (
 	checkpointName = "checkpoint"
 	completeName   = "complete"
+	writtenName    = "written"
 	snapshotsName  = "snapshots"
 	clonesName     = "clones"
 )
@@ -75,17 +82,8 @@ func validateName(n string) error {
 
 // MarkComplete fsyncs every file in dir, then writes and fsyncs the completion marker.
 func (s *Store) MarkComplete(dir string) error {
-	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.Type().IsRegular() || d.IsDir() {
-			return durable.Sync(p)
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("storage: sync %s: %w", dir, err)
+	if err := s.Sync(context.Background(), dir); err != nil {
+		return err
 	}
 	m := filepath.Join(dir, completeName)
 	if err := os.WriteFile(m, []byte("ok\n"), 0o600); err != nil {
@@ -97,20 +95,126 @@ func (s *Store) MarkComplete(dir string) error {
 	return durable.Sync(dir)
 }
 
-// Unmark removes dir's completion marker (durably): the checkpoint in it is no longer
+// syncChunk is how much of a file Sync writes back between looks at its context.
+const syncChunk = 32 << 20
+
+// Sync fsyncs every file and directory in dir (dir included). Large files are written
+// back a chunk at a time first, so that a cancelled ctx stops it between chunks: a
+// checkpoint restored (and removed) meanwhile need not reach the disk at all.
+func (s *Store) Sync(ctx context.Context, dir string) error {
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if d.Type().IsRegular() {
+			return syncFile(ctx, p)
+		}
+		if d.IsDir() {
+			return durable.Sync(p)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("storage: sync %s: %w", dir, err)
+	}
+	return nil
+}
+
+// syncFile writes a file back in chunks (sync_file_range), then fsyncs it.
+func syncFile(ctx context.Context, path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	for off := int64(0); off+syncChunk < fi.Size(); off += syncChunk {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		const flags = unix.SYNC_FILE_RANGE_WAIT_BEFORE | unix.SYNC_FILE_RANGE_WRITE | unix.SYNC_FILE_RANGE_WAIT_AFTER
+		if err := unix.SyncFileRange(int(f.Fd()), off, syncChunk, flags); err != nil {
+			break // the fsync below does it all
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", path, err)
+	}
+	return nil
+}
+
+// MarkWritten marks dir's checkpoint whole but not yet durable: it counts as complete
+// until the host reboots (IsComplete), or for good once MarkComplete has run. It costs
+// no fsync of the checkpoint's data.
+func (s *Store) MarkWritten(dir string) error {
+	boot, err := bootID()
+	if err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, writtenName), []byte(boot+"\n"), 0o600); err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	return nil
+}
+
+// Unmark removes dir's completion markers (durably): the checkpoint in it is no longer
 // to be restored (e.g. its sandbox has moved on since), though its files may still be
 // copied.
 func (s *Store) Unmark(dir string) error {
-	if err := os.Remove(filepath.Join(dir, completeName)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("storage: %w", err)
+	for _, name := range []string{completeName, writtenName} {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("storage: %w", err)
+		}
 	}
 	return durable.Sync(dir)
 }
 
-// IsComplete reports whether dir holds a complete checkpoint.
+// IsComplete reports whether dir holds a complete checkpoint: durable, or written
+// during this boot of the host.
 func (s *Store) IsComplete(dir string) bool {
+	if _, err := os.Stat(filepath.Join(dir, completeName)); err == nil {
+		return true
+	}
+	return IsWrittenThisBoot(dir)
+}
+
+// IsDurable reports whether dir's checkpoint is complete and on disk (MarkComplete).
+func (s *Store) IsDurable(dir string) bool {
 	_, err := os.Stat(filepath.Join(dir, completeName))
 	return err == nil
+}
+
+// IsWrittenThisBoot reports whether dir holds a checkpoint marked written (MarkWritten)
+// since the host last booted.
+func IsWrittenThisBoot(dir string) bool {
+	data, err := os.ReadFile(filepath.Join(dir, writtenName))
+	if err != nil {
+		return false
+	}
+	boot, err := bootID()
+	return err == nil && strings.TrimSpace(string(data)) == boot
+}
+
+// bootID is the kernel's id of the host's current boot.
+func bootID() (string, error) {
+	data, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return "", err
+	}
+	id := strings.TrimSpace(string(data))
+	if id == "" {
+		return "", errors.New("empty boot id")
+	}
+	return id, nil
 }
 
 // CopyDisk makes dst an O(1) copy-on-write copy of the disk at src: a subvolume snapshot

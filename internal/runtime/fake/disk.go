@@ -247,23 +247,48 @@ func (d *Disk) TempDir(prefix string) (string, error) {
 	return os.MkdirTemp(filepath.Join(d.root, "tmp"), prefix+"-")
 }
 
-const completeName = "complete"
+const (
+	completeName = "complete"
+	writtenName  = "written"
+)
 
 // MarkComplete marks a checkpoint directory complete.
 func (d *Disk) MarkComplete(dir string) error {
 	return os.WriteFile(filepath.Join(dir, completeName), []byte("ok\n"), 0o600)
 }
 
-// Unmark removes the completion marker.
-func (d *Disk) Unmark(dir string) error {
-	if err := os.Remove(filepath.Join(dir, completeName)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+// Sync does nothing: the fake store makes no durability promise.
+func (d *Disk) Sync(context.Context, string) error { return nil }
+
+// MarkWritten marks a checkpoint directory written this boot (as storage does).
+func (d *Disk) MarkWritten(dir string) error {
+	boot, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
 		return err
+	}
+	return os.WriteFile(filepath.Join(dir, writtenName), boot, 0o600)
+}
+
+// Unmark removes the completion markers.
+func (d *Disk) Unmark(dir string) error {
+	for _, name := range []string{completeName, writtenName} {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
 	}
 	return nil
 }
 
-// IsComplete reports whether dir is a complete checkpoint.
+// IsComplete reports whether dir is a complete checkpoint (or one written this boot).
 func (d *Disk) IsComplete(dir string) bool {
+	if d.IsDurable(dir) {
+		return true
+	}
+	return storage.IsWrittenThisBoot(dir)
+}
+
+// IsDurable reports whether dir was marked complete.
+func (d *Disk) IsDurable(dir string) bool {
 	_, err := os.Stat(filepath.Join(dir, completeName))
 	return err == nil
 }

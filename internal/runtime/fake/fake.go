@@ -46,8 +46,9 @@ type Runtime struct {
 }
 
 var (
-	_ runtime.Runtime     = (*Runtime)(nil)
-	_ runtime.Snapshotter = (*Runtime)(nil)
+	_ runtime.Runtime          = (*Runtime)(nil)
+	_ runtime.Snapshotter      = (*Runtime)(nil)
+	_ runtime.LiveCheckpointer = (*Runtime)(nil)
 )
 
 // New prepares the runtime's directory.
@@ -300,6 +301,27 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 		return err
 	}
 	return r.Destroy(ctx, id)
+}
+
+// CheckpointPaused writes a marker into dir and leaves the paused instance as it is.
+func (r *Runtime) CheckpointPaused(_ context.Context, id, dir string) error {
+	if _, err := r.read(id); err != nil {
+		return err
+	}
+	// SIGSTOP lands a moment after Pause returns.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		st, err := r.Status(context.Background(), id)
+		if err == nil && st == runtime.StatusPaused {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("fake checkpoint %s: not paused (%s, %v)", id, st, err)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	data, _ := json.Marshal(map[string]any{"id": id, "at": time.Now()})
+	return os.WriteFile(filepath.Join(dir, checkpointFile), data, 0o600)
 }
 
 // Restore starts a fresh agent for spec.ID from a checkpoint dir made by Checkpoint.

@@ -401,3 +401,69 @@ func TestRestoreWithoutMetadata(t *testing.T) {
 	}
 	assertNothingLeft(t, rt, spec)
 }
+
+// TestCheckpointPaused: a paused sandbox checkpoints without stopping (runsc checkpoint
+// -leave-running): it is still paused afterwards, runs again at Resume and serves once
+// it is told to resume; the checkpoint restores as a clone, also with the metadata of a
+// checkpoint written before its settings were recorded (a sandbox suspended before an
+// upgrade). A running sandbox is refused.
+func TestCheckpointPaused(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	src := testSpec(t, newID(t))
+	c := startSandbox(t, rt, src)
+	if err := rt.CheckpointPaused(ctx, src.ID, t.TempDir()); err == nil || !strings.Contains(err.Error(), "not paused") {
+		t.Errorf("CheckpointPaused of a running sandbox: %v", err)
+	}
+	quiesce(t, c, src)
+	if err := rt.Pause(ctx, src.ID); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	start := time.Now()
+	if err := rt.CheckpointPaused(ctx, src.ID, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("checkpoint of a paused sandbox: %v", time.Since(start))
+	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusPaused {
+		t.Fatalf("Status after CheckpointPaused = %v, %v", st, err)
+	}
+	meta, err := readMeta(dir)
+	if err != nil || meta.Compression != "none" || !backgroundLoad(dir, meta) {
+		t.Errorf("checkpoint metadata %+v, %v; background load %v", meta, err, backgroundLoad(dir, meta))
+	}
+	if err := rt.Resume(ctx, src.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(src.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitHealthy(t, c)
+
+	// The metadata of a checkpoint written before the settings were recorded.
+	old, err := json.Marshal(map[string]string{"cgroup": meta.Cgroup})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, metaFile), old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dst := testSpec(t, newID(t))
+	dst.RootFS = src.RootFS
+	start = time.Now()
+	if err := rt.Restore(ctx, dst, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restore: %v", time.Since(start))
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), dst.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(dst.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitHealthy(t, agentClient(t, rt, dst.ID))
+	waitHealthy(t, c) // the source runs on beside its clone
+}

@@ -9,11 +9,13 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 )
 
-var _ runtime.Snapshotter = (*Runtime)(nil)
+var (
+	_ runtime.Snapshotter      = (*Runtime)(nil)
+	_ runtime.LiveCheckpointer = (*Runtime)(nil)
+)
 
 // Pause freezes the sandbox (runsc pause).
 func (r *Runtime) Pause(ctx context.Context, id string) error {
@@ -37,33 +39,65 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 	return nil
 }
 
-// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint),
-// fsyncs the files, and returns once the sandbox has stopped. The agent must have
+// Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint)
+// and returns once the sandbox has stopped. The node makes the files durable (it
+// fsyncs them when it needs them to outlive the host's boot). The agent must have
 // quiesced first: runsc cannot save a sandbox that holds a bound host socket, and the
 // failed attempt kills it.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
-	if !validID(id) {
-		return fmt.Errorf("gvisor checkpoint: invalid id %q", id)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-	}
-	meta := checkpointMeta{Cgroup: id}
-	if rec, err := r.readRecord(id); err == nil && rec.Cgroup != "" {
-		meta.Cgroup = rec.Cgroup
-	}
-	if err := writeMeta(dir, meta); err != nil {
-		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-	}
-	if _, err := r.runsc(ctx, "checkpoint", "-image-path", dir, id); err != nil {
-		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-	}
-	if err := syncDir(dir); err != nil {
+	if err := r.checkpoint(ctx, id, dir, false); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
 	// runsc returns once the image is written; the sandbox exits a moment later.
 	if err := r.waitStopped(ctx, id); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	return nil
+}
+
+// CheckpointPaused saves a paused sandbox's memory and kernel state into dir and
+// leaves it paused (runsc checkpoint -leave-running: the Sentry's own pause nests in
+// runsc pause's, so the sandbox runs again only at Resume). A clone source or a named
+// snapshot's source thus needs no restore of its own.
+func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
+	st, err := r.state(ctx, id)
+	if err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	if observed(st) != runtime.StatusPaused {
+		return fmt.Errorf("gvisor checkpoint %s: the sandbox is %s, not paused", id, st.Status)
+	}
+	if err := r.checkpoint(ctx, id, dir, true); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	return nil
+}
+
+// checkpointCompression is the pinned setting: uncompressed memory in its own pages
+// file, which Restore can load in the background. runsc's default is the same today;
+// naming it keeps a future default from changing what space writes.
+const checkpointCompression = "none"
+
+func (r *Runtime) checkpoint(ctx context.Context, id, dir string, leaveRunning bool) error {
+	if !validID(id) {
+		return fmt.Errorf("invalid id %q", id)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	meta := checkpointMeta{Cgroup: id, Compression: checkpointCompression}
+	if rec, err := r.readRecord(id); err == nil && rec.Cgroup != "" {
+		meta.Cgroup = rec.Cgroup
+	}
+	if err := writeMeta(dir, meta); err != nil {
+		return err
+	}
+	args := []string{"checkpoint", "-image-path", dir, "-compression", checkpointCompression}
+	if leaveRunning {
+		args = append(args, "-leave-running")
+	}
+	if _, err := r.runsc(ctx, append(args, id)...); err != nil {
+		return err
 	}
 	return nil
 }
@@ -75,6 +109,10 @@ const metaFile = "space-gvisor.json"
 type checkpointMeta struct {
 	// Cgroup is the name of the container's cgroup inside the checkpointed Sentry.
 	Cgroup string `json:"cgroup"`
+	// Compression is the runsc -compression the image was written with; empty in
+	// checkpoints written before it was recorded (runsc's default then: none). Restore
+	// loads memory in the background only from an uncompressed image with its pages file.
+	Compression string `json:"compression,omitempty"`
 }
 
 func writeMeta(dir string, m checkpointMeta) error {
@@ -126,20 +164,20 @@ func (r *Runtime) waitStopped(ctx context.Context, id string) error {
 	}
 }
 
-// syncDir fsyncs the regular files in dir and dir itself.
-func syncDir(dir string) error {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return err
+// backgroundLoad reports whether the checkpoint in dir can be restored with runsc
+// restore -background: its memory is in a separate, uncompressed pages file (every
+// checkpoint space has written so far; runsc ignores the flag otherwise, and space
+// does not ask).
+func backgroundLoad(dir string, m checkpointMeta) bool {
+	if m.Compression != "" && m.Compression != "none" {
+		return false
 	}
-	for _, e := range entries {
-		if e.Type().IsRegular() {
-			if err := durable.Sync(filepath.Join(dir, e.Name())); err != nil {
-				return err
-			}
+	for _, f := range []string{"pages.img", "pages_meta.img"} {
+		if fi, err := os.Stat(filepath.Join(dir, f)); err != nil || !fi.Mode().IsRegular() {
+			return false
 		}
 	}
-	return durable.Sync(dir)
+	return true
 }
 
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
@@ -170,7 +208,14 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	}()
 	// The pids limit is part of the checkpointed kernel state, but this instance's Spec
 	// may name another one (a base snapshot restored for a new sandbox): start sets it.
-	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, "restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	// With -background, runsc returns once the kernel state is loaded and the memory
+	// follows while the sandbox runs (a page touched before it arrives waits for it);
+	// runsc holds the pages file open, so the node may remove the directory at once.
+	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
+	if backgroundLoad(dir, meta) {
+		args = append(args, "-background")
+	}
+	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	return nil
