@@ -28,9 +28,10 @@ type world struct {
 	// done, when set, says whether the action has ended (for actions without an
 	// operation, like deleting a snapshot).
 	done func() bool
-	// late, when set, finds an operation of the action whose request got no answer:
-	// the server died at the armed point before its response left (lateOps).
-	late func() (string, error)
+	// late, when set, completes the world for an action whose request got no answer
+	// (the server died at the armed point before its response left): it finds what the
+	// action made once the server answers again (lateOps).
+	late func(w *world) error
 }
 
 // lateOps adds the operation of an action whose request got no answer to the world's
@@ -40,11 +41,43 @@ func lateOps(t *testing.T, s *server, w *world) {
 	if w.late == nil {
 		return
 	}
-	op, err := w.late()
-	if err != nil {
+	late := w.late
+	w.late = nil
+	if err := late(w); err != nil {
 		t.Fatal(err)
 	}
-	w.ops, w.late = append(w.ops, op), nil
+}
+
+// unanswered handles a request of an action that got no answer: the node acts on an
+// action once it is committed, which may be before the api's answer has left, so a
+// point taken then kills the server first. The test fails unless the server died;
+// otherwise find, run once the server is back, completes the world.
+func unanswered(t *testing.T, s *server, w *world, what string, err error, find func(w *world) error) {
+	t.Helper()
+	if !s.died(10 * time.Second) {
+		t.Fatalf("%s: %v", what, err)
+	}
+	w.late = func(w *world) error {
+		if ferr := find(w); ferr != nil {
+			return fmt.Errorf("%s (the server died answering it: %v): %w", what, err, ferr)
+		}
+		return nil
+	}
+}
+
+// newestOp returns the newest operation of sandbox id created since (less a second of
+// slack), other than its create.
+func newestOp(t *testing.T, s *server, id string, since time.Time) (string, error) {
+	ops, err := s.C.SandboxOperations(ctx(t, time.Minute), id)
+	if err != nil {
+		return "", err
+	}
+	for _, o := range ops {
+		if !o.CreatedAt.Before(since.Add(-time.Second)) && o.Kind != api.OpCreate {
+			return o.ID, nil
+		}
+	}
+	return "", fmt.Errorf("no operation of sandbox %s since %s", id, since.Format(time.RFC3339Nano))
 }
 
 // scenario is one transition: a setup that brings sandboxes to the state it starts
@@ -125,24 +158,11 @@ func scenarios() []scenario {
 				w.ops = append(w.ops, op.ID)
 				return
 			}
-			// The node acts on the verb once it is committed, which may be before the
-			// api's answer has left: a point taken then kills the server first. The
-			// verb's operation is found once the server is back.
-			if !s.died(10 * time.Second) {
-				t.Fatalf("%s: %v", v, err)
-			}
-			w.late = func() (string, error) {
-				ops, err := s.C.SandboxOperations(ctx(t, time.Minute), id)
-				if err != nil {
-					return "", fmt.Errorf("%s after the server died answering it: %w", v, err)
-				}
-				for _, o := range ops {
-					if !o.CreatedAt.Before(since.Add(-time.Second)) && o.Kind != api.OpCreate {
-						return o.ID, nil
-					}
-				}
-				return "", fmt.Errorf("%s: the server died answering it, and no operation of it exists: %v", v, err)
-			}
+			unanswered(t, s, w, v, err, func(w *world) error {
+				op, err := newestOp(t, s, id, since)
+				w.ops = append(w.ops, op)
+				return err
+			})
 		}
 	}
 	withSnapshot := func(t *testing.T, s *server) *world {
@@ -171,9 +191,29 @@ func scenarios() []scenario {
 		{name: "suspend", setup: running, act: act(api.OpSuspend, false)},
 		{name: "wake", setup: withVerbs(false, api.OpSuspend), act: act(api.OpWake, false)},
 		{name: "clone", setup: running, act: func(t *testing.T, s *server, w *world) {
-			clones, err := s.C.Clone(ctx(t, time.Minute), w.ids[0], api.CloneRequest{Count: 1})
+			src := w.ids[0]
+			clones, err := s.C.Clone(ctx(t, time.Minute), src, api.CloneRequest{Count: 1})
 			if err != nil {
-				t.Fatal(err)
+				unanswered(t, s, w, "clone", err, func(w *world) error {
+					list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
+					if err != nil {
+						return err
+					}
+					for _, sb := range list {
+						if sb.CloneOf != src {
+							continue
+						}
+						ops, err := s.C.SandboxOperations(ctx(t, time.Minute), sb.ID)
+						if err != nil || len(ops) == 0 {
+							return fmt.Errorf("operations of clone %s: %d, %v", sb.ID, len(ops), err)
+						}
+						w.ids = append(w.ids, sb.ID)
+						w.ops = append(w.ops, ops[0].ID)
+						return nil
+					}
+					return fmt.Errorf("no clone of %s", src)
+				})
+				return
 			}
 			w.ids = append(w.ids, clones[0].ID)
 			w.ops = append(w.ops, clones[0].Operation.ID)
