@@ -429,6 +429,10 @@ func TestCheckpointPaused(t *testing.T) {
 	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusPaused {
 		t.Fatalf("Status after CheckpointPaused = %v, %v", st, err)
 	}
+	// A node restarted here takes the paused instance over (and resumes it itself).
+	if err := newTestRuntime(t, rt.cfg.RootDir).Adopt(ctx, src); err != nil {
+		t.Errorf("Adopt of a paused instance: %v", err)
+	}
 	meta, err := readMeta(dir)
 	if err != nil || meta.Compression != "none" || !backgroundLoad(dir, meta) {
 		t.Errorf("checkpoint metadata %+v, %v; background load %v", meta, err, backgroundLoad(dir, meta))

@@ -568,8 +568,10 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	if err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
-	if s := observed(st); s != runtime.StatusRunning {
-		return fmt.Errorf("gvisor adopt %s: instance is %s, not running", spec.ID, s)
+	// A paused instance is alive too (a crash between a pause and what followed it:
+	// the node resumes it if it should run).
+	if s := observed(st); s != runtime.StatusRunning && s != runtime.StatusPaused {
+		return fmt.Errorf("gvisor adopt %s: instance is %s, not running or paused", spec.ID, s)
 	}
 	if filepath.Clean(st.Bundle) != filepath.Clean(spec.StateDir) {
 		return fmt.Errorf("gvisor adopt %s: runsc runs it from %s, not %s", spec.ID, st.Bundle, spec.StateDir)
