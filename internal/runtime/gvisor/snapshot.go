@@ -164,22 +164,6 @@ func (r *Runtime) waitStopped(ctx context.Context, id string) error {
 	}
 }
 
-// backgroundLoad reports whether the checkpoint in dir can be restored with runsc
-// restore -background: its memory is in a separate, uncompressed pages file (every
-// checkpoint space has written so far; runsc ignores the flag otherwise, and space
-// does not ask).
-func backgroundLoad(dir string, m checkpointMeta) bool {
-	if m.Compression != "" && m.Compression != "none" {
-		return false
-	}
-	for _, f := range []string{"pages.img", "pages_meta.img"} {
-		if fi, err := os.Stat(filepath.Join(dir, f)); err != nil || !fi.Mode().IsRegular() {
-			return false
-		}
-	}
-	return true
-}
-
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
 // (which may be a copy of the original's: a clone). The bundle is the same as Create's,
 // so paths inside the sandbox match the checkpointed ones.
@@ -208,13 +192,11 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	}()
 	// The pids limit is part of the checkpointed kernel state, but this instance's Spec
 	// may name another one (a base snapshot restored for a new sandbox): start sets it.
-	// With -background, runsc returns once the kernel state is loaded and the memory
-	// follows while the sandbox runs (a page touched before it arrives waits for it);
-	// runsc holds the pages file open, so the node may remove the directory at once.
+	// Not -background (memory loading while the sandbox already runs): a sandbox
+	// suspended right after such a restore, its load still going, came back with a
+	// user process that never ran again (TestAdversarial's impersonation attack, 2 runs
+	// in 9), and wakes measured no faster with it (docs/runtimes.md).
 	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
-	if backgroundLoad(dir, meta) {
-		args = append(args, "-background")
-	}
 	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
