@@ -57,14 +57,10 @@ func TestBenchFigures(t *testing.T) {
 	t.Log("\n" + out)
 }
 
-// TestBenchDensityScale runs the density and scale scenarios small (2 sandboxes of
-// each kind, 3 idle sandboxes) with --svg: the breakdown finds every sandbox's Sentry
-// and gofer and its cgroup, the scale rows exist with their baselines, and one SVG per
-// scenario is written. The figures themselves are not asserted.
-func TestBenchDensityScale(t *testing.T) {
-	s := start(t, options{})
-	dir := t.TempDir()
-	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density,scale", "--scale-max", "3", "--svg", dir, "-o", "json")
+// benchJSON runs space bench with args against s and returns its results.
+func benchJSON(t *testing.T, s *srv, args ...string) []bench.Result {
+	t.Helper()
+	out, stderr, code := s.cli(t, append(append([]string{"bench"}, args...), "-o", "json")...)
 	if code != 0 {
 		t.Fatalf("space bench: exit %d\n%s", code, stderr)
 	}
@@ -72,6 +68,17 @@ func TestBenchDensityScale(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &rs); err != nil {
 		t.Fatalf("bench output: %v\n%s", err, out)
 	}
+	return rs
+}
+
+// TestBenchDensityScale runs the density and scale scenarios small (2 sandboxes of
+// each kind, 3 idle sandboxes) with --svg: the breakdown finds every sandbox's Sentry
+// and gofer and its cgroup, the scale rows exist with their baselines, and one SVG per
+// scenario is written. The figures themselves are not asserted.
+func TestBenchDensityScale(t *testing.T) {
+	s := start(t, options{})
+	dir := t.TempDir()
+	rs := benchJSON(t, s, "--runs", "2", "--only", "density,scale", "--scale-max", "3", "--svg", dir)
 	want := map[string]bool{
 		"PSS per idle sandbox, booted: Sentry + gofer": false,
 		"cgroup memory per idle sandbox, booted":       false,

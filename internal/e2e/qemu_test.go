@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"encoding/json"
 	"os/exec"
 	"strings"
 	"testing"
@@ -9,7 +8,6 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
-	"github.com/spacedev/space/internal/bench"
 	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
@@ -104,14 +102,7 @@ func TestQEMUNode(t *testing.T) {
 // guest's own view. The figures themselves are not asserted.
 func checkQEMUDensity(t *testing.T, s *srv) {
 	t.Helper()
-	out, stderr, code := s.cli(t, "bench", "--runs", "2", "--only", "density", "-o", "json")
-	if code != 0 {
-		t.Fatalf("space bench: exit %d\n%s", code, stderr)
-	}
-	var rs []bench.Result
-	if err := json.Unmarshal([]byte(out), &rs); err != nil {
-		t.Fatalf("bench output: %v\n%s", err, out)
-	}
+	rs := benchJSON(t, s, "--runs", "2", "--only", "density")
 	want := map[string]bool{
 		"QEMU RSS per idle VM, booted":                              false,
 		"guest RAM resident on the host":                            false,

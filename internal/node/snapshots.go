@@ -235,13 +235,7 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 		return n.checkpointSourceLive(ctx, snap, live, src, root, memDir, diskCopy, back)
 	}
 	if err := n.checkpoint(ctx, snap, src.ID, memDir); err != nil {
-		out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, err)
-		if out.state == api.StateRunning && wasPaused {
-			_ = n.pauseInstance(ctx, src.ID)
-			out.state = api.StatePaused
-		}
-		n.report(ctx, src, store.Observed{State: out.state, ObservedGeneration: src.ObservedGeneration, Error: joinNonEmpty(lossError(out.note), src.Error)})
-		return true, cerr
+		return n.sourceCheckpointFailed(ctx, src, memDir, wasPaused, err)
 	}
 	// The source is stopped now: its disk matches the checkpoint.
 	crash.Point("clone.source.checkpointed")
@@ -272,6 +266,18 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 	return true, derr
 }
 
+// sourceCheckpointFailed settles a clone source whose checkpoint failed with cause:
+// what afterFailedCheckpoint finds it to be (paused again if it was), reported.
+func (n *Node) sourceCheckpointFailed(ctx context.Context, src *store.Sandbox, memDir string, wasPaused bool, cause error) (bool, error) {
+	out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, cause)
+	if out.state == api.StateRunning && wasPaused {
+		_ = n.pauseInstance(ctx, src.ID)
+		out.state = api.StatePaused
+	}
+	n.report(ctx, src, store.Observed{State: out.state, ObservedGeneration: src.ObservedGeneration, Error: joinNonEmpty(lossError(out.note), src.Error)})
+	return true, cerr
+}
+
 // checkpointSourceLive is checkpointSource on a runtime that checkpoints without
 // stopping: the source is quiesced and paused, checkpointed, its disk copied while it
 // is still paused (so the copy matches the memory image), and resumed: it never stops,
@@ -281,13 +287,7 @@ func (n *Node) checkpointSourceLive(ctx context.Context, snap runtime.Snapshotte
 	wasPaused := src.State == api.StatePaused
 	failed := func(cause error) (bool, error) {
 		_ = snap.Resume(ctx, src.ID) // paused by us, or not: afterFailedCheckpoint looks
-		out, cerr := n.afterFailedCheckpoint(ctx, src, memDir, cause)
-		if out.state == api.StateRunning && wasPaused {
-			_ = n.pauseInstance(ctx, src.ID)
-			out.state = api.StatePaused
-		}
-		n.report(ctx, src, store.Observed{State: out.state, ObservedGeneration: src.ObservedGeneration, Error: joinNonEmpty(lossError(out.note), src.Error)})
-		return true, cerr
+		return n.sourceCheckpointFailed(ctx, src, memDir, wasPaused, cause)
 	}
 	if err := os.MkdirAll(memDir, 0o700); err != nil {
 		return failed(err)
