@@ -181,10 +181,23 @@ func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time
 	}
 	// The impostor ran again after the thaw and still could not bind.
 	var log string
-	e2etest.WaitFor(t, 30*time.Second, "the impostor to run after the restore", func() bool {
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		log = su.mustSh(t, id, "cat /tmp/impostor.log")
-		return strings.Count(log, "EADDRINUSE") > 1 && lastTry(log) > float64(to.UnixNano())/1e9
-	})
+		if strings.Contains(log, "BOUND") {
+			t.Fatalf("%s: the impostor bound the agent's socket (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
+		}
+		if strings.Count(log, "EADDRINUSE") > 1 && lastTry(log) > float64(to.UnixNano())/1e9 {
+			break
+		}
+		if time.Now().After(deadline) {
+			// What the impostor's process looks like, and the sandbox's clock against
+			// the host's, to tell a process that never ran again from a clock behind.
+			diag, _ := su.sh(t, id, `p=$(cat /tmp/impostor.log.pid); tail -3 /tmp/impostor.log; `+
+				`grep -E '^(State|SigQ|SigPnd|ShdPnd|SigBlk)' /proc/$p/status; date +%s.%N`)
+			t.Fatalf("%s: the impostor did not run after the restore within 30s (host time %.3f, wake done at %.3f):\n%s",
+				id, float64(time.Now().UnixNano())/1e9, float64(to.UnixNano())/1e9, diag)
+		}
+	}
 	if strings.Contains(log, "BOUND") {
 		t.Errorf("%s: the impostor bound the agent's socket:\n%s", id, log)
 	}

@@ -185,7 +185,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}()
 	resumed := false
 	for {
-		ln, err := a.listen(ctx, resumed)
+		ln, err := a.listenThenThaw(ctx, resumed)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -211,6 +211,17 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		resumed = true
 	}
+}
+
+// listenThenThaw opens the listener and only then lets user code run: after a resume
+// the socket's path is free (the host removed the old file) and a user process that
+// ran first could bind it and answer the host in the agent's place.
+func (a *Agent) listenThenThaw(ctx context.Context, retry bool) (net.Listener, error) {
+	ln, err := a.listen(ctx, retry)
+	if err == nil && retry {
+		a.thaw()
+	}
+	return ln, err
 }
 
 // listen opens the listener. After a resume it retries until it succeeds: a socket
@@ -289,7 +300,7 @@ func (a *Agent) enterQuiesce() error {
 }
 
 // waitResume polls the resume file until it holds a newer identity, applies it and
-// removes the file.
+// removes the file. User code stays frozen: Run thaws it once it listens again.
 func (a *Agent) waitResume(ctx context.Context) error {
 	path := filepath.Join(a.cfg.RunDir, wire.ResumeFileName)
 	t := time.NewTicker(resumePoll)
@@ -312,7 +323,8 @@ func (a *Agent) waitResume(ctx context.Context) error {
 					lastBad = msg
 				}
 			default:
-				if err := a.applyIdentity(id); err != nil {
+				// User code stays frozen until the listener is back (listenThenThaw).
+				if err := a.setIdentity(id); err != nil {
 					return fmt.Errorf("resume: %w", err)
 				}
 				if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -15,7 +15,9 @@ import (
 // the moment the sandbox's memory is saved and the moment a restored copy has its new
 // identity (fresh entropy, the host's clock), or two clones could produce the same
 // "random" values, and a process could take the agent's place on its transport while
-// the agent waits for its identity.
+// the agent waits for its identity. Over a socket the host removed (gVisor) user code
+// thaws only once the agent listens again (listenThenThaw): a process that ran first
+// could bind the free path.
 //
 // As PID 1 of the sandbox (always, in production) the agent stops EVERY process of the
 // sandbox but itself — whatever session, group or parent it has, so a `setsid` or a

@@ -24,10 +24,22 @@ const rndReseedCRNG = 0x5207
 // clockSkew is the difference from the host's clock that makes the agent set the clock.
 const clockSkew = 50 * time.Millisecond
 
-// applyIdentity gives the sandbox its identity. Entropy and clock failures are logged,
-// not returned: gVisor refuses some of them and the sandbox stays usable. An older
-// generation than the current one is refused; the same one is applied again.
+// applyIdentity gives the sandbox its identity and lets user code run again (the
+// identity request of a kept transport).
 func (a *Agent) applyIdentity(id wire.Identity) error {
+	if err := a.setIdentity(id); err != nil {
+		return err
+	}
+	// User code may run again now that the sandbox has its own entropy and clock.
+	a.thaw()
+	return nil
+}
+
+// setIdentity gives the sandbox its identity; user code stays frozen (the caller
+// thaws it). Entropy and clock failures are logged, not returned: gVisor refuses some
+// of them and the sandbox stays usable. An older generation than the current one is
+// refused; the same one is applied again.
+func (a *Agent) setIdentity(id wire.Identity) error {
 	a.idMu.Lock()
 	defer a.idMu.Unlock()
 	if id.Generation < a.generation {
@@ -73,8 +85,6 @@ func (a *Agent) applyIdentity(id wire.Identity) error {
 	}
 	a.defaultEnv = maps.Clone(id.Env)
 	a.generation = id.Generation
-	// User code may run again now that the sandbox has its own entropy and clock.
-	a.thaw()
 	return nil
 }
 
