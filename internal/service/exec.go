@@ -187,9 +187,10 @@ func (f *fastPath) forget(id string) {
 
 // LocalNode is the node that runs in the same process as the api role (space serve
 // with both roles, the default). The one-request exec talks to its agents directly
-// instead of through the node's HTTP agent proxy, and a warm-pool claim on it is
-// handed to it at once (Kick) rather than through a PostgreSQL notification: the
-// notification still comes, and the node's worker coalesces the two.
+// instead of through the node's HTTP agent proxy, and a warm-pool claim, a lifecycle
+// request (suspend, wake, pause, resume, delete) or a clone on it is handed to it at
+// once (Kick) rather than through a PostgreSQL notification: the notification still
+// comes, and the node's worker coalesces the two.
 type LocalNode interface {
 	ID() string
 	Agent(ctx context.Context, sandboxID string) (*agentclient.Client, error)
@@ -205,10 +206,10 @@ func (s *Service) SetLocalNode(n LocalNode) { s.local.Store(&n) }
 // PostgreSQL notification that says the same.
 func (s *Service) OperationChanged(id string) { s.ops.notify(id) }
 
-// kickLocal hands a sandbox the api just changed to the in-process node when the
-// sandbox is on it.
+// kickLocal hands a sandbox the api just changed (committed) to the in-process node
+// when the sandbox is on it.
 func (s *Service) kickLocal(sb *store.Sandbox) {
-	if l := s.local.Load(); l != nil && sb.NodeID != "" && sb.NodeID == (*l).ID() {
+	if l := s.local.Load(); l != nil && sb != nil && sb.NodeID != "" && sb.NodeID == (*l).ID() {
 		(*l).Kick(sb.ID)
 	}
 }

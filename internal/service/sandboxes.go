@@ -466,7 +466,9 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		return nil, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: v.Kind}
+	var changed *store.Sandbox // the sandbox whose node acts on the change
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		changed = nil
 		if _, err := tx.LockTenant(ctx, peek.Tenant); err != nil {
 			return err
 		}
@@ -521,6 +523,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			err = tx.Rehome(ctx, sb, reason+"; it wakes on another node from its snapshot in the registry", op)
 		} else {
 			err = tx.SetDesiredState(ctx, sb, v.Desired, reason, op)
+			changed = sb
 		}
 		if err != nil {
 			return err
@@ -535,6 +538,8 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 	}
 	if op.State == api.OpSucceeded {
 		_ = s.st.UpdateOperation(ctx, op.ID, api.OpSucceeded, op.Message, "")
+	} else if changed != nil {
+		s.kickLocal(changed)
 	}
 	return op, nil
 }
@@ -543,6 +548,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 // another operation that completes with the deletion.
 func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.Operation, error) {
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpDelete}
+	var changed *store.Sandbox
 	err := s.st.InTx(ctx, func(tx *store.Tx) error {
 		sb, err := tx.GetSandboxForUpdate(ctx, id)
 		if err != nil {
@@ -554,6 +560,7 @@ func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.O
 		if err := tx.SetDesiredState(ctx, sb, api.StateDeleted, "", op); err != nil {
 			return err
 		}
+		changed = sb
 		// On a dead node nothing would act on it: the delete completes now (the node
 		// reclaims what is left when it returns).
 		done, err := tx.DeleteIfNodeDead(ctx, sb)
@@ -566,6 +573,9 @@ func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.O
 		return nil, err
 	}
 	s.log.Info("sandbox delete requested", "sandbox", id, "op", op.ID)
+	if op.State != api.OpSucceeded {
+		s.kickLocal(changed)
+	}
 	return op, nil
 }
 
@@ -596,7 +606,9 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 	if err != nil {
 		return out, err
 	}
+	var source *store.Sandbox
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		out.Sandboxes = nil
 		if err := s.checkQuota(ctx, tx, peek.Tenant, sandboxNeed(peek.Spec, int64(req.Count))); err != nil {
 			return err
 		}
@@ -636,12 +648,14 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 			out.Sandboxes = append(out.Sandboxes, v)
 		}
 		// Wake the source's node: its worker prepares the clones' snapshots.
+		source = src
 		return tx.NotifySandbox(ctx, src)
 	})
 	if err != nil {
 		return api.CloneResponse{}, err
 	}
 	s.log.Info("clone requested", "source", id, "count", req.Count, "batch", batch)
+	s.kickLocal(source)
 	return out, nil
 }
 

@@ -512,6 +512,9 @@ func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error)
 	if !validID(id) {
 		return "", fmt.Errorf("gvisor status: invalid id %q", id)
 	}
+	if r.statuses.isGone(id) {
+		return "", fmt.Errorf("gvisor status %s: %w", id, runtime.ErrNotFound)
+	}
 	st, cached, gen := r.statuses.get(id)
 	var err error
 	if !cached {
@@ -636,7 +639,11 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 			return fmt.Errorf("clean state dir: %w", err)
 		}
 	}
-	return r.removeRecord(id)
+	if err := r.removeRecord(id); err != nil {
+		return err
+	}
+	r.statuses.gone(id)
+	return nil
 }
 
 // listed reports whether runsc lists a container with this id.

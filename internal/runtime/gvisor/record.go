@@ -29,7 +29,10 @@ func (r *Runtime) records() instances.Records[record] {
 
 // claimRecord writes the record of a new instance, failing with fs.ErrExist when the id
 // has one.
-func (r *Runtime) claimRecord(rec record) error { return r.records().Claim(rec.ID, rec) }
+func (r *Runtime) claimRecord(rec record) error {
+	r.statuses.change([]string{rec.ID})() // an instance is being made: no longer known gone
+	return r.records().Claim(rec.ID, rec)
+}
 
 // readRecord returns the instance's record; the error wraps fs.ErrNotExist when there
 // is none.

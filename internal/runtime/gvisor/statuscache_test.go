@@ -85,3 +85,28 @@ func TestStatusCache(t *testing.T) {
 		t.Fatal("a reused pid was a hit")
 	}
 }
+
+func TestStatusCacheGone(t *testing.T) {
+	var c statusCache
+	if c.isGone("a") {
+		t.Fatal("gone in an empty cache")
+	}
+	c.gone("a")
+	if !c.isGone("a") || c.isGone("b") {
+		t.Fatalf("after gone(a): a %v, b %v", c.isGone("a"), c.isGone("b"))
+	}
+	c.change([]string{"b"})()
+	if !c.isGone("a") {
+		t.Fatal("a change of b forgot that a is gone")
+	}
+	// Any change of a (a record claimed, a runsc command naming it) ends it.
+	c.change([]string{"a"})()
+	if c.isGone("a") {
+		t.Fatal("still gone after a change of a")
+	}
+	c.gone("a")
+	c.change(nil)()
+	if c.isGone("a") {
+		t.Fatal("still gone after a change of every instance")
+	}
+}
