@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
-	"github.com/spacedev/space/client"
 )
 
 // move measures moving sandboxes between nodes through the registry (a fleet of at
@@ -38,10 +37,9 @@ func move(ctx context.Context, cfg *Config) ([]Result, error) {
 		if err != nil {
 			return nil, err
 		}
-		hold := `python3 -c "import time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(10**9)" &`
-		if code, err := c.Exec(ctx, sb.ID, api.CreateSessionRequest{Command: hold}, client.Output{}); err != nil || code != 0 {
+		if err := holdMemory(ctx, c, sb.ID, 64); err != nil {
 			done()
-			return nil, fmt.Errorf("start a process: %d %v", code, err)
+			return nil, err
 		}
 		if _, err := c.LifecycleAndWait(ctx, sb.ID, api.OpSuspend); err != nil {
 			done()
