@@ -50,6 +50,8 @@ type Disk interface {
 	CopyDisk(ctx context.Context, src, dst string, readOnly bool) error
 	CopyTree(ctx context.Context, src, dst string) error
 	RemoveAll(ctx context.Context, path string) error
+	// RemoveLater moves path out of the way now and removes it in the background.
+	RemoveLater(ctx context.Context, path string) error
 
 	// SetSandboxLimit bounds what a sandbox may write (its disk and snapshots); a
 	// fault.Unavailable error means the store enforces no limits (docs/operations.md).

@@ -435,7 +435,9 @@ func (n *Node) restore(ctx context.Context, sb *store.Sandbox) error {
 		if serr == nil && n.disk.IsComplete(dir) {
 			err = n.restoreFrom(ctx, snap, sb, dir, root)
 			if err == nil {
-				_ = n.disk.RemoveAll(ctx, dir)
+				// Out of the way at once (a suspend may write a new one there); its
+				// space is freed after the wake is reported.
+				_ = n.disk.RemoveLater(ctx, dir)
 				crash.Point("restore.cleaned")
 				moved = n.finishMove(ctx, sb)
 				return outcome{state: api.StateRunning}, nil

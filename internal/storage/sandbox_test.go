@@ -93,3 +93,37 @@ func TestMarkWritten(t *testing.T) {
 		t.Error("complete after Unmark")
 	}
 }
+
+// TestRemoveLater moves a checkpoint out of its place at once (a new one can be written
+// there right away) and frees it in the background; Close waits for the removal.
+func TestRemoveLater(t *testing.T) {
+	s := templatetest.Store(t)
+	ctx := context.Background()
+	rel := newRelease(t, s, "r", func(root string) { must(t, os.WriteFile(filepath.Join(root, "f"), []byte("x"), 0o644)) })
+	if _, err := s.CreateSandboxRoot(ctx, "later", rel.Digest); err != nil {
+		t.Fatal(err)
+	}
+	cp, err := s.CheckpointDir("later")
+	must(t, err)
+	must(t, os.MkdirAll(cp, 0o700))
+	must(t, os.WriteFile(filepath.Join(cp, "memory"), make([]byte, 8<<20), 0o600))
+	must(t, s.MarkComplete(cp))
+
+	must(t, s.RemoveLater(ctx, cp))
+	if _, err := os.Lstat(cp); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("%s still at its place after RemoveLater: %v", cp, err)
+	}
+	if s.IsComplete(cp) {
+		t.Fatal("the removed checkpoint still counts as complete")
+	}
+	must(t, os.MkdirAll(cp, 0o700)) // the next checkpoint
+	must(t, s.RemoveLater(ctx, filepath.Join(cp, "missing")))
+	must(t, s.Close())
+	dir, _ := s.SandboxDir("later")
+	if entries, _ := os.ReadDir(filepath.Join(dir, ".trash")); len(entries) != 0 {
+		t.Errorf("trash holds %v after Close", entries)
+	}
+	if _, err := os.Stat(cp); err != nil {
+		t.Errorf("the new checkpoint directory went too: %v", err)
+	}
+}

@@ -332,6 +332,22 @@ func (s *Store) RemoveAll(ctx context.Context, path string) error {
 	return s.retire(ctx, p, "remove")
 }
 
+// RemoveLater is RemoveAll that returns as soon as path is out of the way (one
+// rename: nothing finds it at its place any more) and frees its space in the
+// background. For what nobody waits to see gone: a checkpoint a wake has restored,
+// whose removal (a gigabyte of pages that may still be in write-back) the wake waited
+// for.
+func (s *Store) RemoveLater(ctx context.Context, path string) error {
+	p, err := s.inStore(path)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Lstat(p); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	return s.retireLater(ctx, p, "remove")
+}
+
 // ExclusiveBytes reports how many bytes sandbox id's disk use comes to. With quotas on
 // it is SandboxUsage's UsedBytes (what the sandbox's volume owns, read from the kernel's
 // accounting at no cost); otherwise the bytes of its directory not shared with anything

@@ -48,6 +48,8 @@ type Store struct {
 	lock *os.File // shared flock on root/.lock; nil once closed
 
 	dirMu sync.Mutex // serializes making sandbox directories
+
+	bg sync.WaitGroup // removals running in the background (retireLater)
 }
 
 const (
@@ -262,6 +264,7 @@ func (s *Store) Root() string { return s.root }
 
 // Close releases the store. The volume stays mounted (see Unmount).
 func (s *Store) Close() error {
+	s.bg.Wait()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.lock == nil {
@@ -435,16 +438,47 @@ func (s *Store) tmpDirFor(prefix string) (string, error) {
 // out of its subvolume: it goes to the volume's own trash, sandboxes/<id>/.trash/, which
 // Open empties likewise. A missing path is not an error.
 func (s *Store) retire(ctx context.Context, path, prefix string) error {
+	d, err := s.moveAside(path, prefix)
+	if err != nil || d == "" {
+		return err
+	}
+	if err := s.removeAll(ctx, d); err != nil {
+		return fmt.Errorf("storage: %w", err)
+	}
+	return nil
+}
+
+// retireLater is retire that returns once path is moved aside and removes it in the
+// background (Close waits for it). A crash meanwhile leaves a leftover that the next
+// Open removes.
+func (s *Store) retireLater(ctx context.Context, path, prefix string) error {
+	d, err := s.moveAside(path, prefix)
+	if err != nil || d == "" {
+		return err
+	}
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		if err := s.removeAll(context.WithoutCancel(ctx), d); err != nil {
+			s.log.Warn("storage: remove in the background; the next start removes what is left", "path", d, "err", err)
+		}
+	}()
+	return nil
+}
+
+// moveAside renames path into a fresh directory of tmp/ (or of its sandbox volume's
+// trash) and returns that directory; "" when path does not exist.
+func (s *Store) moveAside(path, prefix string) (string, error) {
 	d, err := s.tmpDirFor(prefix)
 	if err != nil {
-		return err
+		return "", err
 	}
 	dst := filepath.Join(d, filepath.Base(path))
 	err = os.Rename(path, dst)
 	if errors.Is(err, unix.EXDEV) {
 		os.Remove(d)
 		if d, err = s.trashDirFor(path, prefix); err != nil {
-			return err
+			return "", err
 		}
 		dst = filepath.Join(d, filepath.Base(path))
 		err = os.Rename(path, dst)
@@ -452,12 +486,9 @@ func (s *Store) retire(ctx context.Context, path, prefix string) error {
 	if err != nil {
 		os.Remove(d)
 		if errors.Is(err, fs.ErrNotExist) {
-			return nil
+			return "", nil
 		}
-		return fmt.Errorf("storage: %w", err)
+		return "", fmt.Errorf("storage: %w", err)
 	}
-	if err := s.removeAll(ctx, d); err != nil {
-		return fmt.Errorf("storage: %w", err)
-	}
-	return nil
+	return d, nil
 }

@@ -358,6 +358,9 @@ func (d *Disk) CheckSpace(int64) error {
 // RemoveAll removes a path.
 func (d *Disk) RemoveAll(_ context.Context, path string) error { return os.RemoveAll(path) }
 
+// RemoveLater removes path at once (the fake has nothing to gain by waiting).
+func (d *Disk) RemoveLater(ctx context.Context, path string) error { return d.RemoveAll(ctx, path) }
+
 func copyTree(ctx context.Context, src, dst string) error {
 	if out, err := exec.CommandContext(ctx, "cp", "-a", src, dst).CombinedOutput(); err != nil {
 		return fmt.Errorf("fake disk: copy %s: %v: %s", src, err, out)

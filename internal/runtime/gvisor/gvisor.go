@@ -600,6 +600,12 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor destroy: invalid id %q", id)
 	}
+	if r.statuses.isGone(id) {
+		// Destroyed completely, and nothing has made it since: nothing to tear down
+		// (a restore destroys first, which cost runsc kill, runsc delete and a /proc
+		// scan on every wake).
+		return nil
+	}
 	dir, err := r.stateDir(ctx, id)
 	if err != nil && !errors.Is(err, runtime.ErrNotFound) {
 		// A corrupt record or a failing runsc: still tear down what can be found by id.
