@@ -321,23 +321,16 @@ func (s *Store) TempDir(prefix string) (string, error) { return s.tmpDirFor(pref
 
 // RemoveAll deletes path (inside the store) and everything in it, subvolumes included.
 // A missing path is not an error.
-func (s *Store) RemoveAll(ctx context.Context, path string) error {
-	p, err := s.inStore(path)
-	if err != nil {
-		return err
-	}
-	if _, err := os.Lstat(p); errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	return s.retire(ctx, p, "remove")
-}
+func (s *Store) RemoveAll(ctx context.Context, path string) error { return s.remove(ctx, path, false) }
 
 // RemoveLater is RemoveAll that returns as soon as path is out of the way (one
 // rename: nothing finds it at its place any more) and frees its space in the
 // background. For what nobody waits to see gone: a checkpoint a wake has restored,
 // whose removal (a gigabyte of pages that may still be in write-back) the wake waited
 // for.
-func (s *Store) RemoveLater(ctx context.Context, path string) error {
+func (s *Store) RemoveLater(ctx context.Context, path string) error { return s.remove(ctx, path, true) }
+
+func (s *Store) remove(ctx context.Context, path string, later bool) error {
 	p, err := s.inStore(path)
 	if err != nil {
 		return err
@@ -345,7 +338,10 @@ func (s *Store) RemoveLater(ctx context.Context, path string) error {
 	if _, err := os.Lstat(p); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	return s.retireLater(ctx, p, "remove")
+	if later {
+		return s.retireLater(ctx, p, "remove")
+	}
+	return s.retire(ctx, p, "remove")
 }
 
 // ExclusiveBytes reports how many bytes sandbox id's disk use comes to. With quotas on
