@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
 )
 
 // TestCrashWalkKeepsMemory is the crash walk (internal/crashtest) on gVisor, where a
@@ -121,9 +122,9 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			}
 			ops, err := act(id)
 			if err != nil {
-				// The point can be taken before the answer is sent (a clone records its
-				// source's transition in the request): the server dies under the
-				// request. Recovery is checked on the source below all the same.
+				// The point can be taken before the answer is sent (the api hands the
+				// request to its in-process node at once): the server dies under the
+				// request. Its operations are found once the server is back.
 				t.Logf("%s@%s: the request died with the server: %v", sc.name, p, err)
 			}
 			if !s.WaitExit(2 * time.Minute) {
@@ -132,6 +133,10 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			_ = os.Remove(arm)
 			s.SetEnv(logEnv)
 			s.Restart()
+			if err != nil {
+				// What the request committed before the server died: its operations.
+				ops = unansweredOps(t, s, id, sc.clone)
+			}
 			for _, op := range ops {
 				got, err := s.C.WaitOperation(ctx(t, 3*time.Minute), op)
 				if err != nil || !got.Done() {
@@ -177,4 +182,40 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			}
 		}
 	}
+}
+
+// unansweredOps finds the operations a request committed before the server died under
+// it: the clones' of source id (clone), else the sandbox's unfinished ones.
+func unansweredOps(t *testing.T, s *srv, id string, clone bool) []string {
+	t.Helper()
+	var ops []string
+	waitFor(t, time.Minute, "the request's operations", func() bool {
+		ops = nil
+		ids := []string{id}
+		if clone {
+			list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
+			if err != nil {
+				return false
+			}
+			ids = nil
+			for _, sb := range list {
+				if sb.CloneOf == id {
+					ids = append(ids, sb.ID)
+				}
+			}
+		}
+		for _, sid := range ids {
+			list, err := s.C.SandboxOperations(ctx(t, time.Minute), sid)
+			if err != nil {
+				return false
+			}
+			for _, op := range list {
+				if clone || !op.Done() {
+					ops = append(ops, op.ID)
+				}
+			}
+		}
+		return !clone || len(ops) > 0
+	})
+	return ops
 }
