@@ -43,6 +43,9 @@ svg text{font:11px system-ui,sans-serif;fill:#444}
 	if len(rep.Only) > 0 {
 		fmt.Fprintf(&b, " · scenarios %s", html.EscapeString(strings.Join(rep.Only, ", ")))
 	}
+	if rep.Host != nil {
+		fmt.Fprintf(&b, " · %s", html.EscapeString(rep.Host.String()))
+	}
 	b.WriteString("</p>\n")
 	if rep.Error != "" {
 		fmt.Fprintf(&b, "<p class=err>The run stopped early: %s</p>\n", html.EscapeString(rep.Error))

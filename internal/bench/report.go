@@ -14,6 +14,8 @@ type Report struct {
 	FinishedAt time.Time `json:"finished_at"`
 	Template   string    `json:"template"`
 	Runs       int       `json:"runs"`
+	// Host is the machine the run measured (absent in reports saved before 2026-12-03).
+	Host *Host `json:"host,omitempty"`
 	// Only lists the scenarios asked for (empty: all of them).
 	Only []string `json:"only,omitempty"`
 	// Error is set when the run stopped early; Results then holds what finished.

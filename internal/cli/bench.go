@@ -70,8 +70,10 @@ Scenarios: ` + joinNames() + `.`,
 			cfg.Client = c
 			cfg.DataDir = a.env.DataDir
 			cfg.Progress = a.env.Stderr
+			host := bench.ReadHost()
+			fmt.Fprintf(a.env.Stderr, "bench: host: %s\n", host)
 			res, err := bench.Run(cmdContext(cmd), cfg)
-			rep := bench.Report{FinishedAt: time.Now().UTC(), Template: cfg.Template, Runs: cfg.Runs, Only: cfg.Only, Results: res}
+			rep := bench.Report{FinishedAt: time.Now().UTC(), Template: cfg.Template, Runs: cfg.Runs, Only: cfg.Only, Host: &host, Results: res}
 			if err != nil {
 				rep.Error = err.Error()
 			}
