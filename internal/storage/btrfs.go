@@ -283,17 +283,26 @@ func removeTree(ctx context.Context, path string) error {
 	if statIsSubvolume(&st) {
 		return deleteSubvolume(ctx, path)
 	}
+	// What vanishes meanwhile is not an error: a background removal (RemoveLater) may
+	// run inside a tree that is being removed as a whole.
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return os.Remove(path)
+		return ignoreGone(os.Remove(path))
 	}
 	entries, err := os.ReadDir(path)
 	if err != nil {
-		return err
+		return ignoreGone(err)
 	}
 	for _, e := range entries {
 		if err := removeTree(ctx, filepath.Join(path, e.Name())); err != nil {
 			return err
 		}
 	}
-	return os.Remove(path)
+	return ignoreGone(os.Remove(path))
+}
+
+func ignoreGone(err error) error {
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	return err
 }
