@@ -97,15 +97,16 @@ if ! cmp -s "$runsc_cache" "$runsc_bin"; then
   mv -f "$runsc_bin.new" "$runsc_bin"
 fi
 
-# Huge pages for sandbox memory (docs/operations.md, "Host tuning"): gVisor backs a
-# sandbox's memory with transparent huge pages only when the host lets shared memory
-# have them on request (shmem_enabled=advise) without stalling on compaction
-# (defrag=defer). Wakes load memory faster that way (256 MiB: 0.8x the time, 1 GiB:
-# 0.5-0.9x); an idle sandbox costs about 6 MiB more. Only Debian's defaults (never,
-# madvise) are changed, now and at every boot (tmpfiles.d); a host tuned otherwise is
-# left as it is, and SPACE_SETUP_THP=0 leaves every host alone.
+# Huge pages for sandbox memory, opt-in (docs/operations.md, "Host tuning"): gVisor
+# backs a sandbox's memory with transparent huge pages only when the host lets shared
+# memory have them on request (shmem_enabled=advise) without stalling on compaction
+# (defrag=defer). Wakes load memory faster (256 MiB: 0.8x the time, 1 GiB: 0.5-0.9x)
+# and an idle sandbox costs about 6 MiB more; but a program that runs out of memory
+# then ends its whole sandbox (the host's OOM killer) where it alone was killed. With
+# SPACE_SETUP_THP=1, Debian's defaults (never, madvise) are changed, now and at every
+# boot (tmpfiles.d); a host tuned otherwise is left as it is.
 thp=/sys/kernel/mm/transparent_hugepage
-if [ "${SPACE_SETUP_THP:-1}" != 0 ] && [ -w "$thp/shmem_enabled" ] && grep -q '\[never\]' "$thp/shmem_enabled"; then
+if [ "${SPACE_SETUP_THP:-0}" = 1 ] && [ -w "$thp/shmem_enabled" ] && grep -q '\[never\]' "$thp/shmem_enabled"; then
   echo advise >"$thp/shmem_enabled"
   conf="w $thp/shmem_enabled - - - - advise"
   if grep -q '\[madvise\]' "$thp/defrag"; then
@@ -113,9 +114,9 @@ if [ "${SPACE_SETUP_THP:-1}" != 0 ] && [ -w "$thp/shmem_enabled" ] && grep -q '\
     conf="$conf"$'\n'"w $thp/defrag - - - - defer"
   fi
   if [ -d /etc/tmpfiles.d ]; then
-    printf '# space: huge pages for gVisor sandbox memory (scripts/setup.sh)\n%s\n' "$conf" >/etc/tmpfiles.d/space-thp.conf
+    printf '# space: huge pages for gVisor sandbox memory (scripts/setup.sh, SPACE_SETUP_THP=1)\n%s\n' "$conf" >/etc/tmpfiles.d/space-thp.conf
   fi
-  echo "setup.sh: transparent huge pages for sandbox memory on (shmem_enabled=advise, defrag=$(sed -E 's/.*\[(.*)\].*/\1/' "$thp/defrag")); SPACE_SETUP_THP=0 keeps the host's"
+  echo "setup.sh: transparent huge pages for sandbox memory on (shmem_enabled=advise, defrag=$(sed -E 's/.*\[(.*)\].*/\1/' "$thp/defrag"))"
 fi
 
 # The real E2B JS SDKs the E2B compatibility tests drive (internal/e2e/e2bsdk),
