@@ -180,9 +180,8 @@ func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time
 		t.Errorf("%s: the files API returned %q, want the real file %q", id, got, marker)
 	}
 	// The impostor ran again after the thaw and still could not bind.
-	var log string
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		log = su.mustSh(t, id, "cat /tmp/impostor.log")
+		log := su.mustSh(t, id, "cat /tmp/impostor.log")
 		if strings.Contains(log, "BOUND") {
 			t.Fatalf("%s: the impostor bound the agent's socket (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
 		}
@@ -197,9 +196,6 @@ func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time
 			t.Fatalf("%s: the impostor did not run after the restore within 30s (host time %.3f, wake done at %.3f):\n%s",
 				id, float64(time.Now().UnixNano())/1e9, float64(to.UnixNano())/1e9, diag)
 		}
-	}
-	if strings.Contains(log, "BOUND") {
-		t.Errorf("%s: the impostor bound the agent's socket:\n%s", id, log)
 	}
 }
 
