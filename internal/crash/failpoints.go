@@ -20,7 +20,10 @@ import (
 //	SPACE_CRASH_ONCE     a file created when the action is taken; if it exists, the
 //	                     action is not taken again (across restarts)
 //	SPACE_CRASH_ARM      when set, act only once this file exists (a test arms the
-//	                     point after its setup, which may pass the same point)
+//	                     point after its setup, which may pass the same point); a
+//	                     file holding "<point> <action> <once-file>" names the point,
+//	                     action and once-file itself, over the three above, so that a
+//	                     test walks point after point without restarting the process
 type config struct {
 	log, at, action, pgPID, once, arm string
 }
@@ -49,16 +52,21 @@ func Point(name string) {
 		}
 		logMu.Unlock()
 	}
-	if name != c.at || c.at == "" {
-		return
-	}
+	at, action, once := c.at, c.action, c.once
 	if c.arm != "" {
-		if _, err := os.Stat(c.arm); err != nil {
-			return
+		b, err := os.ReadFile(c.arm)
+		if err != nil {
+			return // not armed
+		}
+		if f := strings.Fields(string(b)); len(f) == 3 {
+			at, action, once = f[0], f[1], f[2]
 		}
 	}
-	if c.once != "" {
-		f, err := os.OpenFile(c.once, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	if name != at || at == "" {
+		return
+	}
+	if once != "" {
+		f, err := os.OpenFile(once, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
 		if err != nil {
 			return // taken already
 		}
@@ -68,7 +76,7 @@ func Point(name string) {
 		_ = f.Sync()
 		_ = f.Close()
 	}
-	switch c.action {
+	switch action {
 	case "pgkill":
 		if b, err := os.ReadFile(filepath.Clean(c.pgPID)); err == nil {
 			first, _, _ := strings.Cut(string(b), "\n")

@@ -302,13 +302,20 @@ func (s *server) points() []string {
 
 func (s *server) clearPoints() { _ = os.Truncate(s.crashLog, 0) }
 
-func (s *server) arm(on bool) {
-	if on {
-		if err := os.WriteFile(s.armFile, nil, 0o644); err != nil {
-			s.t.Fatal(err)
-		}
-	} else {
+// arm arms the crash point spec names ("<point> <action> <once-file>", read by the
+// server's failpoints at every point it passes), or disarms with "". The file is
+// replaced whole, so a point never reads half of it.
+func (s *server) arm(spec string) {
+	if spec == "" {
 		_ = os.Remove(s.armFile)
+		return
+	}
+	tmp := s.armFile + ".tmp"
+	if err := os.WriteFile(tmp, []byte(spec+"\n"), 0o644); err != nil {
+		s.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, s.armFile); err != nil {
+		s.t.Fatal(err)
 	}
 }
 

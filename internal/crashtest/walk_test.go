@@ -272,7 +272,7 @@ func scenarios() []scenario {
 				deadline := time.Now().Add(converge)
 				for time.Now().Before(deadline) {
 					if s.exited() {
-						s.arm(false)
+						s.arm("")
 						s.start()
 					}
 					pools, err := s.C.ListPools(ctx(t, time.Minute))
@@ -290,7 +290,7 @@ func scenarios() []scenario {
 					if !s.died(10 * time.Second) {
 						t.Fatal(err)
 					}
-					s.arm(false)
+					s.arm("")
 					s.start()
 				}
 				t.Fatal("no sandbox claimed from the pool")
@@ -340,11 +340,14 @@ func walk(t *testing.T, action string) {
 					s = newServer(t, action == "pgkill")
 				}
 				once := filepath.Join(s.dataDir, "once-"+action+"-"+p)
-				s.kill()
-				s.arm(false)
-				s.start("SPACE_CRASH_AT="+p, "SPACE_CRASH_ACTION="+action, "SPACE_CRASH_ONCE="+once)
+				// The server of the point before goes on (restarted if the point
+				// killed it): the arm file names the point to take.
+				s.arm("")
+				if s.exited() {
+					s.start()
+				}
 				w := sc.setup(t, s)
-				s.arm(true)
+				s.arm(p + " " + action + " " + once)
 				sc.act(t, s, w)
 				// Wait until the point acts (its once-file appears) or the transition
 				// ends without passing it.
@@ -368,11 +371,11 @@ func walk(t *testing.T, action string) {
 						t.Fatalf("%s: the server did not die at the point", p)
 					}
 					if s.exited() {
-						s.arm(false)
+						s.arm("")
 						s.start()
 					}
 				}
-				s.arm(false)
+				s.arm("")
 				if !hit {
 					if action == "kill" {
 						t.Errorf("%s at %s: the point was not reached again", action, p)

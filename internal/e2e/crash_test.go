@@ -21,7 +21,8 @@ import (
 func TestCrashWalkKeepsMemory(t *testing.T) {
 	dir := t.TempDir()
 	crashLog, arm := filepath.Join(dir, "crash.log"), filepath.Join(dir, "crash.arm")
-	// Between walks the server logs the points it passes, armed by nothing.
+	// The server logs every point it passes and acts only at the one the arm file
+	// names, while it exists.
 	logEnv := []string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm}
 	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"}, Env: logEnv})
 	points := func() []string {
@@ -108,16 +109,17 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 				!strings.HasPrefix(p, "clone.source.") && !strings.HasPrefix(p, "suspend.destroyed") {
 				continue
 			}
-			s.Kill()
-			_ = os.Remove(arm)
-			s.SetEnv([]string{"SPACE_CRASH_LOG=" + crashLog, "SPACE_CRASH_ARM=" + arm, "SPACE_CRASH_AT=" + p,
-				"SPACE_CRASH_ONCE=" + filepath.Join(dir, "once-"+sc.name+"-"+p)})
-			s.Restart()
+			// The server goes on from the point before; the arm file names the point
+			// (internal/crash), written whole once the setup is done.
 			id, pid := setup()
 			for _, v := range sc.pre {
 				s.verb(t, id, v)
 			}
-			if err := os.WriteFile(arm, nil, 0o644); err != nil {
+			spec := p + " kill " + filepath.Join(dir, "once-"+sc.name+"-"+p) + "\n"
+			if err := os.WriteFile(arm+".tmp", []byte(spec), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Rename(arm+".tmp", arm); err != nil {
 				t.Fatal(err)
 			}
 			ops, err := act(id)
@@ -131,7 +133,6 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
 			_ = os.Remove(arm)
-			s.SetEnv(logEnv)
 			s.Restart()
 			if err != nil {
 				// What the request committed before the server died: its operations.
