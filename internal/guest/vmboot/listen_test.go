@@ -24,6 +24,10 @@ type fakePort struct {
 	cond  *sync.Cond
 	guest net.Conn // relay end of the guest's open device
 	host  net.Conn // relay end of the current host connection
+	// relayed is closed once the relay of the guest's previous open has passed on all
+	// it read: a device keeps the guest's bytes in order across a close and reopen
+	// (what the old session wrote last reaches the host before the new handshake).
+	relayed chan struct{}
 }
 
 func newFakePort() *fakePort {
@@ -34,12 +38,21 @@ func newFakePort() *fakePort {
 
 // open is the guest's open(2) of the device.
 func (p *fakePort) open() (io.ReadWriteCloser, error) {
+	p.mu.Lock()
+	prev := p.relayed
+	p.mu.Unlock()
+	if prev != nil {
+		<-prev // the guest closed its previous open before this one
+	}
 	g, r := net.Pipe()
+	relayed := make(chan struct{})
 	p.mu.Lock()
 	p.guest = r
+	p.relayed = relayed
 	p.cond.Broadcast()
 	p.mu.Unlock()
 	go func() { // guest → host
+		defer close(relayed)
 		buf := make([]byte, 4096)
 		for {
 			n, err := r.Read(buf)
