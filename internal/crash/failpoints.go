@@ -14,33 +14,25 @@ import (
 // Environment of a failpoints build:
 //
 //	SPACE_CRASH_LOG      file every point passed is appended to (one name a line)
-//	SPACE_CRASH_AT       the point to act at (its first pass only)
-//	SPACE_CRASH_ACTION   kill (default): SIGKILL this process; pgkill: SIGKILL the
-//	                     PostgreSQL whose postmaster.pid is SPACE_CRASH_PGPID, then go on
-//	SPACE_CRASH_ONCE     a file created when the action is taken; if it exists, the
-//	                     action is not taken again (across restarts)
-//	SPACE_CRASH_ARM      when set, act only once this file exists (a test arms the
-//	                     point after its setup, which may pass the same point); a
-//	                     file holding "<point> <action> <once-file>" names the point,
-//	                     action and once-file itself, over the three above, so that a
-//	                     test walks point after point without restarting the process
+//	SPACE_CRASH_ARM      the arm file (Arm): while it exists, the point it names takes
+//	                     its action on its first pass; a test arms a point after its
+//	                     setup (which may pass the same point) and walks point after
+//	                     point without restarting the process
+//	SPACE_CRASH_PGPID    the postmaster.pid of the PostgreSQL the pgkill action kills
 type config struct {
-	log, at, action, pgPID, once, arm string
+	log, pgPID, arm string
 }
 
 // The configuration is read once per process: a failpoints build is a test binary
 // whose environment is the test's, fixed at start.
 var cfg = sync.OnceValue(func() config {
-	return config{
-		log: os.Getenv("SPACE_CRASH_LOG"), at: os.Getenv("SPACE_CRASH_AT"),
-		action: os.Getenv("SPACE_CRASH_ACTION"), pgPID: os.Getenv("SPACE_CRASH_PGPID"),
-		once: os.Getenv("SPACE_CRASH_ONCE"), arm: os.Getenv("SPACE_CRASH_ARM"),
-	}
+	return config{log: os.Getenv("SPACE_CRASH_LOG"), pgPID: os.Getenv("SPACE_CRASH_PGPID"),
+		arm: os.Getenv("SPACE_CRASH_ARM")}
 })
 
 var logMu sync.Mutex
 
-// Point records that name was passed and, at SPACE_CRASH_AT, takes the action.
+// Point records that name was passed and, at the armed point, takes the action.
 func Point(name string) {
 	c := cfg()
 	if c.log != "" {
@@ -52,30 +44,27 @@ func Point(name string) {
 		}
 		logMu.Unlock()
 	}
-	at, action, once := c.at, c.action, c.once
-	if c.arm != "" {
-		b, err := os.ReadFile(c.arm)
-		if err != nil {
-			return // not armed
-		}
-		if f := strings.Fields(string(b)); len(f) == 3 {
-			at, action, once = f[0], f[1], f[2]
-		}
-	}
-	if name != at || at == "" {
+	if c.arm == "" {
 		return
 	}
-	if once != "" {
-		f, err := os.OpenFile(once, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
-		if err != nil {
-			return // taken already
-		}
-		// The point and the process that takes the action: a test tells from it whether
-		// the process it is watching is the one that dies.
-		_, _ = f.WriteString(name + " " + strconv.Itoa(os.Getpid()) + "\n")
-		_ = f.Sync()
-		_ = f.Close()
+	b, err := os.ReadFile(c.arm)
+	if err != nil {
+		return // not armed
 	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 || f[0] != name {
+		return
+	}
+	action, once := f[1], f[2]
+	of, err := os.OpenFile(once, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
+	if err != nil {
+		return // taken already
+	}
+	// The point and the process that takes the action: a test tells from it whether the
+	// process it is watching is the one that dies.
+	_, _ = of.WriteString(name + " " + strconv.Itoa(os.Getpid()) + "\n")
+	_ = of.Sync()
+	_ = of.Close()
 	switch action {
 	case "pgkill":
 		if b, err := os.ReadFile(filepath.Clean(c.pgPID)); err == nil {

@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/testenv"
 )
 
@@ -85,8 +86,8 @@ func (l *lockedBuffer) Write(p []byte) (int, error) {
 	return l.b.Write(p)
 }
 
-// start launches space serve with extra environment and waits until it is healthy.
-func (s *server) start(env ...string) {
+// start launches space serve and waits until it is healthy.
+func (s *server) start() {
 	s.t.Helper()
 	args := []string{"serve", "--data-dir", s.dataDir, "--listen", s.addr, "--runtime", "fake", "--e2b-listen", "", "--log-level", "debug",
 		// Base snapshots would change the create path after the first create: creates
@@ -98,7 +99,6 @@ func (s *server) start(env ...string) {
 	cmd := exec.Command(s.bin, args...)
 	cmd.Env = append(os.Environ(), "SPACE_CRASH_LOG="+s.crashLog, "SPACE_CRASH_ARM="+s.armFile,
 		"SPACE_CRASH_PGPID="+filepath.Join(s.dataDir, "postgres", "data", "postmaster.pid"))
-	cmd.Env = append(cmd.Env, env...)
 	out := &lockedBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
@@ -302,22 +302,14 @@ func (s *server) points() []string {
 
 func (s *server) clearPoints() { _ = os.Truncate(s.crashLog, 0) }
 
-// arm arms the crash point spec names ("<point> <action> <once-file>", read by the
-// server's failpoints at every point it passes), or disarms with "". The file is
-// replaced whole, so a point never reads half of it.
-func (s *server) arm(spec string) {
-	if spec == "" {
-		_ = os.Remove(s.armFile)
-		return
-	}
-	tmp := s.armFile + ".tmp"
-	if err := os.WriteFile(tmp, []byte(spec+"\n"), 0o644); err != nil {
-		s.t.Fatal(err)
-	}
-	if err := os.Rename(tmp, s.armFile); err != nil {
+// arm arms a crash point of the running server (crash.Arm); disarm disarms.
+func (s *server) arm(point, action, once string) {
+	if err := crash.Arm(s.armFile, point, action, once); err != nil {
 		s.t.Fatal(err)
 	}
 }
+
+func (s *server) disarm() { s.arm("", "", "") }
 
 // markerPath is a file on a sandbox's disk (the fake store's directory).
 func (s *server) markerPath(id string) string {

@@ -272,7 +272,7 @@ func scenarios() []scenario {
 				deadline := time.Now().Add(converge)
 				for time.Now().Before(deadline) {
 					if s.exited() {
-						s.arm("")
+						s.disarm()
 						s.start()
 					}
 					pools, err := s.C.ListPools(ctx(t, time.Minute))
@@ -290,7 +290,7 @@ func scenarios() []scenario {
 					if !s.died(10 * time.Second) {
 						t.Fatal(err)
 					}
-					s.arm("")
+					s.disarm()
 					s.start()
 				}
 				t.Fatal("no sandbox claimed from the pool")
@@ -342,12 +342,12 @@ func walk(t *testing.T, action string) {
 				once := filepath.Join(s.dataDir, "once-"+action+"-"+p)
 				// The server of the point before goes on (restarted if the point
 				// killed it): the arm file names the point to take.
-				s.arm("")
+				s.disarm()
 				if s.exited() {
 					s.start()
 				}
 				w := sc.setup(t, s)
-				s.arm(p + " " + action + " " + once)
+				s.arm(p, action, once)
 				sc.act(t, s, w)
 				// Wait until the point acts (its once-file appears) or the transition
 				// ends without passing it.
@@ -371,11 +371,11 @@ func walk(t *testing.T, action string) {
 						t.Fatalf("%s: the server did not die at the point", p)
 					}
 					if s.exited() {
-						s.arm("")
+						s.disarm()
 						s.start()
 					}
 				}
-				s.arm("")
+				s.disarm()
 				if !hit {
 					if action == "kill" {
 						t.Errorf("%s at %s: the point was not reached again", action, p)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/crash"
 )
 
 // TestCrashWalkKeepsMemory is the crash walk (internal/crashtest) on gVisor, where a
@@ -115,11 +116,7 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			for _, v := range sc.pre {
 				s.verb(t, id, v)
 			}
-			spec := p + " kill " + filepath.Join(dir, "once-"+sc.name+"-"+p) + "\n"
-			if err := os.WriteFile(arm+".tmp", []byte(spec), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.Rename(arm+".tmp", arm); err != nil {
+			if err := crash.Arm(arm, p, "kill", filepath.Join(dir, "once-"+sc.name+"-"+p)); err != nil {
 				t.Fatal(err)
 			}
 			ops, err := act(id)
@@ -132,7 +129,9 @@ func TestCrashWalkKeepsMemory(t *testing.T) {
 			if !s.WaitExit(2 * time.Minute) {
 				t.Fatalf("%s@%s: the point was not reached", sc.name, p)
 			}
-			_ = os.Remove(arm)
+			if err := crash.Arm(arm, "", "", ""); err != nil {
+				t.Fatal(err)
+			}
 			s.Restart()
 			if err != nil {
 				// What the request committed before the server died: its operations.

@@ -44,10 +44,10 @@ type Options struct {
 	Builtins []string
 	// Args are extra arguments of `space serve`.
 	Args []string
-	// Failpoints runs a -tags failpoints build (crash points act on Env).
+	// Failpoints runs a -tags failpoints build (its crash points are configured by Env,
+	// internal/crash).
 	Failpoints bool
-	// Env is extra environment of the server process (kept across restarts unless
-	// changed with SetEnv).
+	// Env is extra environment of the server process (kept across restarts).
 	Env []string
 	// DBURL shares a database with another server (a fleet).
 	DBURL string
@@ -206,13 +206,6 @@ func (s *Server) Log() string {
 		return ""
 	}
 	return w.String()
-}
-
-// SetEnv replaces the extra environment of the server's next (re)start.
-func (s *Server) SetEnv(env []string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.opts.Env = env
 }
 
 // Pid returns the pid of the running server process (0 when none runs).
