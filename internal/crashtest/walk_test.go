@@ -318,12 +318,19 @@ func walk(t *testing.T, action string) {
 		t.Run(sc.name, func(t *testing.T) {
 			s := newServer(t, action == "pgkill")
 			s.start()
-			// Discover the points the transition passes.
-			w := sc.setup(t, s)
-			s.clearPoints()
-			sc.act(t, s, w)
-			waitOps(t, s, w)
-			points := s.points()
+			// Discover the points the transition passes. A run that passed none found
+			// the transition done already (a paused sandbox can be woken by a late
+			// data-plane request of its setup): it is discovered again, once.
+			var points []string
+			for try := 0; try < 2 && len(points) == 0; try++ {
+				w := sc.setup(t, s)
+				s.clearPoints()
+				sc.act(t, s, w)
+				waitOps(t, s, w)
+				if points = s.points(); len(points) == 0 {
+					t.Logf("the %s transition passed no crash point (try %d)", sc.name, try+1)
+				}
+			}
 			if len(points) == 0 {
 				t.Fatalf("the %s transition passed no crash point", sc.name)
 			}
