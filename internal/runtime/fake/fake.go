@@ -271,11 +271,44 @@ func (r *Runtime) Kill(id string) error {
 	return nil
 }
 
-// Pause stops the agent process.
-func (r *Runtime) Pause(_ context.Context, id string) error { return r.signal(id, syscall.SIGSTOP) }
+// Pause stops the agent process, and returns once it is stopped, as a real runtime's
+// pause does. A signal lands a moment after kill(2) returns: a Pause that returned at
+// once left a window in which Status still said running, and a resume asked for at
+// once found nothing to do (TestCrashWalk/resume's discovery run).
+func (r *Runtime) Pause(ctx context.Context, id string) error {
+	if err := r.signal(id, syscall.SIGSTOP); err != nil {
+		return err
+	}
+	return r.waitStatus(ctx, id, "pause", func(st runtime.Status) bool { return st == runtime.StatusPaused })
+}
 
-// Resume continues it.
-func (r *Runtime) Resume(_ context.Context, id string) error { return r.signal(id, syscall.SIGCONT) }
+// Resume continues it, and returns once it runs again.
+func (r *Runtime) Resume(ctx context.Context, id string) error {
+	if err := r.signal(id, syscall.SIGCONT); err != nil {
+		return err
+	}
+	return r.waitStatus(ctx, id, "resume", func(st runtime.Status) bool { return st != runtime.StatusPaused })
+}
+
+// signalLands bounds how long a stop or continue signal may take to show in /proc.
+const signalLands = 5 * time.Second
+
+// waitStatus polls Status until done accepts it, bounded by ctx and signalLands.
+func (r *Runtime) waitStatus(ctx context.Context, id, what string, done func(runtime.Status) bool) error {
+	ctx, cancel := context.WithTimeout(ctx, signalLands)
+	defer cancel()
+	for {
+		st, err := r.Status(ctx, id)
+		if err == nil && done(st) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("fake %s %s: still %s (%v): %w", what, id, st, err, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
 
 func (r *Runtime) signal(id string, sig syscall.Signal) error {
 	rec, err := r.read(id)
@@ -304,21 +337,12 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 }
 
 // CheckpointPaused writes a marker into dir and leaves the paused instance as it is.
-func (r *Runtime) CheckpointPaused(_ context.Context, id, dir string) error {
+func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
 	if _, err := r.read(id); err != nil {
 		return err
 	}
-	// SIGSTOP lands a moment after Pause returns.
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		st, err := r.Status(context.Background(), id)
-		if err == nil && st == runtime.StatusPaused {
-			break
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("fake checkpoint %s: not paused (%s, %v)", id, st, err)
-		}
-		time.Sleep(2 * time.Millisecond)
+	if st, err := r.Status(ctx, id); err != nil || st != runtime.StatusPaused {
+		return fmt.Errorf("fake checkpoint %s: not paused (%s, %v)", id, st, err)
 	}
 	data, _ := json.Marshal(map[string]any{"id": id, "at": time.Now()})
 	return os.WriteFile(filepath.Join(dir, checkpointFile), data, 0o600)

@@ -334,11 +334,19 @@ func TestCheckpointRestore(t *testing.T) {
 	c := startSandbox(t, rt, src)
 	quiesce(t, c, src)
 	dir := t.TempDir()
+	// Seen running first, as the node sees a sandbox before each step: the checkpoint
+	// then watches the sandbox process exit in /proc.
+	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("Status before Checkpoint = %v, %v", st, err)
+	}
 	start := time.Now()
 	if err := rt.Checkpoint(ctx, src.ID, dir); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("checkpoint: %v", time.Since(start))
+	if !rt.statuses.isStopped(src.ID) {
+		t.Error("the checkpointed instance is not known stopped")
+	}
 	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusStopped {
 		t.Errorf("Status after Checkpoint = %v, %v", st, err)
 	}

@@ -84,8 +84,8 @@ func flagValue(argv []string, name string) string {
 // SIGKILLs whatever is left (runsc failed to), then keeps polling until ctx ends.
 func (r *Runtime) waitHostProcsGone(ctx context.Context, id, stateDir string, grace time.Duration) error {
 	killAt := time.Now().Add(grace)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
+	// The gofer exits a moment after the sandbox: look again soon, then every 20 ms.
+	wait := 2 * time.Millisecond
 	for {
 		pids, err := r.hostProcs(id, stateDir)
 		if err != nil {
@@ -105,7 +105,8 @@ func (r *Runtime) waitHostProcsGone(ctx context.Context, id, stateDir string, gr
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("waiting for runsc processes %v to exit: %w", pids, ctx.Err())
-		case <-tick.C:
+		case <-time.After(wait):
 		}
+		wait = min(2*wait, 20*time.Millisecond)
 	}
 }

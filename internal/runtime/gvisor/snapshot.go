@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/runtime/instances"
 )
 
 var (
@@ -45,13 +46,23 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 // quiesced first: runsc cannot save a sandbox that holds a bound host socket, and the
 // failed attempt kills it.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
+	// The sandbox process as last seen running or paused (the node observes a sandbox
+	// before each step), to watch it exit in /proc rather than through runsc state.
+	before, known, _ := r.statuses.get(id)
 	if err := r.checkpoint(ctx, id, dir, false); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
 	// runsc returns once the image is written; the sandbox exits a moment later.
-	if err := r.waitStopped(ctx, id); err != nil {
+	var err error
+	if known {
+		err = r.waitExited(ctx, before.PID)
+	} else {
+		err = r.waitStopped(ctx, id)
+	}
+	if err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
+	r.statuses.stopped(id)
 	return nil
 }
 
@@ -139,6 +150,30 @@ func readMeta(dir string) (checkpointMeta, error) {
 		return m, fmt.Errorf("checkpoint metadata: invalid cgroup %q", m.Cgroup)
 	}
 	return m, nil
+}
+
+// waitExited polls /proc until the sandbox process pid has exited (or is a zombie,
+// which runsc counts as stopped too: observed), bounded by the command timeout. Each
+// look is a read of /proc/PID/stat; runsc state is a process of its own (10–25 ms).
+// A pid reused meanwhile would read as another start time: the original is gone then.
+func (r *Runtime) waitExited(ctx context.Context, pid int) error {
+	first, err := instances.ReadProc(pid)
+	if err != nil || !first.Live() {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.CommandTimeout)
+	defer cancel()
+	for wait := time.Millisecond; ; wait = min(2*wait, 10*time.Millisecond) {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the sandbox process %d to exit: %w", pid, ctx.Err())
+		case <-time.After(wait):
+		}
+		p, err := instances.ReadProc(pid)
+		if err != nil || !p.Live() || p.StartTime != first.StartTime {
+			return nil
+		}
+	}
 }
 
 // waitStopped polls runsc until the container is no longer running, bounded by the

@@ -30,6 +30,10 @@ type statusCache struct {
 	gen uint64
 	// destroyed holds the instances Destroy removed and nothing has named since.
 	destroyed map[string]bool
+	// exited holds the instances whose sandbox process this runtime saw exit after a
+	// checkpoint, and that nothing has named since: Destroy need not signal them nor
+	// look for a container a crashed runsc create registered late.
+	exited map[string]bool
 	// last is the generation of each instance's last change; floor that of a change
 	// of all (or of the last time last was emptied to bound it).
 	last  map[string]uint64
@@ -99,7 +103,7 @@ func (c *statusCache) change(ids []string) func() {
 		c.gen++
 		if len(ids) == 0 || len(c.last) >= maxTracked {
 			c.floor = c.gen
-			c.last, c.m, c.destroyed = nil, nil, nil
+			c.last, c.m, c.destroyed, c.exited = nil, nil, nil, nil
 			if len(ids) == 0 {
 				return
 			}
@@ -111,6 +115,7 @@ func (c *statusCache) change(ids []string) func() {
 			c.last[id] = c.gen
 			delete(c.m, id)
 			delete(c.destroyed, id)
+			delete(c.exited, id)
 		}
 	}
 	mark()
@@ -145,6 +150,7 @@ func (c *statusCache) gone(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.m, id)
+	delete(c.exited, id)
 	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
 		c.destroyed = map[string]bool{}
 	}
@@ -156,4 +162,22 @@ func (c *statusCache) isGone(id string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.destroyed[id]
+}
+
+// stopped records that id's sandbox process exited after a checkpoint this runtime
+// took (the instance is stopped, nothing runs in it), until a change of id begins.
+func (c *statusCache) stopped(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.exited == nil || len(c.exited) >= maxTracked {
+		c.exited = map[string]bool{}
+	}
+	c.exited[id] = true
+}
+
+// isStopped reports whether id's instance is known stopped by its checkpoint.
+func (c *statusCache) isStopped(id string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.exited[id]
 }

@@ -110,3 +110,30 @@ func TestStatusCacheGone(t *testing.T) {
 		t.Fatal("still gone after a change of every instance")
 	}
 }
+
+func TestStatusCacheStopped(t *testing.T) {
+	var c statusCache
+	c.stopped("a")
+	if !c.isStopped("a") || c.isStopped("b") {
+		t.Fatalf("after stopped(a): a %v, b %v", c.isStopped("a"), c.isStopped("b"))
+	}
+	c.change([]string{"b"})()
+	if !c.isStopped("a") {
+		t.Fatal("a change of b forgot that a stopped")
+	}
+	// Any runsc command naming a (the destroy's delete, a restore) ends it.
+	c.change([]string{"a"})()
+	if c.isStopped("a") {
+		t.Fatal("still stopped after a change of a")
+	}
+	c.stopped("a")
+	c.change(nil)()
+	if c.isStopped("a") {
+		t.Fatal("still stopped after a change of every instance")
+	}
+	c.stopped("a")
+	c.gone("a")
+	if c.isStopped("a") {
+		t.Fatal("still stopped once destroyed")
+	}
+}
