@@ -48,6 +48,7 @@ type Disk interface {
 	IsComplete(dir string) bool
 	IsDurable(dir string) bool
 	CopyDisk(ctx context.Context, src, dst string, readOnly bool) error
+	// CopyTree copies a directory without its completion markers.
 	CopyTree(ctx context.Context, src, dst string) error
 	RemoveAll(ctx context.Context, path string) error
 	// RemoveLater moves path out of the way now and removes it in the background.

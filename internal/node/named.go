@@ -162,10 +162,6 @@ func (n *Node) publishSnapshot(ctx context.Context, sn *store.Snapshot, src *sto
 	if err := n.disk.CopyTree(ctx, memDir, cp); err != nil {
 		return "", fmt.Errorf("copy the memory image: %w", err)
 	}
-	// A completion marker copied from the source's checkpoint is not this one's.
-	if err := n.disk.Unmark(cp); err != nil {
-		return "", err
-	}
 	crash.Point("snapshot.memory")
 	if err := n.disk.CopyDisk(ctx, disk, filepath.Join(tmp, "disk"), true); err != nil {
 		return "", fmt.Errorf("copy the disk: %w", err)

@@ -252,7 +252,10 @@ func (s *Store) CopyDisk(ctx context.Context, src, dst string, readOnly bool) er
 }
 
 // CopyTree copies the directory src to dst (inside the store), reflinking every regular
-// file so the copy takes no space until one side changes.
+// file so the copy takes no space until one side changes. A checkpoint's completion
+// markers are not copied: they belong to the directory they were written in, and a
+// copy is complete only once it is marked itself (so no caller has to remove them,
+// durably, before using the copy).
 func (s *Store) CopyTree(ctx context.Context, src, dst string) error {
 	sp, err := s.inStore(src)
 	if err != nil {
@@ -273,6 +276,9 @@ func (s *Store) CopyTree(ctx context.Context, src, dst string) error {
 			return err
 		}
 		rel, _ := filepath.Rel(sp, p)
+		if rel == completeName || rel == writtenName {
+			return nil
+		}
 		target := filepath.Join(dp, rel)
 		info, err := d.Info()
 		if err != nil {

@@ -50,8 +50,20 @@ func (d db) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTa
 
 func (d db) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	rows, err := d.p.Query(ctx, sql, args...)
-	return rows, unavailable(err)
+	if err != nil {
+		return rows, unavailable(err)
+	}
+	return classifiedRows{rows}, nil
 }
+
+// classifiedRows reports a connection lost while reading rows as fault.Unavailable too:
+// pgx's Query often returns at once and the failure comes from Next, Scan or Err (a
+// list right after PostgreSQL restarted answered 500 instead of 503).
+type classifiedRows struct{ pgx.Rows }
+
+func (r classifiedRows) Err() error { return unavailable(r.Rows.Err()) }
+
+func (r classifiedRows) Scan(dest ...any) error { return unavailable(r.Rows.Scan(dest...)) }
 
 func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	return row{d.p.QueryRow(ctx, sql, args...)}

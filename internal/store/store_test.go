@@ -1387,3 +1387,39 @@ func TestReportObservedInOneStatement(t *testing.T) {
 		t.Fatal("a finished operation counted as open")
 	}
 }
+
+// TestLostConnectionIsUnavailable: a query on a connection PostgreSQL has dropped (it
+// restarted, or an operator ended the session) fails as fault.Unavailable — a 503
+// clients retry — also when the failure only shows while reading the rows.
+func TestLostConnectionIsUnavailable(t *testing.T) {
+	st, ctx := open(t)
+	if _, err := st.ListSandboxes(ctx, store.SandboxFilter{}); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := st.Connect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE datname = current_database() AND pid <> pg_backend_pid()`); err != nil {
+		t.Fatal(err)
+	}
+	_, err = st.ListSandboxes(ctx, store.SandboxFilter{})
+	if err == nil {
+		t.Fatal("a list on a terminated connection succeeded")
+	}
+	if !fault.Is(err, fault.Unavailable) {
+		t.Fatalf("a list on a terminated connection: %v (%s), want unavailable", err, fault.KindOf(err))
+	}
+	// The pool replaces the connections (each dropped one fails once, as above).
+	for i := 0; ; i++ {
+		_, err := st.ListSandboxes(ctx, store.SandboxFilter{})
+		if err == nil {
+			break
+		}
+		if !fault.Is(err, fault.Unavailable) || i == 20 {
+			t.Fatalf("after the pool reconnected: %v", err)
+		}
+	}
+}

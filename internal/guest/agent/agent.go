@@ -289,8 +289,18 @@ func (a *Agent) enterQuiesce() error {
 			a.log.Info("agent socket file stays until the host removes it", "path", ls.address, "err", err)
 		}
 	}
+	// Written aside and renamed into place: the host checkpoints as soon as it sees the
+	// name, and a file the agent still held open then would be part of the saved state.
+	// A restore re-opens every open file of a gofer mount, and a clone's run directory
+	// starts empty: the clone's restore failed ("failed to walk "quiesced"") whenever
+	// the checkpoint came between the marker's create and its close.
 	marker := filepath.Join(a.cfg.RunDir, wire.QuiescedFileName)
-	if err := os.WriteFile(marker, []byte(strconv.FormatInt(a.currentGeneration(), 10)+"\n"), 0o644); err != nil {
+	tmp := marker + ".tmp"
+	err := os.WriteFile(tmp, []byte(strconv.FormatInt(a.currentGeneration(), 10)+"\n"), 0o644)
+	if err == nil {
+		err = os.Rename(tmp, marker)
+	}
+	if err != nil {
 		// Without the marker the host cannot tell when to checkpoint: stop in a way it
 		// notices rather than hang quiesced.
 		return fmt.Errorf("quiesce: write marker: %w", err)

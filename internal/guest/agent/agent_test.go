@@ -13,14 +13,17 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/spacedev/space/internal/guest/agent"
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
+	"golang.org/x/sys/unix"
 )
 
 // testReaper is the one reaper of this test binary, shared by every agent the tests
@@ -1097,6 +1100,56 @@ func TestQuiesceResume(t *testing.T) {
 	}
 	if h, err := e.c.WaitReady(ctx); err != nil || h.Generation != 3 {
 		t.Fatalf("second resume: %+v %v", h, err)
+	}
+}
+
+// TestQuiescedMarkerAppearsClosed: the quiesced marker's name appears only once the
+// file is written and closed (renamed into place). The host checkpoints as soon as it
+// sees the name; a marker the agent still held open was saved as an open file, and a
+// clone's restore, whose run directory starts empty, could not re-open it.
+func TestQuiescedMarkerAppearsClosed(t *testing.T) {
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	if err := e.c.SetIdentity(ctx, wire.Identity{Generation: 1}); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if _, err := unix.InotifyAddWatch(fd, e.runDir, unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_CLOSE_WRITE); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.c.Quiesce(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := agentclient.WaitQuiesced(ctx, e.runDir); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64<<10)
+	n, err := unix.Read(fd, buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen []string
+	for off := 0; off+unix.SizeofInotifyEvent <= n; {
+		ev := (*unix.InotifyEvent)(unsafe.Pointer(&buf[off]))
+		name := strings.TrimRight(string(buf[off+unix.SizeofInotifyEvent:off+unix.SizeofInotifyEvent+int(ev.Len)]), "\x00")
+		off += unix.SizeofInotifyEvent + int(ev.Len)
+		kind := map[uint32]string{unix.IN_CREATE: "create", unix.IN_MOVED_TO: "moved-to", unix.IN_CLOSE_WRITE: "closed"}[ev.Mask&(unix.IN_CREATE|unix.IN_MOVED_TO|unix.IN_CLOSE_WRITE)]
+		seen = append(seen, kind+" "+name)
+	}
+	marker := wire.QuiescedFileName
+	i := slices.Index(seen, "moved-to "+marker)
+	if i < 0 || slices.Contains(seen, "create "+marker) || !slices.Contains(seen[:i], "closed "+marker+".tmp") {
+		t.Fatalf("the marker's name must appear by a rename of a closed file; events: %q", seen)
+	}
+	if err := agentclient.WriteResume(e.runDir, wire.Identity{Generation: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.c.WaitReady(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -306,7 +306,11 @@ func (d *Disk) CopyTree(ctx context.Context, src, dst string) error {
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		return err
 	}
-	return copyTree(ctx, src, dst)
+	if err := copyTree(ctx, src, dst); err != nil {
+		return err
+	}
+	// As storage's: a checkpoint's completion markers are not copied.
+	return d.Unmark(dst)
 }
 
 // SetRootfsLimit records a sandbox's root filesystem limit (enforced by none).
