@@ -397,6 +397,50 @@ func TestCheckpointRestore(t *testing.T) {
 	assertNothingLeft(t, rt, dst)
 }
 
+// TestWakeKeepsPidsLimit: a restore with the limit its checkpoint was taken with (a
+// wake) skips setting it again, and the limit inside the sandbox is still the one set.
+func TestWakeKeepsPidsLimit(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	if !rt.guestPids {
+		t.Skip("this runsc holds no pids limit inside the sandbox")
+	}
+	spec := testSpec(t, newID(t))
+	spec.PidsLimit = hostPidsFactor*120 + hostPidsSlack
+	c := startSandbox(t, rt, spec)
+	quiesce(t, c, spec)
+	dir := t.TempDir()
+	if err := rt.Checkpoint(ctx, spec.ID, dir); err != nil {
+		t.Fatal(err)
+	}
+	if meta, err := readMeta(dir); err != nil || meta.PidsMax != 120 {
+		t.Fatalf("checkpoint metadata: %+v %v, want pids_max 120", meta, err)
+	}
+	if err := rt.Destroy(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Restore(ctx, spec, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dc := agentClient(t, rt, spec.ID)
+	waitHealthy(t, dc)
+	if got := strings.TrimSpace(string(get(t, dc, "/read?path=/sys/fs/cgroup/"+spec.ID+"/pids.max"))); got != "120" {
+		t.Errorf("pids.max inside the woken sandbox = %s, want 120", got)
+	}
+	if rec, err := rt.readRecord(spec.ID); err != nil || rec.PidsMax != 120 {
+		t.Errorf("record after the wake: %+v %v", rec, err)
+	}
+}
+
 // TestRestoreWithoutMetadata: a directory that is not a checkpoint of this runtime is
 // refused before anything is made.
 func TestRestoreWithoutMetadata(t *testing.T) {

@@ -269,7 +269,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := validateSpec(spec); err != nil {
 		return fmt.Errorf("gvisor create: %w", err)
 	}
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec)}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
 		}
@@ -303,7 +303,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	owned = true
-	if mountPoints, err = r.start(ctx, spec, spec.ID, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
@@ -311,9 +311,10 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 
 // start makes the instance's host mounts, writes its bundle, runs runsc's sub (run or
 // restore) and sets the pids limit on the container's cgroup inside the Sentry, named
-// cgroup. It returns the mount points it created in the rootfs. The caller undoes a
-// failure with destroy.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, sub ...string) (mountPoints []string, err error) {
+// cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). It
+// returns the mount points it created in the rootfs. The caller undoes a failure with
+// destroy.
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
 	if err != nil {
 		return nil, err
@@ -328,10 +329,19 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, s
 	if err := r.run(ctx, spec, sub...); err != nil {
 		return mountPoints, err
 	}
-	if !r.guestPids {
+	if !r.guestPids || pidsSet {
 		return mountPoints, nil
 	}
 	return mountPoints, r.limitTasks(ctx, spec, cgroup)
+}
+
+// pidsMax is the pids limit start sets inside the Sentry for spec (0 when this runsc
+// holds none there).
+func (r *Runtime) pidsMax(spec runtime.Spec) int64 {
+	if !r.guestPids {
+		return 0
+	}
+	return guestPidsLimit(spec)
 }
 
 // prepareMounts makes the instance's host mounts (see mounts.go) and returns the bundle

@@ -20,6 +20,9 @@ type record struct {
 	// limit is set: the container id it was first created with, which a checkpoint
 	// carries over to every instance restored from it.
 	Cgroup string `json:"cgroup,omitempty"`
+	// PidsMax is the pids limit the runtime set on that cgroup (0: none, this runsc
+	// holds no limit inside the sandbox); a checkpoint carries it over.
+	PidsMax int64 `json:"pids_max,omitempty"`
 }
 
 // records is the store of the instances' records, under the root dir.

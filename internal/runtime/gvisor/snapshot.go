@@ -98,7 +98,7 @@ func (r *Runtime) checkpoint(ctx context.Context, id, dir string, leaveRunning b
 	}
 	meta := checkpointMeta{Cgroup: id, Compression: checkpointCompression}
 	if rec, err := r.readRecord(id); err == nil && rec.Cgroup != "" {
-		meta.Cgroup = rec.Cgroup
+		meta.Cgroup, meta.PidsMax = rec.Cgroup, rec.PidsMax
 	}
 	if err := writeMeta(dir, meta); err != nil {
 		return err
@@ -124,6 +124,8 @@ type checkpointMeta struct {
 	// checkpoints written before it was recorded (runsc's default then: none). Restore
 	// loads memory in the background only from an uncompressed image with its pages file.
 	Compression string `json:"compression,omitempty"`
+	// PidsMax is the pids limit the runtime had set on Cgroup (0: unknown, or none).
+	PidsMax int64 `json:"pids_max,omitempty"`
 }
 
 func writeMeta(dir string, m checkpointMeta) error {
@@ -210,7 +212,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	if err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup, PidsMax: r.pidsMax(spec)}); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	var mountPoints []string
@@ -226,13 +228,18 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 		removeMountPoints(spec.RootFS, mountPoints)
 	}()
 	// The pids limit is part of the checkpointed kernel state, but this instance's Spec
-	// may name another one (a base snapshot restored for a new sandbox): start sets it.
+	// may name another one (a base snapshot restored for a new sandbox, a clone of
+	// another size): start sets it then. A wake, whose checkpoint holds the limit the
+	// runtime set, skips that runsc write-control (a process, 12–35 ms of every wake).
+	// What the sandbox did to its own cgroup meanwhile it could do again after the
+	// write; the host's pids cgroup bounds it either way (bundle.go).
+	pidsSet := meta.PidsMax != 0 && meta.PidsMax == r.pidsMax(spec)
 	// Not -background (memory loading while the sandbox already runs): a sandbox
 	// suspended right after such a restore, its load still going, came back with a
 	// user process that never ran again (TestAdversarial's impersonation attack, 2 runs
 	// in 9), and wakes measured no faster with it (docs/runtimes.md).
 	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
-	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, append(args, spec.ID)...); err != nil {
+	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, pidsSet, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	return nil
