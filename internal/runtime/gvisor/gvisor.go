@@ -269,6 +269,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	if err := validateSpec(spec); err != nil {
 		return fmt.Errorf("gvisor create: %w", err)
 	}
+	// Known absent (destroyed, or seen without a record and not listed by runsc, and
+	// not changed since): runsc need not be asked again below.
+	absent := r.statuses.isGone(spec.ID)
 	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec)}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
@@ -297,10 +300,12 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		}
 	}()
 
-	if _, err := r.state(ctx, spec.ID); err == nil {
-		return fmt.Errorf("gvisor create %s: runsc already has a container with this id", spec.ID)
-	} else if !errors.Is(err, runtime.ErrNotFound) {
-		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+	if !absent {
+		if _, err := r.state(ctx, spec.ID); err == nil {
+			return fmt.Errorf("gvisor create %s: runsc already has a container with this id", spec.ID)
+		} else if !errors.Is(err, runtime.ErrNotFound) {
+			return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
+		}
 	}
 	owned = true
 	if mountPoints, err = r.start(ctx, spec, spec.ID, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
@@ -528,6 +533,15 @@ func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error)
 	st, cached, gen := r.statuses.get(id)
 	var err error
 	if !cached {
+		if _, rerr := r.readRecord(id); errors.Is(rerr, fs.ErrNotExist) {
+			// No record: this runtime made no instance with this id (Create and Restore
+			// claim one before runsc runs), as for a new clone or a sandbox about to be
+			// created. One runsc list confirms it (a record lost by hand would leave
+			// runsc's container listed), where runsc state would fail and need the list
+			// anyway; and the answer is kept until the id is next changed, so the
+			// restore's or create's own check and teardown cost nothing either.
+			return r.unrecorded(ctx, id, gen)
+		}
 		st, err = r.state(ctx, id)
 		if err == nil {
 			r.statuses.put(id, st, gen)
@@ -543,6 +557,20 @@ func (r *Runtime) Status(ctx context.Context, id string) (runtime.Status, error)
 		return "", fmt.Errorf("gvisor status %s: %w", id, err)
 	}
 	return observed(st), nil
+}
+
+// unrecorded is Status for an id without a record: runsc's listing of it, or not found
+// (then known absent from gen on, statusCache.absent).
+func (r *Runtime) unrecorded(ctx context.Context, id string, gen uint64) (runtime.Status, error) {
+	all, err := r.list(ctx)
+	if err != nil {
+		return "", fmt.Errorf("gvisor status %s: %w", id, err)
+	}
+	if i := slices.IndexFunc(all, func(c containerState) bool { return c.ID == id }); i >= 0 {
+		return observed(all[i]), nil
+	}
+	r.statuses.absent(id, gen)
+	return "", fmt.Errorf("gvisor status %s: %w", id, runtime.ErrNotFound)
 }
 
 // List reports every container under the root dir, plus the instances that only have a
@@ -615,6 +643,19 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 		// (a restore destroys first, which cost runsc kill, runsc delete and a /proc
 		// scan on every wake).
 		return nil
+	}
+	if _, err := r.readRecord(id); errors.Is(err, fs.ErrNotExist) {
+		// No record: this runtime never made an instance with this id, or removed it
+		// completely (a record is claimed before runsc runs and removed last). Unless
+		// runsc lists it anyway (a record lost by hand), there is nothing to tear down:
+		// one runsc list instead of state, kill, delete and list — the precautionary
+		// teardown before every clone's restore and every new sandbox's.
+		_, _, gen := r.statuses.get(id)
+		all, lerr := r.list(ctx)
+		if lerr == nil && !slices.ContainsFunc(all, func(c containerState) bool { return c.ID == id }) {
+			r.statuses.absent(id, gen)
+			return nil
+		}
 	}
 	dir, err := r.stateDir(ctx, id)
 	if err != nil && !errors.Is(err, runtime.ErrNotFound) {

@@ -538,6 +538,45 @@ func TestUnknownInstance(t *testing.T) {
 	}
 }
 
+// TestUnrecordedInstance: an id without a record is looked up with one runsc list and,
+// when absent, known absent until it changes: a create then asks runsc nothing more
+// about it. A container whose record was lost is still found.
+func TestUnrecordedInstance(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	if _, err := rt.Status(ctx, spec.ID); !errors.Is(err, runtime.ErrNotFound) {
+		t.Fatalf("Status of a new id: %v", err)
+	}
+	if !rt.statuses.isGone(spec.ID) {
+		t.Fatal("a new id is not known absent after Status")
+	}
+	rt.statuses.change([]string{spec.ID})()
+	if err := rt.Destroy(ctx, spec.ID); err != nil || !rt.statuses.isGone(spec.ID) {
+		t.Fatalf("Destroy of a new id: %v, known absent after it: %v", err, rt.statuses.isGone(spec.ID))
+	}
+	c := startSandbox(t, rt, spec) // Create clears it
+	waitHealthy(t, c)
+	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("Status after Create = %v, %v", st, err)
+	}
+	// A record lost by hand: runsc still lists the container, and Status says so.
+	if err := rt.removeRecord(spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	rt.statuses.change([]string{spec.ID})()
+	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("Status with the record lost = %v, %v", st, err)
+	}
+	if rt.statuses.isGone(spec.ID) {
+		t.Fatal("a listed container is known absent")
+	}
+	if err := rt.Adopt(ctx, spec); err != nil { // restores the record
+		t.Fatal(err)
+	}
+}
+
 // TestInterruptedCreate: a node that died during Create leaves a record and files but no
 // container; the instance shows as stopped and Destroy reclaims it.
 func TestInterruptedCreate(t *testing.T) {

@@ -157,6 +157,23 @@ func (c *statusCache) gone(id string) {
 	c.destroyed[id] = true
 }
 
+// absent records that id has no instance — no record, and runsc did not list it — as
+// seen by a look that began at generation gen: unless a change of id began since (a
+// Create claiming its record meanwhile), Status, Destroy and Create treat it as gone
+// until the next change.
+func (c *statusCache) absent(id string, gen uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if gen < c.floor || gen < c.last[id] {
+		return
+	}
+	delete(c.m, id)
+	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
+		c.destroyed = map[string]bool{}
+	}
+	c.destroyed[id] = true
+}
+
 // isGone reports whether id's instance is known destroyed.
 func (c *statusCache) isGone(id string) bool {
 	c.mu.Lock()
