@@ -290,9 +290,10 @@ func TestIdleSuspendAndAutoWake(t *testing.T) {
 	}
 }
 
-// TestWarmPool claims from a pool of 5 with 20 concurrent creates: all succeed, exactly
-// five come from the pool, none twice; the pool refills and is hidden from listings;
-// moving the template's tag drains it.
+// TestWarmPool claims from a pool of 5 with 20 concurrent creates: all succeed, the five
+// ready members are claimed (and a member the pool refilled meanwhile may serve a later
+// create), none twice; the pool refills and is hidden from listings; moving the
+// template's tag drains it.
 func TestWarmPool(t *testing.T) {
 	s := start(t, options{})
 	c := ctx(t, 5*time.Minute)
@@ -346,8 +347,11 @@ func TestWarmPool(t *testing.T) {
 			fromPool++
 		}
 	}
-	if len(got) != 20 || fromPool != 5 {
-		t.Fatalf("%d sandboxes, %d from the pool; want 20 and 5", len(got), fromPool)
+	// The refill starts with the first claim: once a create takes a few hundred
+	// milliseconds less than a member's restore and warm command, a refilled member
+	// can be ready before the last of the twenty creates is placed.
+	if len(got) != 20 || fromPool < 5 {
+		t.Fatalf("%d sandboxes, %d from the pool; want 20 and at least 5", len(got), fromPool)
 	}
 	// A claimed member carries its owner's environment, and it ran the template's warm
 	// command (python3 -c pass, docs/templates.md) before it was parked.
