@@ -149,6 +149,11 @@ func changes(args []string) (bool, []string) {
 func (c *statusCache) gone(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.goneLocked(id)
+}
+
+// goneLocked marks id destroyed (c.mu held).
+func (c *statusCache) goneLocked(id string) {
 	delete(c.m, id)
 	delete(c.exited, id)
 	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
@@ -167,11 +172,7 @@ func (c *statusCache) absent(id string, gen uint64) {
 	if gen < c.floor || gen < c.last[id] {
 		return
 	}
-	delete(c.m, id)
-	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
-		c.destroyed = map[string]bool{}
-	}
-	c.destroyed[id] = true
+	c.goneLocked(id)
 }
 
 // isGone reports whether id's instance is known destroyed.

@@ -137,3 +137,21 @@ func TestStatusCacheStopped(t *testing.T) {
 		t.Fatal("still stopped once destroyed")
 	}
 }
+
+func TestStatusCacheAbsent(t *testing.T) {
+	var c statusCache
+	_, _, gen := c.get("a")
+	c.absent("a", gen)
+	if !c.isGone("a") {
+		t.Fatal("an id seen absent is not known gone")
+	}
+	// A look that began before a change of the id (a Create claiming its record) does
+	// not mark it.
+	c.change([]string{"a"})()
+	_, _, gen = c.get("a")
+	c.change([]string{"a"})() // the create began after the look
+	c.absent("a", gen)
+	if c.isGone("a") {
+		t.Fatal("a stale look marked a changed id gone")
+	}
+}
