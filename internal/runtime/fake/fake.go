@@ -364,6 +364,14 @@ func (r *Runtime) Restore(_ context.Context, spec runtime.Spec, dir string) erro
 // killTree kills pid and every process descended from it (the agent's children run in
 // their own sessions, so a process group would miss them).
 func killTree(pid int) {
+	// The agent is stopped first, so that it never sees its children die and reports
+	// their exit: a lost sandbox loses its agent and its processes at once.
+	if syscall.Kill(pid, syscall.SIGSTOP) == nil {
+		deadline := time.Now().Add(time.Second)
+		for time.Now().Before(deadline) && procStatus(pid) == runtime.StatusRunning {
+			time.Sleep(time.Millisecond)
+		}
+	}
 	for _, p := range append(descendants(pid), pid) {
 		_ = syscall.Kill(p, syscall.SIGKILL)
 	}
