@@ -364,15 +364,13 @@ func (r *Runtime) Restore(_ context.Context, spec runtime.Spec, dir string) erro
 // killTree kills pid and every process descended from it (the agent's children run in
 // their own sessions, so a process group would miss them).
 func killTree(pid int) {
-	// The agent is stopped first, so that it never sees its children die and reports
-	// their exit: a lost sandbox loses its agent and its processes at once.
-	if syscall.Kill(pid, syscall.SIGSTOP) == nil {
-		deadline := time.Now().Add(time.Second)
-		for time.Now().Before(deadline) && procStatus(pid) == runtime.StatusRunning {
-			time.Sleep(time.Millisecond)
-		}
-	}
-	for _, p := range append(descendants(pid), pid) {
+	// The agent dies first, so that it never sees its children die and reports their
+	// exit (a lost sandbox loses its agent and its processes at once): once kill(2) of
+	// SIGKILL returns, none of its threads runs user code again. It is never stopped
+	// on the way, which the node would observe as a pause.
+	kids := descendants(pid)
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	for _, p := range kids {
 		_ = syscall.Kill(p, syscall.SIGKILL)
 	}
 	deadline := time.Now().Add(5 * time.Second)
