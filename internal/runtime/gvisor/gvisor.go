@@ -651,9 +651,7 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 		// one runsc list instead of state, kill, delete and list — the precautionary
 		// teardown before every clone's restore and every new sandbox's.
 		_, _, gen := r.statuses.get(id)
-		all, lerr := r.list(ctx)
-		if lerr == nil && !slices.ContainsFunc(all, func(c containerState) bool { return c.ID == id }) {
-			r.statuses.absent(id, gen)
+		if _, err := r.unrecorded(ctx, id, gen); errors.Is(err, runtime.ErrNotFound) {
 			return nil
 		}
 	}
