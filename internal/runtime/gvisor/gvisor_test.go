@@ -871,3 +871,105 @@ func eventCount(t *testing.T, events, name string) int {
 	}
 	return 0
 }
+
+// TestStartNotesRunning: an instance Create or Restore has just started is in the status
+// cache as runsc itself reports it (running, the same sandbox process), so the node's
+// observation right after costs no runsc state.
+func TestStartNotesRunning(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	noted := func(what string) int {
+		t.Helper()
+		st, cached, _ := rt.statuses.get(spec.ID)
+		runsc, err := rt.state(ctx, spec.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !cached || st.Status != runsc.Status || st.PID != runsc.PID || st.Bundle != runsc.Bundle {
+			t.Fatalf("after %s: cached %v %+v, runsc says %+v", what, cached, st, runsc)
+		}
+		return st.PID
+	}
+	c := startSandbox(t, rt, spec)
+	created := noted("Create")
+	waitHealthy(t, c)
+	quiesce(t, c, spec)
+	dir := t.TempDir()
+	if err := rt.Checkpoint(ctx, spec.ID, dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Destroy(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Restore(ctx, spec, dir); err != nil {
+		t.Fatal(err)
+	}
+	if restored := noted("Restore"); restored == created {
+		t.Fatalf("the restored instance has the created one's sandbox process %d", created)
+	}
+	if st, err := rt.Status(ctx, spec.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("Status after Restore = %v, %v", st, err)
+	}
+}
+
+// TestUnrecordedShareList: lookups of new ids that overlap (a batch of clones) share one
+// runsc list; each id is then known absent.
+func TestUnrecordedShareList(t *testing.T) {
+	needRunsc(t)
+	dir := t.TempDir()
+	calls := filepath.Join(dir, "calls")
+	// A runsc that notes its arguments and takes its time over list, so that every
+	// lookup below starts while the first list runs.
+	wrapper := filepath.Join(dir, "runsc")
+	script := fmt.Sprintf("#!/bin/sh\necho \"$*\" >> %s\ncase \" $* \" in *\" list \"*) sleep 0.5;; esac\nexec %s \"$@\"\n", calls, testRunsc)
+	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	root := testRootDir(t)
+	rt, err := New(Config{RunscPath: wrapper, Platform: testPlatform, RootDir: root, NoUserNS: testNoUserNS, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		rt.Close()
+		unmountNullNetNS(t, root)
+	})
+	const n = 8
+	errs := make(chan error, n)
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = newID(t)
+	}
+	for _, id := range ids {
+		go func() {
+			_, err := rt.Status(context.Background(), id)
+			errs <- err
+		}()
+	}
+	for range n {
+		if err := <-errs; !errors.Is(err, runtime.ErrNotFound) {
+			t.Fatalf("Status of a new id: %v", err)
+		}
+	}
+	for _, id := range ids {
+		if !rt.statuses.isGone(id) {
+			t.Errorf("%s is not known absent", id)
+		}
+	}
+	b, err := os.ReadFile(calls)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lists := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		if slices.Contains(strings.Fields(line), "list") {
+			lists++
+		}
+	}
+	if lists == 0 || lists >= n {
+		t.Fatalf("%d lookups ran %d runsc list", n, lists)
+	}
+	t.Logf("%d lookups ran %d runsc list", n, lists)
+}

@@ -93,6 +93,14 @@ func (c *statusCache) put(id string, st containerState, gen uint64) {
 	c.m[id] = cachedState{st: st, start: p.StartTime}
 }
 
+// generation is the cache's current generation: a put of a state read after every
+// change began and ended before this call.
+func (c *statusCache) generation() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.gen
+}
+
 // change drops the cached state of ids (of every instance when ids is empty) for a
 // runsc command that may change them; the returned func drops it again when the
 // command has ended.
