@@ -478,6 +478,12 @@ func TestCheckpointPaused(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("checkpoint of a paused sandbox: %v", time.Since(start))
+	// The status cache kept it (paused, the same sandbox process), as runsc says.
+	if st, cached, _ := rt.statuses.get(src.ID); !cached {
+		t.Error("the paused instance is not cached after CheckpointPaused")
+	} else if runsc, err := rt.state(ctx, src.ID); err != nil || runsc.Status != st.Status || runsc.PID != st.PID {
+		t.Errorf("cached %+v, runsc says %+v (%v)", st, runsc, err)
+	}
 	if st, err := rt.Status(ctx, src.ID); err != nil || st != runtime.StatusPaused {
 		t.Fatalf("Status after CheckpointPaused = %v, %v", st, err)
 	}

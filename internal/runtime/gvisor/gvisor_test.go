@@ -872,9 +872,10 @@ func eventCount(t *testing.T, events, name string) int {
 	return 0
 }
 
-// TestStartNotesRunning: an instance Create or Restore has just started is in the status
-// cache as runsc itself reports it (running, the same sandbox process), so the node's
-// observation right after costs no runsc state.
+// TestStartNotesRunning: an instance Create or Restore has just started, or Pause or
+// Resume has just moved, is in the status cache as runsc itself reports it (its status,
+// the same sandbox process), so the node's observation right after costs no runsc
+// state.
 func TestStartNotesRunning(t *testing.T) {
 	needRunsc(t)
 	ctx := context.Background()
@@ -894,6 +895,20 @@ func TestStartNotesRunning(t *testing.T) {
 	}
 	c := startSandbox(t, rt, spec)
 	created := noted("Create")
+	waitHealthy(t, c)
+	// Pause and Resume keep it, with the new status and the same sandbox process.
+	if err := rt.Pause(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	if pid := noted("Pause"); pid != created {
+		t.Fatalf("paused sandbox process %d, was %d", pid, created)
+	}
+	if err := rt.Resume(ctx, spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	if pid := noted("Resume"); pid != created {
+		t.Fatalf("resumed sandbox process %d, was %d", pid, created)
+	}
 	waitHealthy(t, c)
 	quiesce(t, c, spec)
 	dir := t.TempDir()

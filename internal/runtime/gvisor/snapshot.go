@@ -23,8 +23,12 @@ func (r *Runtime) Pause(ctx context.Context, id string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor pause: invalid id %q", id)
 	}
+	before, known, _ := r.statuses.lookup(id)
 	if _, err := r.runsc(ctx, "pause", id); err != nil {
 		return fmt.Errorf("gvisor pause %s: %w", id, err)
+	}
+	if known {
+		r.statuses.moved(id, before, "paused")
 	}
 	return nil
 }
@@ -34,8 +38,12 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor resume: invalid id %q", id)
 	}
+	before, known, _ := r.statuses.lookup(id)
 	if _, err := r.runsc(ctx, "resume", id); err != nil {
 		return fmt.Errorf("gvisor resume %s: %w", id, err)
+	}
+	if known {
+		r.statuses.moved(id, before, "running")
 	}
 	return nil
 }
@@ -71,15 +79,26 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 // runsc pause's, so the sandbox runs again only at Resume). A clone source or a named
 // snapshot's source thus needs no restore of its own.
 func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
-	st, err := r.state(ctx, id)
-	if err != nil {
-		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	before, known, gen := r.statuses.lookup(id)
+	if !known {
+		st, err := r.state(ctx, id)
+		if err != nil {
+			return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+		}
+		r.statuses.put(id, st, gen)
+		if before, known, _ = r.statuses.lookup(id); !known {
+			before.st = st
+		}
 	}
-	if observed(st) != runtime.StatusPaused {
-		return fmt.Errorf("gvisor checkpoint %s: the sandbox is %s, not paused", id, st.Status)
+	if observed(before.st) != runtime.StatusPaused {
+		return fmt.Errorf("gvisor checkpoint %s: the sandbox is %s, not paused", id, before.st.Status)
 	}
 	if err := r.checkpoint(ctx, id, dir, true); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	}
+	if known {
+		// -leave-running: still paused, the same sandbox process.
+		r.statuses.moved(id, before, "paused")
 	}
 	return nil
 }

@@ -52,31 +52,54 @@ const maxTracked = 4096
 // get returns the cached state of id if its sandbox process is still the one it was
 // and alive, and the generation to hand to put after asking runsc.
 func (c *statusCache) get(id string) (containerState, bool, uint64) {
+	e, ok, gen := c.lookup(id)
+	return e.st, ok, gen
+}
+
+// lookup is get with the sandbox process's start time.
+func (c *statusCache) lookup(id string) (cachedState, bool, uint64) {
 	c.mu.Lock()
 	e, ok := c.m[id]
 	gen := c.gen
 	c.mu.Unlock()
 	if !ok {
-		return containerState{}, false, gen
+		return cachedState{}, false, gen
 	}
 	if p, err := instances.ReadProc(e.st.PID); err != nil || !p.Live() || p.StartTime != e.start {
 		c.mu.Lock()
 		delete(c.m, id)
 		c.mu.Unlock()
-		return containerState{}, false, gen
+		return cachedState{}, false, gen
 	}
-	return e.st, true, gen
+	return e, true, gen
 }
 
 // put keeps st for id unless a change of id began or ended since gen was read. Only
 // running and paused states with a live sandbox process are kept: anything else is
 // read from runsc every time.
 func (c *statusCache) put(id string, st containerState, gen uint64) {
+	c.keep(id, st, gen, 0)
+}
+
+// moved keeps, for an instance that a runsc command has just moved to status (pause:
+// paused, resume: running) and whose commands have all ended, the state it had before
+// that command (looked up then) with that status — provided its sandbox process is
+// still the one it was (pid and start time). The node observes every instance after
+// such a step; this saves that observation its runsc state.
+func (c *statusCache) moved(id string, before cachedState, status string) {
+	st := before.st
+	st.Status = status
+	c.keep(id, st, c.generation(), before.start)
+}
+
+// keep is put, also requiring the sandbox process's start time to be start when start
+// is not 0.
+func (c *statusCache) keep(id string, st containerState, gen, start uint64) {
 	if (st.Status != "running" && st.Status != "paused") || st.PID <= 0 {
 		return
 	}
 	p, err := instances.ReadProc(st.PID)
-	if err != nil || !p.Live() {
+	if err != nil || !p.Live() || (start != 0 && p.StartTime != start) {
 		return
 	}
 	c.mu.Lock()
