@@ -338,6 +338,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 	if err := r.run(ctx, spec, sub...); err != nil {
 		return mountPoints, err
 	}
+	r.statuses.startedClean(spec.ID)
 	if r.guestPids && !pidsSet {
 		if err := r.limitTasks(ctx, spec, cgroup); err != nil {
 			return mountPoints, err
@@ -720,6 +721,10 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 	// can be running: the kill and the second look in runsc list are skipped (two runsc
 	// processes, 20–30 ms of every suspend).
 	stopped := r.statuses.isStopped(id)
+	// An instance whose start this runtime saw end cannot be registered again by a
+	// runsc run or restore a killed caller left behind: the second look is skipped for
+	// it too (a runsc list, 10–25 ms of every delete).
+	clean := r.statuses.isClean(id)
 	if !stopped {
 		if _, err := r.runsc(ctx, "kill", id, "KILL"); err != nil {
 			r.log.DebugContext(ctx, "kill failed (not running?)", "id", id, "err", err)
@@ -735,7 +740,7 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 	// runsc gives up waiting for the sandbox after a few seconds; now it is gone. And a
 	// runsc create left running by a killed caller may have registered the container
 	// after the first delete, before waitHostProcsGone killed it.
-	if delErr != nil || (!stopped && r.listed(ctx, id)) {
+	if delErr != nil || (!stopped && !clean && r.listed(ctx, id)) {
 		if _, err := r.runsc(ctx, "delete", "-force", id); err != nil {
 			return err
 		}

@@ -933,24 +933,9 @@ func TestStartNotesRunning(t *testing.T) {
 // runsc list; each id is then known absent.
 func TestUnrecordedShareList(t *testing.T) {
 	needRunsc(t)
-	dir := t.TempDir()
-	calls := filepath.Join(dir, "calls")
-	// A runsc that notes its arguments and takes its time over list, so that every
-	// lookup below starts while the first list runs.
-	wrapper := filepath.Join(dir, "runsc")
-	script := fmt.Sprintf("#!/bin/sh\necho \"$*\" >> %s\ncase \" $* \" in *\" list \"*) sleep 0.5;; esac\nexec %s \"$@\"\n", calls, testRunsc)
-	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	root := testRootDir(t)
-	rt, err := New(Config{RunscPath: wrapper, Platform: testPlatform, RootDir: root, NoUserNS: testNoUserNS, Logger: testLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		rt.Close()
-		unmountNullNetNS(t, root)
-	})
+	// A runsc that takes its time over list, so that every lookup below starts while
+	// the first list runs.
+	rt, calls := newCountingRuntime(t, testRootDir(t), "sleep 0.5")
 	const n = 8
 	errs := make(chan error, n)
 	ids := make([]string, n)
@@ -973,18 +958,77 @@ func TestUnrecordedShareList(t *testing.T) {
 			t.Errorf("%s is not known absent", id)
 		}
 	}
-	b, err := os.ReadFile(calls)
+	if lists := calls("list"); lists == 0 || lists >= n {
+		t.Fatalf("%d lookups ran %d runsc list", n, lists)
+	} else {
+		t.Logf("%d lookups ran %d runsc list", n, lists)
+	}
+}
+
+// TestDestroyAfterCleanStart: Destroy of an instance whose start this runtime saw end
+// skips the second look in runsc list; a runtime that did not start it (a node
+// restarted) still looks.
+func TestDestroyAfterCleanStart(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	root := testRootDir(t)
+	rt, calls := newCountingRuntime(t, root, "")
+	for _, adopted := range []bool{false, true} {
+		spec := testSpec(t, newID(t))
+		c := startSandbox(t, rt, spec)
+		waitHealthy(t, c)
+		dr := rt
+		if adopted {
+			dr, calls = newCountingRuntime(t, root, "")
+			if err := dr.Adopt(ctx, spec); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := calls("list")
+		if err := dr.Destroy(ctx, spec.ID); err != nil {
+			t.Fatal(err)
+		}
+		if lists := calls("list") - before; (lists == 0) != !adopted {
+			t.Errorf("adopted %v: Destroy ran %d runsc list", adopted, lists)
+		}
+		if all, err := dr.list(ctx); err != nil || slices.ContainsFunc(all, func(c containerState) bool { return c.ID == spec.ID }) {
+			t.Errorf("runsc still lists %s after Destroy: %v %v", spec.ID, all, err)
+		}
+	}
+}
+
+// newCountingRuntime is a runtime whose runsc notes every invocation's arguments (and
+// runs onList, a shell command, before a list); calls counts the invocations naming a
+// subcommand so far.
+func newCountingRuntime(t *testing.T, root, onList string) (*Runtime, func(sub string) int) {
+	t.Helper()
+	dir := t.TempDir()
+	log := filepath.Join(dir, "calls")
+	wrapper := filepath.Join(dir, "runsc")
+	script := fmt.Sprintf("#!/bin/sh\necho \"$*\" >> %s\ncase \" $* \" in *\" list \"*) %s;; esac\nexec %s \"$@\"\n", log, cmp.Or(onList, ":"), testRunsc)
+	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rt, err := New(Config{RunscPath: wrapper, Platform: testPlatform, RootDir: root, NoUserNS: testNoUserNS, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	lists := 0
-	for _, line := range strings.Split(string(b), "\n") {
-		if slices.Contains(strings.Fields(line), "list") {
-			lists++
+	t.Cleanup(func() {
+		rt.Close()
+		unmountNullNetNS(t, root)
+	})
+	calls := func(sub string) int {
+		b, err := os.ReadFile(log)
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			t.Fatal(err)
 		}
+		n := 0
+		for _, line := range strings.Split(string(b), "\n") {
+			if slices.Contains(strings.Fields(line), sub) {
+				n++
+			}
+		}
+		return n
 	}
-	if lists == 0 || lists >= n {
-		t.Fatalf("%d lookups ran %d runsc list", n, lists)
-	}
-	t.Logf("%d lookups ran %d runsc list", n, lists)
+	return rt, calls
 }

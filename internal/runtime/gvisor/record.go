@@ -34,6 +34,7 @@ func (r *Runtime) records() instances.Records[record] {
 // has one.
 func (r *Runtime) claimRecord(rec record) error {
 	r.statuses.change([]string{rec.ID})() // an instance is being made: no longer known gone
+	r.statuses.making(rec.ID)
 	return r.records().Claim(rec.ID, rec)
 }
 

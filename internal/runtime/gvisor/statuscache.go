@@ -39,6 +39,12 @@ type statusCache struct {
 	last  map[string]uint64
 	floor uint64
 	m     map[string]cachedState
+	// clean holds the instances whose runsc run or restore this runtime saw end
+	// successfully, and that no Create or Restore has claimed again since: no runsc
+	// of theirs that a killed caller left running can register them after a delete,
+	// so Destroy needs no second look in runsc list. Unlike the rest it survives
+	// changes (pause, resume, checkpoints); a node that restarts starts without it.
+	clean map[string]bool
 }
 
 type cachedState struct {
@@ -134,7 +140,7 @@ func (c *statusCache) change(ids []string) func() {
 		c.gen++
 		if len(ids) == 0 || len(c.last) >= maxTracked {
 			c.floor = c.gen
-			c.last, c.m, c.destroyed, c.exited = nil, nil, nil, nil
+			c.last, c.m, c.destroyed, c.exited, c.clean = nil, nil, nil, nil, nil
 			if len(ids) == 0 {
 				return
 			}
@@ -187,6 +193,7 @@ func (c *statusCache) gone(id string) {
 func (c *statusCache) goneLocked(id string) {
 	delete(c.m, id)
 	delete(c.exited, id)
+	delete(c.clean, id)
 	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
 		c.destroyed = map[string]bool{}
 	}
@@ -229,4 +236,30 @@ func (c *statusCache) isStopped(id string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.exited[id]
+}
+
+// startedClean records that a runsc run or restore of id ended successfully (see
+// clean).
+func (c *statusCache) startedClean(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.clean == nil || len(c.clean) >= maxTracked {
+		c.clean = map[string]bool{}
+	}
+	c.clean[id] = true
+}
+
+// making records that a new instance of id is being made: it is not clean until its
+// start ends.
+func (c *statusCache) making(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.clean, id)
+}
+
+// isClean reports whether id's instance is known clean (see clean).
+func (c *statusCache) isClean(id string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.clean[id]
 }
