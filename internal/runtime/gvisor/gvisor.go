@@ -692,13 +692,15 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 		// scan on every wake).
 		return nil
 	}
+	// The generation before the record is read, as in Status: a Create claiming the
+	// record after that read is a change absent then ignores.
+	gen := r.statuses.generation()
 	if _, err := r.readRecord(id); errors.Is(err, fs.ErrNotExist) {
 		// No record: this runtime never made an instance with this id, or removed it
 		// completely (a record is claimed before runsc runs and removed last). Unless
 		// runsc lists it anyway (a record lost by hand), there is nothing to tear down:
 		// one runsc list instead of state, kill, delete and list — the precautionary
 		// teardown before every clone's restore and every new sandbox's.
-		_, _, gen := r.statuses.get(id)
 		if _, err := r.unrecorded(ctx, id, gen); errors.Is(err, runtime.ErrNotFound) {
 			return nil
 		}

@@ -96,7 +96,13 @@ func (w tWriter) Write(p []byte) (int, error) {
 
 func newTestRuntime(t *testing.T, rootDir string) *Runtime {
 	t.Helper()
-	cfg := Config{RunscPath: testRunsc, Platform: testPlatform, RootDir: rootDir, NoUserNS: testNoUserNS, Logger: testLogger(t)}
+	return newRuntimeWith(t, rootDir, testRunsc)
+}
+
+// newRuntimeWith is newTestRuntime with another runsc binary (a wrapper of the real one).
+func newRuntimeWith(t *testing.T, rootDir, runsc string) *Runtime {
+	t.Helper()
+	cfg := Config{RunscPath: runsc, Platform: testPlatform, RootDir: rootDir, NoUserNS: testNoUserNS, Logger: testLogger(t)}
 	// Extra runsc flags for investigating a failure, e.g. "--debug --debug-log=/tmp/d/".
 	cfg.ExtraFlags = strings.Fields(os.Getenv("SPACE_TEST_RUNSC_FLAGS"))
 	rt, err := New(cfg)
@@ -1009,14 +1015,7 @@ func newCountingRuntime(t *testing.T, root, onList string) (*Runtime, func(sub s
 	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	rt, err := New(Config{RunscPath: wrapper, Platform: testPlatform, RootDir: root, NoUserNS: testNoUserNS, Logger: testLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		rt.Close()
-		unmountNullNetNS(t, root)
-	})
+	rt := newRuntimeWith(t, root, wrapper)
 	calls := func(sub string) int {
 		b, err := os.ReadFile(log)
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {

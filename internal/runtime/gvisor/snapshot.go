@@ -79,15 +79,11 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 // runsc pause's, so the sandbox runs again only at Resume). A clone source or a named
 // snapshot's source thus needs no restore of its own.
 func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
-	before, known, gen := r.statuses.lookup(id)
+	before, known, _ := r.statuses.lookup(id)
 	if !known {
-		st, err := r.state(ctx, id)
-		if err != nil {
+		var err error
+		if before.st, err = r.state(ctx, id); err != nil {
 			return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-		}
-		r.statuses.put(id, st, gen)
-		if before, known, _ = r.statuses.lookup(id); !known {
-			before.st = st
 		}
 	}
 	if observed(before.st) != runtime.StatusPaused {

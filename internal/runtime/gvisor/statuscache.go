@@ -194,10 +194,7 @@ func (c *statusCache) goneLocked(id string) {
 	delete(c.m, id)
 	delete(c.exited, id)
 	delete(c.clean, id)
-	if c.destroyed == nil || len(c.destroyed) >= maxTracked {
-		c.destroyed = map[string]bool{}
-	}
-	c.destroyed[id] = true
+	c.destroyed = addBounded(c.destroyed, id)
 }
 
 // absent records that id has no instance — no record, and runsc did not list it — as
@@ -225,10 +222,7 @@ func (c *statusCache) isGone(id string) bool {
 func (c *statusCache) stopped(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.exited == nil || len(c.exited) >= maxTracked {
-		c.exited = map[string]bool{}
-	}
-	c.exited[id] = true
+	c.exited = addBounded(c.exited, id)
 }
 
 // isStopped reports whether id's instance is known stopped by its checkpoint.
@@ -243,10 +237,7 @@ func (c *statusCache) isStopped(id string) bool {
 func (c *statusCache) startedClean(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.clean == nil || len(c.clean) >= maxTracked {
-		c.clean = map[string]bool{}
-	}
-	c.clean[id] = true
+	c.clean = addBounded(c.clean, id)
 }
 
 // making records that a new instance of id is being made: it is not clean until its
@@ -262,4 +253,15 @@ func (c *statusCache) isClean(id string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.clean[id]
+}
+
+// addBounded adds id to set, starting it afresh (nil, or past maxTracked) first: the
+// sets only ever save work, so forgetting them costs a runsc process, never a wrong
+// answer.
+func addBounded(set map[string]bool, id string) map[string]bool {
+	if set == nil || len(set) >= maxTracked {
+		set = map[string]bool{}
+	}
+	set[id] = true
+	return set
 }
