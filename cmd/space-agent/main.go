@@ -7,6 +7,7 @@
 //	SPACE_AGENT_RETENTION      how long exited processes stay readable (Go duration, default 10m)
 //	SPACE_AGENT_MAX_EXITED     how many exited processes are retained (default 256)
 //	SPACE_AGENT_STDIN_STALL    give up a stdin write the process does not read for this long (default 30s)
+//	SPACE_AGENT_READER_STALL   a following reader behind for this long without reading stops holding its process's output back (default 1s; 0: never hold it back)
 //	SPACE_AGENT_LOG_LEVEL      debug, info (default), warn, error
 //	SPACE_AGENT_ETC_DIR        where the passwd and group files are read (default /etc)
 package main
@@ -60,14 +61,18 @@ func run() error {
 		return err
 	}
 	for name, dst := range map[string]*time.Duration{
-		"SPACE_AGENT_RETENTION":   &cfg.Retention,
-		"SPACE_AGENT_STDIN_STALL": &cfg.StdinStallTimeout,
+		"SPACE_AGENT_RETENTION":    &cfg.Retention,
+		"SPACE_AGENT_STDIN_STALL":  &cfg.StdinStallTimeout,
+		"SPACE_AGENT_READER_STALL": &cfg.ReaderStall,
 	} {
 		if s := os.Getenv(name); s != "" {
 			if *dst, err = time.ParseDuration(s); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 		}
+	}
+	if s := os.Getenv("SPACE_AGENT_READER_STALL"); s != "" && cfg.ReaderStall <= 0 {
+		cfg.ReaderStall = -1 // 0 turns waiting for readers off (the Config's zero is the default)
 	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), unix.SIGTERM, unix.SIGINT)

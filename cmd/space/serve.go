@@ -70,6 +70,7 @@ type serveConfig struct {
 	sources        template.Sources
 	storeSize      int64
 	journalBytes   int64
+	readerStall    time.Duration
 	retention      time.Duration
 	logLevel       string
 	runscPlatform  string
@@ -172,6 +173,7 @@ that have none of their own (-1: unlimited).`,
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", storage.DefaultImageSize, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")
 	f.Int64Var(&c.journalBytes, "journal-bytes", wire.DefaultJournalBytes, "per-process output journal size in bytes")
+	f.DurationVar(&c.readerStall, "output-reader-stall", time.Second, "how long a process's output waits for a following reader that is a whole journal behind and takes nothing, before dropping what it has not read (0: never wait: readers that fall behind get gaps)")
 	f.DurationVar(&c.retention, "output-retention", wire.DefaultRetention, "how long an exited process's output stays readable")
 	f.StringVar(&c.logLevel, "log-level", envOr("SPACE_LOG_LEVEL", "info"), "log level: debug, info, warn, error")
 	f.StringVar(&c.runscPath, "runsc", os.Getenv("SPACE_RUNSC"), "runsc binary (env SPACE_RUNSC; default "+gvisor.DefaultRunscPath+", built by scripts/setup.sh; Debian's /usr/bin/runsc needs --runsc-platform ptrace)")
@@ -625,6 +627,7 @@ func newNode(ctx context.Context, c *serveConfig, dataDir string, st *store.Stor
 		AgentEnv: map[string]string{
 			"SPACE_AGENT_JOURNAL_BYTES": strconv.FormatInt(c.journalBytes, 10),
 			"SPACE_AGENT_RETENTION":     c.retention.String(),
+			"SPACE_AGENT_READER_STALL":  c.readerStall.String(),
 		},
 		Logger:            log.With("component", "node"),
 		Metrics:           metrics,

@@ -39,6 +39,12 @@ type Config struct {
 	RunDir string
 	// JournalBytes bounds each process's output journal. Default 8 MiB.
 	JournalBytes int
+	// ReaderStall is how long a following output stream may stay behind without taking
+	// a byte before its process's output stops waiting for it (journal.follow): until
+	// then the process's writes wait rather than evict bytes the stream has not
+	// read. Default 1 s; negative: never wait (every reader that falls a whole journal
+	// behind gets a gap).
+	ReaderStall time.Duration
 	// Retention is how long an exited process (and its output) stays readable. Default
 	// 10 minutes.
 	Retention time.Duration
@@ -71,7 +77,11 @@ const (
 	defaultHeartbeat  = 15 * time.Second
 	defaultStopGrace  = 5 * time.Second
 	defaultStdinStall = 30 * time.Second
-	resumePoll        = 2 * time.Millisecond
+	// defaultReaderStall: long enough for a reader that keeps up to ride out a
+	// scheduling hiccup of a loaded host, short enough that a reader gone without a
+	// word (a half-open connection) costs its process one such pause.
+	defaultReaderStall = time.Second
+	resumePoll         = 2 * time.Millisecond
 )
 
 // Agent serves the agent protocol and supervises the sandbox's processes.
@@ -128,6 +138,9 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.MaxExited <= 0 {
 		cfg.MaxExited = defaultMaxExited
+	}
+	if cfg.ReaderStall == 0 {
+		cfg.ReaderStall = defaultReaderStall
 	}
 	if cfg.HeartbeatInterval <= 0 {
 		cfg.HeartbeatInterval = defaultHeartbeat

@@ -158,13 +158,15 @@ func (s *envdProcess) follow(ctx context.Context, p *process, from int64, keepal
 	pty := p.spec.PTY != nil
 	buf := make([]byte, 64<<10)
 	pos := from
+	f := p.journal.follow(from)
+	defer f.close()
 	ka := time.NewTimer(keepalive)
 	defer ka.Stop()
 	for {
 		changed := p.journal.changed()
 		sent := false
 		for {
-			stream, n, gap := p.journal.readAt(pos, buf)
+			stream, n, gap := f.readAt(pos, buf)
 			if gap > 0 {
 				pos += gap // fell behind the journal's bound: those bytes are gone
 				continue

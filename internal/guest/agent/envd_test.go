@@ -533,3 +533,33 @@ func statUID(fi os.FileInfo) uint32 {
 	}
 	return 0
 }
+
+// envd streams have no gap event: a byte that fell out of the journal would be lost
+// without a word. A reader that keeps up, however slowly, gets every byte.
+func TestEnvdSlowReaderLosesNothing(t *testing.T) {
+	e := startEnvdWith(t, func(c *agent.Config) { c.JournalBytes = 256 << 10 })
+	ctx := testCtx(t, time.Minute)
+	const total = 8 << 20
+	st, err := e.procBin.Start(ctx, connect.NewRequest(&processpb.StartRequest{Process: bash("head -c 8388608 /dev/zero")}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got, events int
+	var end *processpb.ProcessEvent_EndEvent
+	for st.Receive() {
+		switch ev := st.Msg().GetEvent().GetEvent().(type) {
+		case *processpb.ProcessEvent_Data:
+			got += len(ev.Data.GetStdout())
+			events++
+			time.Sleep(2 * time.Millisecond) // slower than head
+		case *processpb.ProcessEvent_End:
+			end = ev.End
+		}
+	}
+	if err := st.Err(); err != nil || end == nil || end.GetExitCode() != 0 {
+		t.Fatalf("stream: end %v, err %v", end, err)
+	}
+	if got != total {
+		t.Fatalf("received %d bytes in %d events, want %d", got, events, total)
+	}
+}

@@ -79,3 +79,42 @@ func TestExecOutputFlowAndPauses(t *testing.T) {
 		t.Fatalf("flow: exit %+v, gaps %v, %d bytes of stdout, want %d", r.exit, r.gaps, len(r.stdout), want.Len())
 	}
 }
+
+// A reader that keeps up, however slowly, gets every byte: the writer waits for it
+// rather than letting bytes it has not read fall out of the (here 1 MiB) journal.
+func TestSlowReaderLosesNothing(t *testing.T) {
+	needTools(t, "head")
+	e := startAgent(t, func(c *agent.Config) { c.JournalBytes = 1 << 20 })
+	ctx := testCtx(t, 60*time.Second)
+	const total = 32 << 20
+	x, err := e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"head", "-c", strconv.Itoa(total), "/dev/zero"}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Out.Close()
+	var got, frames int64
+	for {
+		f, err := x.Out.Next()
+		if err != nil {
+			t.Fatalf("after %d bytes: %v", got, err)
+		}
+		if f.Type == wire.FrameGap {
+			t.Fatalf("gap at offset %d after %d bytes", f.Offset, got)
+		}
+		if f.Type == wire.FrameExit {
+			break
+		}
+		if f.Type == wire.FrameStdout {
+			if f.Offset != got {
+				t.Fatalf("frame at %d, want %d", f.Offset, got)
+			}
+			got += int64(len(f.Payload))
+			frames++
+			time.Sleep(2 * time.Millisecond) // slower than head
+		}
+	}
+	if got != total {
+		t.Fatalf("received %d bytes, want %d", got, total)
+	}
+	t.Logf("%d MiB in %d frames, no gap", got>>20, frames)
+}

@@ -421,6 +421,12 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 	var lastBulk time.Time // when a flush last carried a bulk of output
 
 	pos := from
+	read := p.journal.readAt
+	if follow {
+		f := p.journal.follow(from)
+		defer f.close()
+		read = f.readAt
+	}
 	sentStart := false
 	buf := make([]byte, outputReadBuf)
 	hb := time.NewTimer(a.cfg.HeartbeatInterval)
@@ -440,7 +446,7 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 		// Output exists only once the program runs, so nothing is read before the start
 		// frame went out.
 		for sentStart && wrote < flushEvery {
-			stream, n, gap := p.journal.readAt(pos, buf)
+			stream, n, gap := read(pos, buf)
 			if gap > 0 {
 				var payload [8]byte
 				binary.BigEndian.PutUint64(payload[:], uint64(gap))

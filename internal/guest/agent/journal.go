@@ -2,12 +2,20 @@ package agent
 
 import (
 	"sync"
+	"time"
 )
 
 // journal is the bounded output record of one process: stdout and stderr interleaved in
 // arrival order, addressed by absolute byte offsets (0 = the first byte the process ever
-// wrote). Writers never block on readers: when the bound is reached the oldest bytes are
-// evicted, and readers that were still behind them learn it from readAt (gap).
+// wrote). When the bound is reached the oldest bytes are evicted, and readers that were
+// still behind them learn it from readAt (gap).
+//
+// Eviction waits for followers that keep up (see follower): an append that would evict
+// bytes a following stream has not taken yet waits until the stream takes them, unless
+// that stream has been behind for stall without taking a byte. So a live reader gets
+// every byte (the writer slows to its pace once it is a whole journal behind), while a
+// stalled, slow-to-nothing or absent reader never holds the writer back for longer than
+// stall at a time. Only the pump waits, never a reader.
 //
 // Hand-rolled rather than built on a library: no ring buffer package offers absolute
 // offsets, per-byte stream tags and lazy growth together, and the logic is small.
@@ -28,6 +36,18 @@ type journal struct {
 	segHead int // index in segs of the first live segment
 	notify  chan struct{}
 	onWrite func() // called (without the lock) after each append; may be nil
+
+	stall     time.Duration // see follow; 0: writers never wait (set before the first append)
+	followers map[*follower]struct{}
+	advanced  chan struct{} // closed when a follower takes bytes or leaves; nil if nobody waits
+}
+
+// follower is a following stream's position in the journal: the offset of the next
+// byte it takes, and when it last took a byte or was caught up.
+type follower struct {
+	j    *journal
+	pos  int64
+	seen time.Time
 }
 
 type segment struct {
@@ -42,27 +62,62 @@ func newJournal(maxBytes int, onWrite func()) *journal {
 		maxBytes = 1
 	}
 	return &journal{
-		max:     maxBytes,
-		maxSegs: max(1024, maxBytes/64),
-		onWrite: onWrite,
+		max:       maxBytes,
+		maxSegs:   max(1024, maxBytes/64),
+		onWrite:   onWrite,
+		followers: map[*follower]struct{}{},
 	}
 }
 
-// append records p as output of stream (wire.FrameStdout or wire.FrameStderr).
+// append records p as output of stream (wire.FrameStdout or wire.FrameStderr). It
+// waits while the bytes it would evict are still owed to a follower that keeps up; a
+// piece larger than half the journal goes in halves, so that a follower can take each
+// before the next one pushes it out.
 func (j *journal) append(stream byte, p []byte) {
 	if len(p) == 0 {
 		return
 	}
+	for len(p) > 0 {
+		n := len(p)
+		if j.stall > 0 {
+			n = min(n, max(j.max/2, 1))
+		}
+		j.appendPiece(stream, p[:n])
+		p = p[n:]
+	}
+	if j.onWrite != nil {
+		j.onWrite()
+	}
+}
+
+func (j *journal) appendPiece(stream byte, p []byte) {
 	j.mu.Lock()
+	for {
+		wait, until := j.heldBack(len(p), time.Now())
+		if wait == nil {
+			break
+		}
+		j.mu.Unlock()
+		t := time.NewTimer(until)
+		select {
+		case <-wait:
+		case <-t.C:
+		}
+		t.Stop()
+		j.mu.Lock()
+	}
+	now := time.Now()
+	for f := range j.followers {
+		if f.pos >= j.end {
+			f.seen = now // caught up until this append: it starts being behind now
+		}
+	}
 	j.appendLocked(stream, p)
 	ch := j.notify
 	j.notify = nil
 	j.mu.Unlock()
 	if ch != nil {
 		close(ch)
-	}
-	if j.onWrite != nil {
-		j.onWrite()
 	}
 }
 
@@ -137,6 +192,80 @@ func (j *journal) trimSegments() {
 	}
 }
 
+// heldBack tells whether an append of n bytes must wait: it returns a channel closed
+// when a follower advances or leaves, and how long until the first follower that holds
+// it back counts as stalled; nil if nothing holds it back.
+func (j *journal) heldBack(n int, now time.Time) (<-chan struct{}, time.Duration) {
+	if j.stall <= 0 || len(j.followers) == 0 {
+		return nil, 0
+	}
+	evict := j.end + int64(n) - int64(j.max) // the first offset retained after the append
+	if evict <= j.first {
+		return nil, 0
+	}
+	var until time.Duration
+	for f := range j.followers {
+		if f.pos >= evict {
+			continue
+		}
+		left := j.stall - now.Sub(f.seen)
+		if left <= 0 {
+			continue // stalled: it will get a gap
+		}
+		if until == 0 || left < until {
+			until = left
+		}
+	}
+	if until == 0 {
+		return nil, 0
+	}
+	if j.advanced == nil {
+		j.advanced = make(chan struct{})
+	}
+	return j.advanced, until
+}
+
+// follow registers a following stream that starts reading at offset from. Its reads
+// (follower.readAt) hold back evictions of bytes it has not taken while it keeps up;
+// close it when the stream ends.
+func (j *journal) follow(from int64) *follower {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	f := &follower{j: j, pos: from, seen: time.Now()}
+	j.followers[f] = struct{}{}
+	return f
+}
+
+// readAt is journal.readAt for this follower: what it returns counts as taken.
+func (f *follower) readAt(from int64, dst []byte) (stream byte, n int, gap int64) {
+	j := f.j
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	stream, n, gap = j.readAtLocked(from, dst)
+	if next := from + int64(n) + gap; next > f.pos || next >= j.end {
+		f.pos = next
+		f.seen = time.Now()
+		j.advancedLocked()
+	}
+	return stream, n, gap
+}
+
+// close unregisters the follower; a writer it held back goes on.
+func (f *follower) close() {
+	j := f.j
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	delete(j.followers, f)
+	j.advancedLocked()
+}
+
+func (j *journal) advancedLocked() {
+	if j.advanced != nil {
+		close(j.advanced)
+		j.advanced = nil
+	}
+}
+
 // bounds returns the first retained offset and the end offset.
 func (j *journal) bounds() (first, end int64) {
 	j.mu.Lock()
@@ -151,6 +280,10 @@ func (j *journal) bounds() (first, end int64) {
 func (j *journal) readAt(from int64, dst []byte) (stream byte, n int, gap int64) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
+	return j.readAtLocked(from, dst)
+}
+
+func (j *journal) readAtLocked(from int64, dst []byte) (stream byte, n int, gap int64) {
 	if from < j.first {
 		return 0, 0, j.first - from
 	}

@@ -117,6 +117,7 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 		state:    wire.StateCreated,
 	}
 	p.journal = newJournal(a.cfg.JournalBytes, a.touch)
+	p.journal.stall = a.cfg.ReaderStall
 
 	// parentFiles are ours after the start; childFiles are closed after the start.
 	var parentFiles, childFiles []*os.File
