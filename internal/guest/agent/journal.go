@@ -10,12 +10,12 @@ import (
 // wrote). When the bound is reached the oldest bytes are evicted, and readers that were
 // still behind them learn it from readAt (gap).
 //
-// Eviction waits for followers that keep up (see follower): an append that would evict
+// Eviction waits for followers that keep up (see follow): an append that would evict
 // bytes a following stream has not taken yet waits until the stream takes them, unless
 // that stream has been behind for stall without taking a byte. So a live reader gets
 // every byte (the writer slows to its pace once it is a whole journal behind), while a
-// stalled, slow-to-nothing or absent reader never holds the writer back for longer than
-// stall at a time. Only the pump waits, never a reader.
+// reader that stopped reading, or none at all, never holds the writer back for longer
+// than stall at a time. Only the pump waits, never a reader.
 //
 // Hand-rolled rather than built on a library: no ring buffer package offers absolute
 // offsets, per-byte stream tags and lazy growth together, and the logic is small.
