@@ -100,6 +100,15 @@ func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
 	runs := min(cfg.Runs, 5)
 	var xs, bs, hs []float64
 	var droppedTotal int64
+	// runsc exec of the same command, its stdout given as is: a file (/dev/null,
+	// handed to runsc) or a writer (a pipe this process drains).
+	runscHead := func(stdout io.Writer) (float64, error) {
+		start := time.Now()
+		cmd := exec.CommandContext(ctx, gvisor.DefaultRunscPath, "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
+		cmd.Stdout = stdout
+		err := cmd.Run()
+		return float64(size) / (1 << 20) / time.Since(start).Seconds(), err
+	}
 	for i := 0; i < runs; i++ {
 		var w countingWriter
 		var dropped int64
@@ -114,27 +123,23 @@ func throughput(ctx context.Context, cfg *Config) ([]Result, error) {
 		// do not count.
 		xs = append(xs, float64(w.n)/(1<<20)/time.Since(start).Seconds())
 		droppedTotal += dropped
-		start = time.Now()
-		cmd := exec.CommandContext(ctx, gvisor.DefaultRunscPath, "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
-		devnull, _ := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
-		cmd.Stdout = devnull
-		err = cmd.Run()
+		devnull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+		if err != nil {
+			return nil, err
+		}
+		rate, err := runscHead(devnull)
 		devnull.Close()
 		if err != nil {
 			return nil, fmt.Errorf("runsc exec head: %w", err)
 		}
-		bs = append(bs, float64(size)/(1<<20)/time.Since(start).Seconds())
-		// The same with a reader: runsc's stdout is a pipe that this process drains.
-		// /dev/null above takes the bytes without copying them; any reader, here or
-		// through space, has them copied at least once.
+		bs = append(bs, rate)
+		// The same with a reader: /dev/null takes the bytes without copying them; any
+		// reader, here or through space, has them copied at least once.
 		var hw countingWriter
-		start = time.Now()
-		cmd = exec.CommandContext(ctx, gvisor.DefaultRunscPath, "--root", runscRoot(cfg.DataDir), "exec", sb.ID, "head", "-c", "1G", "/dev/zero")
-		cmd.Stdout = &hw
-		if err := cmd.Run(); err != nil || hw.n != size {
+		if rate, err = runscHead(&hw); err != nil || hw.n != size {
 			return nil, fmt.Errorf("runsc exec head | reader: %d bytes, %v", hw.n, err)
 		}
-		hs = append(hs, float64(size)/(1<<20)/time.Since(start).Seconds())
+		hs = append(hs, rate)
 	}
 	r := result("throughput", "1 GiB of stdout to one reader (frames)", "MiB/s", xs, "runsc exec > /dev/null", bs)
 	r.Note = fmt.Sprintf("MiB/s received by the reader, client.Exec in the frames encoding (ratio = space / runsc, higher is better); %d MiB fell out of the journal unread over %d runs", droppedTotal>>20, runs)
