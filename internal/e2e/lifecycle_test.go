@@ -1,12 +1,15 @@
 package e2e
 
 import (
+	"bytes"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -252,6 +255,73 @@ func TestClones(t *testing.T) {
 	if got.DiskBytes > 64<<20 {
 		t.Fatalf("a fresh clone uses %d bytes of its own", got.DiskBytes)
 	}
+}
+
+// TestCommandsRideOutCloneCheckpoints runs commands back to back while the sandbox is
+// cloned three times. Each clone checkpoints the source: its agent is quiesced (it
+// closes its transport), the source is paused, saved and resumed. A command under way
+// when that begins reaches the agent first; one that arrives meanwhile waits for the
+// source to be back. None fails, and each prints exactly its own output.
+func TestCommandsRideOutCloneCheckpoints(t *testing.T) {
+	s := start(t, options{})
+	src := s.create(t, api.CreateSandboxRequest{})
+	c := ctx(t, 4*time.Minute)
+	stop := make(chan struct{})
+	var ran atomic.Int64
+	var slowest atomic.Int64
+	errs := make(chan error, 2)
+	var wg sync.WaitGroup
+	for w := range 2 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				var out bytes.Buffer
+				began := time.Now()
+				x, err := s.C.Run(c, src.ID, api.ExecRequest{Argv: []string{"echo", strconv.Itoa(w), strconv.Itoa(i)}}, client.Output{Stdout: &out})
+				if err == nil && (x.ExitCode == nil || *x.ExitCode != 0 || out.String() != fmt.Sprintf("%d %d\n", w, i)) {
+					err = fmt.Errorf("exit %+v, output %q", x, out.String())
+				}
+				if err != nil {
+					errs <- fmt.Errorf("command %d of worker %d: %w", i, w, err)
+					return
+				}
+				if d := time.Since(began).Milliseconds(); d > slowest.Load() {
+					slowest.Store(d)
+				}
+				ran.Add(1)
+			}
+		})
+	}
+	for k := range 3 {
+		before := ran.Load()
+		clones, err := s.C.Clone(c, src.ID, api.CloneRequest{Count: 1})
+		if err != nil || len(clones) != 1 {
+			t.Fatalf("clone %d: %v %v", k, clones, err)
+		}
+		if op, err := s.C.WaitOperation(c, clones[0].Operation.ID); err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("clone %d: %+v %v\n%s", k, op, err, s.Log())
+		}
+		waitFor(t, time.Minute, "commands to go on after the clone", func() bool {
+			select {
+			case err := <-errs:
+				t.Fatalf("%v\n%s", err, s.Log())
+			default:
+			}
+			return ran.Load() >= before+4
+		})
+	}
+	close(stop)
+	wg.Wait()
+	select {
+	case err := <-errs:
+		t.Fatalf("%v\n%s", err, s.Log())
+	default:
+	}
+	t.Logf("%d commands ran during 3 clones; the slowest took %d ms", ran.Load(), slowest.Load())
 }
 
 // TestIdleSuspendAndAutoWake lets a sandbox idle past its timeout: it is suspended with

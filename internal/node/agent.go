@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"time"
@@ -30,6 +31,8 @@ func (n *Node) ID() string { return n.cfg.ID }
 
 // Agent returns a client for the agent of a sandbox running on this node (the data
 // plane's way in). It fails with a Conflict fault when the sandbox is not running here.
+// The client's requests pass the sandbox's agent gate (gate.go): while the node pauses
+// the agent for a checkpoint they wait, and the pause waits for those under way.
 func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error) {
 	// Right after a start, wait until surviving sandboxes are adopted.
 	select {
@@ -46,8 +49,10 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 		n.mu.Lock()
 		ready, brief := n.ready[id], n.brief[id]
 		if ready {
-			defer n.mu.Unlock()
-			return n.agentLocked(id), nil
+			c := n.agentLocked(id)
+			n.mu.Unlock()
+			g := n.gates.get(id)
+			return c.Through(func(rt http.RoundTripper) http.RoundTripper { return &gatedTransport{g: g, inner: rt} }), nil
 		}
 		n.mu.Unlock()
 		if !brief || time.Now().After(deadline) {

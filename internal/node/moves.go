@@ -354,6 +354,11 @@ func (n *Node) checkpointDue(sb *store.Sandbox) bool {
 	if last == nil {
 		last = sb.StatusChangedAt
 	}
+	// A sandbox that moved here (restored from its last checkpoint, or live from a
+	// snapshot pushed on its way) is as recent as that: its next one is an interval on.
+	if sb.MovedAt != nil && (last == nil || sb.MovedAt.After(*last)) {
+		last = sb.MovedAt
+	}
 	if last == nil {
 		return true
 	}
@@ -436,9 +441,7 @@ func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 	}
 	memDir, diskCopy := filepath.Join(batch, "checkpoint"), filepath.Join(batch, "disk")
 	at := time.Now()
-	n.setBrief(sb.ID, true)
 	_, err = n.checkpointSource(ctx, snap, sb, root, memDir, diskCopy)
-	n.setBrief(sb.ID, false)
 	if err != nil {
 		_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
 		fail(err)

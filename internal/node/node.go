@@ -144,6 +144,9 @@ type Node struct {
 	ready    map[string]bool
 	// brief marks sandboxes paused for a moment by the node itself (moves.go).
 	brief map[string]bool
+	// gates hold the data plane's agent requests back while the node pauses a
+	// sandbox's agent (gate.go).
+	gates gates
 	// toMeasure holds sandboxes whose disk usage is to be measured.
 	toMeasure map[string]bool
 	// seenOutput is each agent's last-activity time as last polled.

@@ -233,6 +233,8 @@ const clonePrepareWorkers = 4
 // checkpoint complete, so the source's next plan restores it from there).
 func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, src *store.Sandbox, root, memDir, diskCopy string) (restored bool, err error) {
 	wasPaused := src.State == api.StatePaused
+	// The data plane's requests meanwhile wait for the source to be back (gate.go).
+	defer n.pauseBriefly(ctx, src.ID)()
 	n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error, Transition: lifecycle.TCloneSource})
 	crash.Point("clone.source.recorded")
 	back := func() {

@@ -376,6 +376,8 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
+	// Requests on their way to the agent get there first; new ones wait (gate.go).
+	defer n.holdAgent(ctx, id)()
 	if err := n.quiesce(ctx, id); err != nil {
 		return err
 	}
@@ -543,6 +545,7 @@ func (n *Node) cleanupLocal(ctx context.Context, id string) error {
 	n.cancelSync(id)
 	n.stopPush(periodicKey(id))
 	n.dropAgent(id)
+	n.gates.forget(id)
 	var errs []error
 	if err := n.rt.Destroy(ctx, id); err != nil {
 		errs = append(errs, fmt.Errorf("destroy instance: %w", err))

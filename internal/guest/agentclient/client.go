@@ -85,6 +85,16 @@ func NewVia(base string, rt http.RoundTripper, auth func() (string, error)) *Cli
 	return &Client{hc: &http.Client{Transport: rt}, transport: rt, base: base, auth: auth}
 }
 
+// Through returns a client of the same agent whose round trips pass through wrap(the
+// client's transport) (the node's agent gate, gate.go in package node). Connections
+// stay shared with c.
+func (c *Client) Through(wrap func(http.RoundTripper) http.RoundTripper) *Client {
+	rt := wrap(c.transport)
+	w := &Client{hc: &http.Client{Transport: rt}, transport: rt, base: c.base, auth: c.auth}
+	w.noExec.Store(c.noExec.Load())
+	return w
+}
+
 // DialUnix returns a dial function for a unix socket path.
 func DialUnix(path string) func(ctx context.Context) (net.Conn, error) {
 	return func(ctx context.Context) (net.Conn, error) {

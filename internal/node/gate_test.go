@@ -1,0 +1,207 @@
+package node
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/artifact"
+	"github.com/spacedev/space/internal/store"
+)
+
+// closedWithin reports whether ch is closed within d.
+func closedWithin(ch <-chan struct{}, d time.Duration) bool {
+	select {
+	case <-ch:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+
+// TestGateHoldWaitsForRequestsUnderWay: a pause begins only once the requests that
+// passed the gate before it are answered, and requests that come during it wait until
+// it ends.
+func TestGateHoldWaitsForRequestsUnderWay(t *testing.T) {
+	var g gate
+	ctx := context.Background()
+	done, err := g.enter(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan func())
+	go func() { held <- g.hold(ctx) }()
+	select {
+	case <-held:
+		t.Fatal("the pause began while a request was under way")
+	case <-time.After(50 * time.Millisecond):
+	}
+	done()
+	var release func()
+	select {
+	case release = <-held:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the pause did not begin once the request was answered")
+	}
+	// A request during the pause waits for its end.
+	passed := make(chan struct{})
+	go func() {
+		d, err := g.enter(ctx)
+		if err == nil {
+			d()
+		}
+		close(passed)
+	}()
+	if closedWithin(passed, 50*time.Millisecond) {
+		t.Fatal("a request passed a closed gate")
+	}
+	release()
+	release() // a second call is harmless
+	if !closedWithin(passed, 5*time.Second) {
+		t.Fatal("the waiting request did not go on when the pause ended")
+	}
+}
+
+// TestGateNestedHolds: the gate opens when the last of nested pauses ends.
+func TestGateNestedHolds(t *testing.T) {
+	var g gate
+	ctx := context.Background()
+	outer := g.hold(ctx)
+	inner := g.hold(ctx)
+	passed := make(chan struct{})
+	go func() {
+		if d, err := g.enter(ctx); err == nil {
+			d()
+		}
+		close(passed)
+	}()
+	inner()
+	if closedWithin(passed, 50*time.Millisecond) {
+		t.Fatal("the gate opened while the outer pause went on")
+	}
+	outer()
+	if !closedWithin(passed, 5*time.Second) {
+		t.Fatal("the gate did not open after the outer pause")
+	}
+	// And it closes again for the next pause.
+	next := g.hold(ctx)
+	defer next()
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
+	defer cancel()
+	if _, err := g.enter(wctx); err == nil {
+		t.Fatal("a request passed the gate of a second pause")
+	}
+}
+
+// TestGateHoldBoundedByContext: a pause waits for requests under way only as long as
+// its context allows.
+func TestGateHoldBoundedByContext(t *testing.T) {
+	var g gate
+	if _, err := g.enter(context.Background()); err != nil { // never answered
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	held := make(chan func())
+	go func() { held <- g.hold(ctx) }()
+	select {
+	case release := <-held:
+		release()
+	case <-time.After(drainTimeout - time.Second):
+		t.Fatal("the pause waited past its context")
+	}
+}
+
+// TestGatedTransportCountsUntilHeaders: through the gated transport a request counts
+// as under way until its answer's headers arrive, not while its body streams.
+func TestGatedTransportCountsUntilHeaders(t *testing.T) {
+	answer := make(chan struct{})
+	body := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-answer
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		<-body
+		_, _ = io.WriteString(w, "end")
+	}))
+	defer srv.Close()
+	defer close(body)
+	var g gate
+	hc := &http.Client{Transport: &gatedTransport{g: &g, inner: http.DefaultTransport}}
+	got := make(chan *http.Response, 1)
+	go func() {
+		resp, err := hc.Get(srv.URL)
+		if err != nil {
+			t.Error(err)
+			close(got)
+			return
+		}
+		got <- resp
+	}()
+	// Wait until the request is under way.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		g.mu.Lock()
+		n := g.inflight
+		g.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the request never passed the gate")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	held := make(chan func(), 1)
+	go func() { held <- g.hold(context.Background()) }()
+	select {
+	case <-held:
+		t.Fatal("the pause began before the answer did")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(answer)
+	select {
+	case release := <-held:
+		release()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the pause waited for the body of an answer that had begun")
+	}
+	if resp := <-got; resp != nil {
+		_ = resp.Body.Close()
+	}
+}
+
+// TestCheckpointDueCountsFromAMove: a sandbox's next periodic checkpoint is an interval
+// after its last one, or after it moved to this node if that came later (a sandbox
+// restored from its last checkpoint is as recent as the move).
+func TestCheckpointDueCountsFromAMove(t *testing.T) {
+	n := &Node{cfg: Config{Artifacts: &artifact.Client{}}, stopping: make(chan struct{})}
+	close(n.stopping) // a kick from kickAt does nothing
+	ago := func(d time.Duration) *time.Time { at := time.Now().Add(-d); return &at }
+	sb := func(checkpointAt, movedAt *time.Time) *store.Sandbox {
+		return &store.Sandbox{
+			ID: "sb-test", State: api.StateRunning, DesiredState: api.StateRunning, TemplateDigest: "sha256:x",
+			Spec: store.SandboxSpec{CheckpointInterval: 60}, StatusChangedAt: ago(time.Hour),
+			CheckpointAt: checkpointAt, MovedAt: movedAt,
+		}
+	}
+	for _, c := range []struct {
+		name                  string
+		checkpointAt, movedAt *time.Time
+		want                  bool
+	}{
+		{"never checkpointed, running an hour", nil, nil, true},
+		{"checkpointed two minutes ago", ago(2 * time.Minute), nil, true},
+		{"checkpointed half a minute ago", ago(30 * time.Second), nil, false},
+		{"restored from a checkpoint two minutes old, a second ago", ago(2 * time.Minute), ago(time.Second), false},
+		{"moved two minutes ago", ago(3 * time.Minute), ago(2 * time.Minute), true},
+	} {
+		if got := n.checkpointDue(sb(c.checkpointAt, c.movedAt)); got != c.want {
+			t.Errorf("%s: due %v, want %v", c.name, got, c.want)
+		}
+	}
+}
