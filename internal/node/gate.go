@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"sync"
 	"time"
@@ -14,16 +15,18 @@ import (
 // closes its transport for the checkpoint, so a request that reached it in that instant
 // would fail, and the caller could not tell whether a command it started ran. The gate
 // closes that window: each request of the data plane passes the sandbox's gate on its
-// way to the agent and counts as in flight until the agent's answer has begun (its
-// headers: a process is started, a file written, a stream open); a pause closes the
-// gate (new requests wait at it), waits for the requests in flight, and only then
-// quiesces the agent. When the pause ends the waiting requests go on. A stream whose
-// answer has begun is not waited for: it breaks at the pause and its client
-// re-attaches (offsets make that lossless).
+// way to the agent and is under way from when its body is all sent until the agent's
+// answer has begun (its headers: a process is started, a file written, a stream open);
+// a pause closes the gate (new requests wait at it), waits until no request is under
+// way, and only then quiesces the agent. When the pause ends the waiting requests go
+// on. Neither a stream whose answer has begun nor a request still sending its body
+// (stdin streamed for as long as its client likes, an upload) is waited for: a stream
+// breaks at the pause and its client re-attaches (offsets make that lossless); a body
+// cut off fails its request, as it would have without the gate.
 
-// drainTimeout bounds how long a pause waits for requests in flight (a large upload's
-// answer begins once its body is in): after it the pause goes on, and such a request
-// fails as it would have without the gate.
+// drainTimeout bounds how long a pause waits for requests under way (an agent slow to
+// answer): after it the pause goes on, and such a request fails as it would have
+// without the gate.
 const drainTimeout = 5 * time.Second
 
 // gateWaitTimeout bounds how long a request waits at a closed gate.
@@ -34,7 +37,7 @@ type gate struct {
 	mu       sync.Mutex
 	holds    int           // pauses under way (nested pauses share the gate)
 	opened   chan struct{} // closed when the gate opens again
-	inflight int
+	inflight int           // requests under way (flight)
 	drained  chan struct{} // closed when inflight drops to 0 during a pause
 }
 
@@ -72,64 +75,111 @@ func (gs *gates) forget(id string) {
 	}
 }
 
-// enter passes the gate (waiting while it is closed, up to gateWaitTimeout) and counts
-// a request in flight until the returned func is called.
-func (g *gate) enter(ctx context.Context) (func(), error) {
+// enter passes the gate, waiting while it is closed (up to gateWaitTimeout).
+func (g *gate) enter(ctx context.Context) error {
 	deadline := time.NewTimer(gateWaitTimeout)
 	defer deadline.Stop()
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	for g.holds > 0 {
 		opened := g.opened
 		g.mu.Unlock()
 		select {
 		case <-opened:
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			g.mu.Lock()
+			return ctx.Err()
 		case <-deadline.C:
-			return nil, fault.New(fault.Unavailable, "sandbox is paused by its node for longer than %s", gateWaitTimeout)
+			g.mu.Lock()
+			return fault.New(fault.Unavailable, "sandbox is paused by its node for longer than %s", gateWaitTimeout)
 		}
 		g.mu.Lock()
 	}
-	g.inflight++
-	g.mu.Unlock()
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			g.mu.Lock()
-			defer g.mu.Unlock()
-			g.inflight--
-			if g.inflight == 0 && g.drained != nil {
-				close(g.drained)
-				g.drained = nil
-			}
-		})
-	}, nil
+	return nil
 }
 
-// hold closes the gate and waits (up to drainTimeout, or ctx) until no request is in
-// flight. It returns the func that opens the gate again; holds nest.
+// flight is one request past the gate. It is under way (counted in inflight) from
+// when its body is all sent until its answer begins: a request still streaming its
+// body (stdin, an upload) is not waited for by a pause — it may stream for as long as
+// its client likes.
+type flight struct {
+	g       *gate
+	once    sync.Once
+	counted bool // set under once
+}
+
+// sent marks the request's body as all sent.
+func (f *flight) sent() {
+	f.once.Do(func() {
+		f.g.mu.Lock()
+		f.g.inflight++
+		f.g.mu.Unlock()
+		f.counted = true
+	})
+}
+
+// answered ends the flight (its answer began, or it failed).
+func (f *flight) answered() {
+	f.once.Do(func() {}) // a body finishing later no longer counts
+	if !f.counted {
+		return
+	}
+	f.g.mu.Lock()
+	defer f.g.mu.Unlock()
+	f.g.inflight--
+	if f.g.inflight == 0 && f.g.drained != nil {
+		close(f.g.drained)
+		f.g.drained = nil
+	}
+}
+
+// sentBody calls sent once the transport has read the whole body.
+type sentBody struct {
+	io.ReadCloser
+	f    *flight
+	left int64 // bytes to the declared length (-1: unknown)
+}
+
+func (b *sentBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if b.left > 0 {
+		b.left -= int64(n)
+	}
+	if err == io.EOF || b.left == 0 {
+		b.f.sent()
+	}
+	return n, err
+}
+
+// hold closes the gate and waits (up to drainTimeout, or ctx) until no request is
+// under way. It returns the func that opens the gate again; holds nest.
 func (g *gate) hold(ctx context.Context) (release func()) {
 	g.mu.Lock()
 	if g.holds == 0 {
 		g.opened = make(chan struct{})
 	}
 	g.holds++
-	var drained chan struct{}
-	if g.inflight > 0 {
+	g.mu.Unlock()
+	t := time.NewTimer(drainTimeout)
+	defer t.Stop()
+	for {
+		g.mu.Lock()
+		if g.inflight == 0 {
+			g.mu.Unlock()
+			break
+		}
 		if g.drained == nil {
 			g.drained = make(chan struct{})
 		}
-		drained = g.drained
-	}
-	g.mu.Unlock()
-	if drained != nil {
-		t := time.NewTimer(drainTimeout)
+		drained := g.drained
+		g.mu.Unlock()
 		select {
 		case <-drained:
+			continue
 		case <-ctx.Done():
 		case <-t.C:
 		}
-		t.Stop()
+		break
 	}
 	var once sync.Once
 	return func() {
@@ -151,14 +201,25 @@ type gatedTransport struct {
 }
 
 func (t *gatedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	done, err := t.g.enter(req.Context())
-	if err != nil {
+	if err := t.g.enter(req.Context()); err != nil {
 		if req.Body != nil {
 			_ = req.Body.Close()
 		}
 		return nil, err
 	}
-	defer done()
+	f := &flight{g: t.g}
+	defer f.answered()
+	if req.Body == nil || req.Body == http.NoBody {
+		f.sent()
+	} else {
+		left := req.ContentLength
+		if left <= 0 {
+			left = -1
+		}
+		r := req.Clone(req.Context())
+		r.Body = &sentBody{ReadCloser: req.Body, f: f, left: left}
+		req = r
+	}
 	return t.inner.RoundTrip(req)
 }
 

@@ -23,13 +23,24 @@ func closedWithin(ch <-chan struct{}, d time.Duration) bool {
 	}
 }
 
+// underWay passes g as a request does and marks its body sent; the returned func ends
+// its flight.
+func underWay(ctx context.Context, g *gate) (func(), error) {
+	if err := g.enter(ctx); err != nil {
+		return nil, err
+	}
+	f := &flight{g: g}
+	f.sent()
+	return f.answered, nil
+}
+
 // TestGateHoldWaitsForRequestsUnderWay: a pause begins only once the requests that
 // passed the gate before it are answered, and requests that come during it wait until
 // it ends.
 func TestGateHoldWaitsForRequestsUnderWay(t *testing.T) {
 	var g gate
 	ctx := context.Background()
-	done, err := g.enter(ctx)
+	done, err := underWay(ctx, &g)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +61,7 @@ func TestGateHoldWaitsForRequestsUnderWay(t *testing.T) {
 	// A request during the pause waits for its end.
 	passed := make(chan struct{})
 	go func() {
-		d, err := g.enter(ctx)
+		d, err := underWay(ctx, &g)
 		if err == nil {
 			d()
 		}
@@ -74,7 +85,7 @@ func TestGateNestedHolds(t *testing.T) {
 	inner := g.hold(ctx)
 	passed := make(chan struct{})
 	go func() {
-		if d, err := g.enter(ctx); err == nil {
+		if d, err := underWay(ctx, &g); err == nil {
 			d()
 		}
 		close(passed)
@@ -92,7 +103,7 @@ func TestGateNestedHolds(t *testing.T) {
 	defer next()
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
 	defer cancel()
-	if _, err := g.enter(wctx); err == nil {
+	if _, err := underWay(wctx, &g); err == nil {
 		t.Fatal("a request passed the gate of a second pause")
 	}
 }
@@ -101,7 +112,7 @@ func TestGateNestedHolds(t *testing.T) {
 // its context allows.
 func TestGateHoldBoundedByContext(t *testing.T) {
 	var g gate
-	if _, err := g.enter(context.Background()); err != nil { // never answered
+	if _, err := underWay(context.Background(), &g); err != nil { // never answered
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
@@ -203,5 +214,71 @@ func TestCheckpointDueCountsFromAMove(t *testing.T) {
 		if got := n.checkpointDue(sb(c.checkpointAt, c.movedAt)); got != c.want {
 			t.Errorf("%s: due %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestGatedTransportIgnoresStreamingBodies: a request still sending its body (stdin
+// streamed for as long as its client likes) does not hold a pause back; once its body
+// is all sent it is under way until its answer begins.
+func TestGatedTransportIgnoresStreamingBodies(t *testing.T) {
+	answer := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		<-answer
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	defer srv.Close()
+	var g gate
+	hc := &http.Client{Transport: &gatedTransport{g: &g, inner: http.DefaultTransport}}
+	pr, pw := io.Pipe()
+	got := make(chan error, 1)
+	go func() {
+		resp, err := hc.Post(srv.URL, "application/octet-stream", pr)
+		if err == nil {
+			_ = resp.Body.Close()
+		}
+		got <- err
+	}()
+	if _, err := pw.Write([]byte("some input")); err != nil { // the server has read it
+		t.Fatal(err)
+	}
+	held := make(chan func(), 1)
+	go func() { held <- g.hold(context.Background()) }()
+	select {
+	case release := <-held:
+		release()
+	case <-time.After(drainTimeout - time.Second):
+		t.Fatal("a pause waited for a request still sending its body")
+	}
+	_ = pw.Close()
+	// Now its body is sent: the next pause waits for its answer.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		g.mu.Lock()
+		n := g.inflight
+		g.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a request whose body was sent is not under way")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	go func() { held <- g.hold(context.Background()) }()
+	select {
+	case <-held:
+		t.Fatal("the pause began before the answer did")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(answer)
+	select {
+	case release := <-held:
+		release()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the pause did not begin after the answer")
+	}
+	if err := <-got; err != nil {
+		t.Fatal(err)
 	}
 }
