@@ -58,10 +58,20 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 		if !brief || time.Now().After(deadline) {
 			return nil, fault.New(fault.Conflict, "sandbox %s is not running on this node", id)
 		}
+		// The pause holds the agent's gate: its end opens it (gate.go).
+		if opened := n.gates.get(id).openedChan(); opened != nil {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-opened:
+			case <-time.After(time.Until(deadline)):
+			}
+			continue
+		}
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
-		case <-time.After(50 * time.Millisecond):
+		case <-time.After(5 * time.Millisecond):
 		}
 	}
 }

@@ -98,6 +98,17 @@ func (g *gate) enter(ctx context.Context) error {
 	return nil
 }
 
+// openedChan returns the channel closed when a closed gate opens again; nil when the
+// gate is open.
+func (g *gate) openedChan() <-chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.holds == 0 {
+		return nil
+	}
+	return g.opened
+}
+
 // flight is one request past the gate. It is under way (counted in inflight) from
 // when its body is all sent until its answer begins: a request still streaming its
 // body (stdin, an upload) is not waited for by a pause — it may stream for as long as

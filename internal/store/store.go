@@ -40,38 +40,121 @@ type Store struct {
 
 // db is the connection pool, with connection failures turned into fault.Unavailable:
 // while PostgreSQL is down (restarting, failing over) requests fail with a 503 that
-// clients retry, not with a 500.
+// clients retry, not with a 500. A statement that meets a connection PostgreSQL
+// dropped before the statement reached it (lost) runs again, once, on a fresh
+// connection: after PostgreSQL is back, nobody sees the stale connections of before.
 type db struct{ p *pgxpool.Pool }
+
+// lost reports whether err is a pooled connection found dropped before anything of the
+// statement was sent (pgconn.SafeToRetry: PostgreSQL restarted, failed over, or ended
+// the session), so that running the statement again is safe. Every connection made
+// before is as stale, so the pool drops them all. The pool pings only connections idle
+// for over a second when it hands them out; these were in use just before the drop.
+func (d db) lost(ctx context.Context, err error) bool {
+	if err == nil || ctx.Err() != nil || !pgconn.SafeToRetry(err) ||
+		errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
+		strings.Contains(err.Error(), "conn busy") {
+		return false
+	}
+	d.p.Reset()
+	return true
+}
 
 func (d db) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := d.p.Exec(ctx, sql, args...)
+	if d.lost(ctx, err) {
+		tag, err = d.p.Exec(ctx, sql, args...)
+	}
 	return tag, unavailable(err)
 }
 
 func (d db) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	rows, err := d.p.Query(ctx, sql, args...)
+	if d.lost(ctx, err) {
+		rows, err = d.p.Query(ctx, sql, args...)
+	}
 	if err != nil {
 		return rows, unavailable(err)
 	}
-	return classifiedRows{rows}, nil
+	// A statement the connection had prepared before reports a failed send only when
+	// its rows are read: Next runs it again then.
+	again := func() (pgx.Rows, error) { return d.p.Query(ctx, sql, args...) }
+	return &classifiedRows{Rows: rows, again: again, lost: func(err error) bool { return d.lost(ctx, err) }}, nil
 }
 
 // classifiedRows reports a connection lost while reading rows as fault.Unavailable too:
 // pgx's Query often returns at once and the failure comes from Next, Scan or Err (a
 // list right after PostgreSQL restarted answered 500 instead of 503).
-type classifiedRows struct{ pgx.Rows }
-
-func (r classifiedRows) Err() error { return unavailable(r.Rows.Err()) }
-
-func (r classifiedRows) Scan(dest ...any) error { return unavailable(r.Rows.Scan(dest...)) }
-
-func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return row{d.p.QueryRow(ctx, sql, args...)}
+type classifiedRows struct {
+	pgx.Rows
+	// again runs the query once more, if its first Next found the connection lost.
+	again func() (pgx.Rows, error)
+	lost  func(error) bool
+	err   error // of again
 }
 
-type row struct{ r pgx.Row }
+func (r *classifiedRows) Next() bool {
+	if r.err != nil {
+		return false
+	}
+	if r.Rows.Next() {
+		r.again = nil
+		return true
+	}
+	again := r.again
+	r.again = nil
+	if again == nil || !r.lost(r.Rows.Err()) {
+		return false
+	}
+	r.Rows.Close()
+	rows, err := again()
+	if err != nil {
+		r.err = err
+		return false
+	}
+	r.Rows = rows
+	return r.Rows.Next()
+}
 
-func (r row) Scan(dest ...any) error { return unavailable(r.r.Scan(dest...)) }
+func (r *classifiedRows) Err() error {
+	if r.err != nil {
+		return unavailable(r.err)
+	}
+	return unavailable(r.Rows.Err())
+}
+
+func (r *classifiedRows) Scan(dest ...any) error { return unavailable(r.Rows.Scan(dest...)) }
+
+func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return row{r: d.p.QueryRow(ctx, sql, args...), again: func() pgx.Row { return d.p.QueryRow(ctx, sql, args...) },
+		lost: func(err error) bool { return d.lost(ctx, err) }}
+}
+
+type row struct {
+	r     pgx.Row
+	again func() pgx.Row
+	lost  func(error) bool
+}
+
+func (r row) Scan(dest ...any) error {
+	err := r.r.Scan(dest...)
+	if r.lost(err) {
+		err = r.again().Scan(dest...)
+	}
+	return unavailable(err)
+}
+
+// Begin starts a transaction (pgx.BeginFunc's way in), again on a fresh connection if
+// the first was lost: a BEGIN changes nothing, so it is also begun again when the
+// connection was lost after it was sent (PostgreSQL ended the session meanwhile).
+func (d db) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := d.p.Begin(ctx)
+	if err != nil && ctx.Err() == nil && fault.KindOf(unavailable(err)) == fault.Unavailable {
+		d.p.Reset()
+		tx, err = d.p.Begin(ctx)
+	}
+	return tx, err
+}
 
 // unavailable marks errors that mean the database cannot be reached (as opposed to a
 // query's own failure) as fault.Unavailable.
@@ -181,7 +264,7 @@ type Tx struct {
 
 // InTx runs fn in a transaction, committing if fn returns nil.
 func (s *Store) InTx(ctx context.Context, fn func(tx *Tx) error) error {
-	return unavailable(pgx.BeginFunc(ctx, s.pool.p, func(t pgx.Tx) error { return fn(&Tx{tx: t}) }))
+	return unavailable(pgx.BeginFunc(ctx, s.pool, func(t pgx.Tx) error { return fn(&Tx{tx: t}) }))
 }
 
 func notFound(err error, what string, id string) error {

@@ -1389,8 +1389,10 @@ func TestReportObservedInOneStatement(t *testing.T) {
 }
 
 // TestLostConnectionIsUnavailable: a query on a connection PostgreSQL has dropped (it
-// restarted, or an operator ended the session) fails as fault.Unavailable — a 503
-// clients retry — also when the failure only shows while reading the rows.
+// restarted, or an operator ended the session) either runs again on a fresh connection
+// (when it was not sent: TestStatementsRunAgainOnDroppedConnections) or fails as
+// fault.Unavailable — a 503 clients retry — also when the failure only shows while
+// reading the rows; never as another error.
 func TestLostConnectionIsUnavailable(t *testing.T) {
 	st, ctx := open(t)
 	if _, err := st.ListSandboxes(ctx, store.SandboxFilter{}); err != nil {
@@ -1406,10 +1408,7 @@ func TestLostConnectionIsUnavailable(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = st.ListSandboxes(ctx, store.SandboxFilter{})
-	if err == nil {
-		t.Fatal("a list on a terminated connection succeeded")
-	}
-	if !fault.Is(err, fault.Unavailable) {
+	if err != nil && !fault.Is(err, fault.Unavailable) {
 		t.Fatalf("a list on a terminated connection: %v (%s), want unavailable", err, fault.KindOf(err))
 	}
 	// The pool replaces the connections (each dropped one fails once, as above).
