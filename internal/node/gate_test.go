@@ -153,34 +153,9 @@ func TestGatedTransportCountsUntilHeaders(t *testing.T) {
 		}
 		got <- resp
 	}()
-	// Wait until the request is under way.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		g.mu.Lock()
-		n := g.inflight
-		g.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the request never passed the gate")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitUnderWay(t, &g, 1)
 	held := make(chan func(), 1)
-	go func() { held <- g.hold(context.Background()) }()
-	select {
-	case <-held:
-		t.Fatal("the pause began before the answer did")
-	case <-time.After(50 * time.Millisecond):
-	}
-	close(answer)
-	select {
-	case release := <-held:
-		release()
-	case <-time.After(5 * time.Second):
-		t.Fatal("the pause waited for the body of an answer that had begun")
-	}
+	pauseWaitsFor(t, &g, held, answer)
 	if resp := <-got; resp != nil {
 		_ = resp.Body.Close()
 	}
@@ -252,19 +227,35 @@ func TestGatedTransportIgnoresStreamingBodies(t *testing.T) {
 	}
 	_ = pw.Close()
 	// Now its body is sent: the next pause waits for its answer.
+	waitUnderWay(t, &g, 1)
+	pauseWaitsFor(t, &g, held, answer)
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitUnderWay waits until n requests are under way at g.
+func waitUnderWay(t *testing.T, g *gate, n int) {
+	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		g.mu.Lock()
-		n := g.inflight
+		got := g.inflight
 		g.mu.Unlock()
-		if n == 1 {
-			break
+		if got == n {
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("a request whose body was sent is not under way")
+			t.Fatalf("%d requests under way, want %d", got, n)
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// pauseWaitsFor checks that a pause of g begins only once answer is closed (it closes
+// it).
+func pauseWaitsFor(t *testing.T, g *gate, held chan func(), answer chan struct{}) {
+	t.Helper()
 	go func() { held <- g.hold(context.Background()) }()
 	select {
 	case <-held:
@@ -276,9 +267,6 @@ func TestGatedTransportIgnoresStreamingBodies(t *testing.T) {
 	case release := <-held:
 		release()
 	case <-time.After(5 * time.Second):
-		t.Fatal("the pause did not begin after the answer")
-	}
-	if err := <-got; err != nil {
-		t.Fatal(err)
+		t.Fatal("the pause did not begin once the answer had")
 	}
 }
