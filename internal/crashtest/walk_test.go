@@ -3,6 +3,7 @@ package crashtest_test
 import (
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -94,9 +95,26 @@ type scenario struct {
 // create makes a sandbox, writes the disk marker and, if proc, starts a long process.
 func create(t *testing.T, s *server, proc bool) (string, int) {
 	t.Helper()
-	sb, err := s.C.CreateAndWait(ctx(t, time.Minute), api.CreateSandboxRequest{})
+	// As a client should: a create that met PostgreSQL restarting (a pgkill point taken
+	// late, by work that went on after the last check) answers 503 and is sent again
+	// under the same idempotency key, so it is made once.
+	c := ctx(t, time.Minute)
+	key := fmt.Sprintf("walk-%d", time.Now().UnixNano())
+	var sb *api.Sandbox
+	var err error
+	for {
+		sb, err = s.C.CreateSandbox(c, api.CreateSandboxRequest{}, key)
+		var ae *client.Error
+		if err == nil || !errors.As(err, &ae) || ae.Status != http.StatusServiceUnavailable || c.Err() != nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	if err != nil {
 		t.Fatalf("create: %v", err)
+	}
+	if op, err := s.C.WaitOperation(c, sb.Operation.ID); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("create: %+v %v", op, err)
 	}
 	if err := os.WriteFile(s.markerPath(sb.ID), []byte(sb.ID), 0o644); err != nil {
 		t.Fatal(err)
