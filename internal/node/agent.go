@@ -49,10 +49,14 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 		n.mu.Lock()
 		ready, brief := n.ready[id], n.brief[id]
 		if ready {
-			c := n.agentLocked(id)
+			c := n.gated[id]
+			if c == nil {
+				g := n.gates.get(id)
+				c = n.agentLocked(id).Through(func(rt http.RoundTripper) http.RoundTripper { return &gatedTransport{g: g, inner: rt} })
+				n.gated[id] = c
+			}
 			n.mu.Unlock()
-			g := n.gates.get(id)
-			return c.Through(func(rt http.RoundTripper) http.RoundTripper { return &gatedTransport{g: g, inner: rt} }), nil
+			return c, nil
 		}
 		n.mu.Unlock()
 		if !brief || time.Now().After(deadline) {
@@ -102,6 +106,7 @@ func (n *Node) dropAgent(id string) {
 	n.mu.Lock()
 	c := n.agents[id]
 	delete(n.agents, id)
+	delete(n.gated, id)
 	delete(n.ready, id)
 	delete(n.active, id)
 	delete(n.seenOutput, id)

@@ -79,23 +79,19 @@ func (gs *gates) forget(id string) {
 func (g *gate) enter(ctx context.Context) error {
 	deadline := time.NewTimer(gateWaitTimeout)
 	defer deadline.Stop()
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for g.holds > 0 {
-		opened := g.opened
-		g.mu.Unlock()
+	for {
+		opened := g.openedChan()
+		if opened == nil {
+			return nil
+		}
 		select {
 		case <-opened:
 		case <-ctx.Done():
-			g.mu.Lock()
 			return ctx.Err()
 		case <-deadline.C:
-			g.mu.Lock()
 			return fault.New(fault.Unavailable, "sandbox is paused by its node for longer than %s", gateWaitTimeout)
 		}
-		g.mu.Lock()
 	}
-	return nil
 }
 
 // openedChan returns the channel closed when a closed gate opens again; nil when the
@@ -171,27 +167,7 @@ func (g *gate) hold(ctx context.Context) (release func()) {
 	}
 	g.holds++
 	g.mu.Unlock()
-	t := time.NewTimer(drainTimeout)
-	defer t.Stop()
-	for {
-		g.mu.Lock()
-		if g.inflight == 0 {
-			g.mu.Unlock()
-			break
-		}
-		if g.drained == nil {
-			g.drained = make(chan struct{})
-		}
-		drained := g.drained
-		g.mu.Unlock()
-		select {
-		case <-drained:
-			continue
-		case <-ctx.Done():
-		case <-t.C:
-		}
-		break
-	}
+	g.drain(ctx)
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -202,6 +178,31 @@ func (g *gate) hold(ctx context.Context) (release func()) {
 				close(g.opened)
 			}
 		})
+	}
+}
+
+// drain waits (up to drainTimeout, or ctx) until no request is under way.
+func (g *gate) drain(ctx context.Context) {
+	t := time.NewTimer(drainTimeout)
+	defer t.Stop()
+	for {
+		g.mu.Lock()
+		if g.inflight == 0 {
+			g.mu.Unlock()
+			return
+		}
+		if g.drained == nil {
+			g.drained = make(chan struct{})
+		}
+		drained := g.drained
+		g.mu.Unlock()
+		select {
+		case <-drained:
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			return
+		}
 	}
 }
 

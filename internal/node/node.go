@@ -140,8 +140,10 @@ type Node struct {
 	mu       sync.Mutex
 	works    map[string]chan struct{}
 	agents   map[string]*agentclient.Client
-	active   map[string]time.Time
-	ready    map[string]bool
+	// gated are the data plane's clients of the agents: agents' through their gate.
+	gated  map[string]*agentclient.Client
+	active map[string]time.Time
+	ready  map[string]bool
 	// brief marks sandboxes paused for a moment by the node itself (moves.go).
 	brief map[string]bool
 	// gates hold the data plane's agent requests back while the node pauses a
@@ -205,7 +207,7 @@ func New(cfg Config) (*Node, error) {
 	}
 	return &Node{
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
-		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{},
+		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, gated: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),

@@ -76,43 +76,45 @@ func (d db) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error
 	if err != nil {
 		return rows, unavailable(err)
 	}
-	// A statement the connection had prepared before reports a failed send only when
-	// its rows are read: Next runs it again then.
-	again := func() (pgx.Rows, error) { return d.p.Query(ctx, sql, args...) }
-	return &classifiedRows{Rows: rows, again: again, lost: func(err error) bool { return d.lost(ctx, err) }}, nil
+	return &classifiedRows{Rows: rows, q: query{d, ctx, sql, args}}, nil
+}
+
+// query is a statement as it was asked for, to run it again.
+type query struct {
+	d    db
+	ctx  context.Context
+	sql  string
+	args []any
 }
 
 // classifiedRows reports a connection lost while reading rows as fault.Unavailable too:
 // pgx's Query often returns at once and the failure comes from Next, Scan or Err (a
-// list right after PostgreSQL restarted answered 500 instead of 503).
+// list right after PostgreSQL restarted answered 500 instead of 503). A statement the
+// connection had prepared before reports a failed send only then: the first Next runs
+// it again.
 type classifiedRows struct {
 	pgx.Rows
-	// again runs the query once more, if its first Next found the connection lost.
-	again func() (pgx.Rows, error)
-	lost  func(error) bool
-	err   error // of again
+	q       query
+	started bool  // Next was called: the query is not run again
+	err     error // of running it again
 }
 
 func (r *classifiedRows) Next() bool {
 	if r.err != nil {
 		return false
 	}
+	first := !r.started
+	r.started = true
 	if r.Rows.Next() {
-		r.again = nil
 		return true
 	}
-	again := r.again
-	r.again = nil
-	if again == nil || !r.lost(r.Rows.Err()) {
+	if !first || !r.q.d.lost(r.q.ctx, r.Rows.Err()) {
 		return false
 	}
 	r.Rows.Close()
-	rows, err := again()
-	if err != nil {
-		r.err = err
+	if r.Rows, r.err = r.q.d.p.Query(r.q.ctx, r.q.sql, r.q.args...); r.err != nil {
 		return false
 	}
-	r.Rows = rows
 	return r.Rows.Next()
 }
 
@@ -126,20 +128,19 @@ func (r *classifiedRows) Err() error {
 func (r *classifiedRows) Scan(dest ...any) error { return unavailable(r.Rows.Scan(dest...)) }
 
 func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return row{r: d.p.QueryRow(ctx, sql, args...), again: func() pgx.Row { return d.p.QueryRow(ctx, sql, args...) },
-		lost: func(err error) bool { return d.lost(ctx, err) }}
+	return row{r: d.p.QueryRow(ctx, sql, args...), q: query{d, ctx, sql, args}}
 }
 
+// row is a QueryRow's row; a lost connection runs the statement again (db.lost).
 type row struct {
-	r     pgx.Row
-	again func() pgx.Row
-	lost  func(error) bool
+	r pgx.Row
+	q query
 }
 
 func (r row) Scan(dest ...any) error {
 	err := r.r.Scan(dest...)
-	if r.lost(err) {
-		err = r.again().Scan(dest...)
+	if r.q.d.lost(r.q.ctx, err) {
+		err = r.q.d.p.QueryRow(r.q.ctx, r.q.sql, r.q.args...).Scan(dest...)
 	}
 	return unavailable(err)
 }
