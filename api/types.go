@@ -415,7 +415,11 @@ type ExitEvent struct {
 	ExitCode *int   `json:"exit_code,omitempty"`
 	Signal   string `json:"signal,omitempty"`
 	Offset   int64  `json:"offset"`
-	Error    string `json:"error,omitempty"`
+	// Error says why the program could not be run (exit code 127: not found; 126:
+	// any other failure to execute it).
+	Error string `json:"error,omitempty"`
+	// TimedOut says the process was killed because its timeout passed.
+	TimedOut bool `json:"timed_out,omitempty"`
 }
 
 // LostEvent is the data of the "lost" event.

@@ -318,25 +318,28 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 // (128+n for a signal n, -1 if the exit status is unknown). A command that needs no
 // stdin and no terminal runs in one request (Run); others through a command session.
 func (c *Client) Exec(ctx context.Context, sandboxID string, req api.CreateSessionRequest, out Output) (int, error) {
-	if req.PTY == nil && !req.Stdin && req.PID == 0 && len(req.Rights) == 0 && req.TokenTTL == "" {
-		exit, err := c.Run(ctx, sandboxID, api.ExecRequest{Argv: req.Argv, Command: req.Command, Env: req.Env,
-			Cwd: req.Cwd, User: req.User, Timeout: req.Timeout}, out)
-		if !errors.Is(err, errNoExecRoute) {
-			if err != nil {
-				return -1, err
-			}
-			return ExitCode(exit), nil
-		}
-	}
-	sess, err := c.CreateSession(ctx, sandboxID, req)
-	if err != nil {
-		return -1, err
-	}
-	exit, err := c.Follow(ctx, sess, out)
+	exit, err := c.ExecExit(ctx, sandboxID, req, out)
 	if err != nil {
 		return -1, err
 	}
 	return ExitCode(exit), nil
+}
+
+// ExecExit is Exec returning the command's exit event (its exit code or signal, why it
+// could not be run, whether it timed out) instead of a shell-style exit code.
+func (c *Client) ExecExit(ctx context.Context, sandboxID string, req api.CreateSessionRequest, out Output) (*api.ExitEvent, error) {
+	if req.PTY == nil && !req.Stdin && req.PID == 0 && len(req.Rights) == 0 && req.TokenTTL == "" {
+		exit, err := c.Run(ctx, sandboxID, api.ExecRequest{Argv: req.Argv, Command: req.Command, Env: req.Env,
+			Cwd: req.Cwd, User: req.User, Timeout: req.Timeout}, out)
+		if !errors.Is(err, errNoExecRoute) {
+			return exit, err
+		}
+	}
+	sess, err := c.CreateSession(ctx, sandboxID, req)
+	if err != nil {
+		return nil, err
+	}
+	return c.Follow(ctx, sess, out)
 }
 
 // ExitCode turns an exit event into a shell-style exit code.

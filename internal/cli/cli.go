@@ -17,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 )
 
@@ -37,6 +38,25 @@ type Env struct {
 type ExitError struct{ Code int }
 
 func (e *ExitError) Error() string { return fmt.Sprintf("exit status %d", e.Code) }
+
+// processExit is space's own exit for a process's exit event: the process's exit code
+// (128+N when signal N ended it), with a line on stderr when the program did not
+// choose its end: it could not be run, its timeout passed, or a signal killed it (as a
+// shell does, not for SIGINT and SIGPIPE, which a user or a closed pipe sends).
+func (a *app) processExit(exit *api.ExitEvent) error {
+	switch {
+	case exit.Error != "":
+		fmt.Fprintf(a.env.Stderr, "space: %s\n", exit.Error)
+	case exit.TimedOut:
+		fmt.Fprintf(a.env.Stderr, "space: timed out: the process was killed (%s)\n", exit.Signal)
+	case exit.Signal != "" && exit.Signal != "SIGINT" && exit.Signal != "SIGPIPE":
+		fmt.Fprintf(a.env.Stderr, "space: the process was killed by %s\n", exit.Signal)
+	}
+	if code := client.ExitCode(exit); code != 0 {
+		return &ExitError{Code: code}
+	}
+	return nil
+}
 
 // app holds the parsed global flags.
 type app struct {

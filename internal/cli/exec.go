@@ -21,7 +21,9 @@ func (a *app) execCmd() *cobra.Command {
 		Short: "Run a command in a sandbox and stream its output",
 		Long: `Run a command in a sandbox. Its stdout and stderr stream to this terminal's stdout
 and stderr, and space exits with the command's exit code (128+N when it died of
-signal N). Without -i and -t the command is started and streamed in one request
+signal N). When the command did not choose its end, a line on stderr says why: it
+could not be run (exit code 127: not found, 126: not executable), its --timeout
+passed, or a signal killed it (as a shell does, not for SIGINT and SIGPIPE). Without -i and -t the command is started and streamed in one request
 (POST /v1/sandboxes/{id}/exec), which the server serves with one call to the
 sandbox's agent; output arrives as raw bytes in binary frames (no base64: see
 docs/dataplane.md), written to this terminal exactly as the command wrote them. A
@@ -51,17 +53,14 @@ pseudo-terminal (raw mode, resized with the terminal).`,
 			if interactive || tty {
 				return a.interactive(cmd, c, args[0], req, tty)
 			}
-			code, err := c.Exec(cmdContext(cmd), args[0], req, client.Output{Stdout: a.env.Stdout, Stderr: a.env.Stderr,
+			exit, err := c.ExecExit(cmdContext(cmd), args[0], req, client.Output{Stdout: a.env.Stdout, Stderr: a.env.Stderr,
 				OnGap: func(g api.GapEvent) {
 					fmt.Fprintf(a.env.Stderr, "space: %d bytes of output were dropped (journal overflow)\n", g.Dropped)
 				}})
 			if err != nil {
 				return err
 			}
-			if code != 0 {
-				return &ExitError{Code: code}
-			}
-			return nil
+			return a.processExit(exit)
 		},
 	}
 	f := cmd.Flags()

@@ -80,10 +80,7 @@ func (a *app) follow(cmd *cobra.Command, sandbox, pidArg string, from string) er
 	if err != nil {
 		return err
 	}
-	if code := client.ExitCode(exit); code != 0 {
-		return &ExitError{Code: code}
-	}
-	return nil
+	return a.processExit(exit)
 }
 
 func (a *app) attachCmd() *cobra.Command {
@@ -154,5 +151,9 @@ func (a *app) killCmd() *cobra.Command {
 }
 
 func (a *app) interactive(cmd *cobra.Command, c *client.Client, sandbox string, req api.CreateSessionRequest, tty bool) error {
-	return runInteractive(cmdContext(cmd), a.env, c, sandbox, req, tty)
+	exit, err := runInteractive(cmdContext(cmd), a.env, c, sandbox, req, tty)
+	if err != nil {
+		return err
+	}
+	return a.processExit(exit)
 }

@@ -15,8 +15,9 @@ import (
 )
 
 // runInteractive runs a command with this terminal's stdin forwarded and, with tty, on
-// a pseudo-terminal in raw mode that follows this terminal's size.
-func runInteractive(ctx context.Context, env *Env, c *client.Client, sandbox string, req api.CreateSessionRequest, tty bool) error {
+// a pseudo-terminal in raw mode that follows this terminal's size, and returns its exit
+// event once the terminal is restored.
+func runInteractive(ctx context.Context, env *Env, c *client.Client, sandbox string, req api.CreateSessionRequest, tty bool) (*api.ExitEvent, error) {
 	req.Stdin = true
 	in, isFile := env.Stdin.(*os.File)
 	if tty {
@@ -30,12 +31,12 @@ func runInteractive(ctx context.Context, env *Env, c *client.Client, sandbox str
 	}
 	sess, err := c.CreateSession(ctx, sandbox, req)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if tty && isFile && term.IsTerminal(int(in.Fd())) {
 		old, err := term.MakeRaw(int(in.Fd()))
 		if err != nil {
-			return fmt.Errorf("raw terminal: %w", err)
+			return nil, fmt.Errorf("raw terminal: %w", err)
 		}
 		defer term.Restore(int(in.Fd()), old)
 		winch := make(chan os.Signal, 1)
@@ -71,18 +72,11 @@ func runInteractive(ctx context.Context, env *Env, c *client.Client, sandbox str
 			}
 		}
 	}()
-	exit, err := c.Follow(ctx, sess, client.Output{Stdout: env.Stdout, Stderr: env.Stderr,
+	return c.Follow(ctx, sess, client.Output{Stdout: env.Stdout, Stderr: env.Stderr,
 		OnStart: func(api.StartEvent) {
 			if !once {
 				once = true
 				close(started)
 			}
 		}})
-	if err != nil {
-		return err
-	}
-	if code := client.ExitCode(exit); code != 0 {
-		return &ExitError{Code: code}
-	}
-	return nil
 }

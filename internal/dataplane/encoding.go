@@ -157,5 +157,5 @@ func gapDropped(f wire.Frame) int64 {
 func exitEvent(f wire.Frame) api.ExitEvent {
 	var ex wire.Exit
 	_ = json.Unmarshal(f.Payload, &ex)
-	return api.ExitEvent{ExitCode: ex.ExitCode, Signal: ex.Signal, Offset: f.Offset, Error: ex.Error}
+	return api.ExitEvent{ExitCode: ex.ExitCode, Signal: ex.Signal, Offset: f.Offset, Error: ex.Error, TimedOut: ex.TimedOut}
 }

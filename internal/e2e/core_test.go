@@ -56,8 +56,15 @@ func TestEndToEnd(t *testing.T) {
 	if code != 0 || out != "/home/user\n/tmp\nuser\n" {
 		t.Fatalf("ls/stat: exit %d, %q %q", code, out, stderr)
 	}
-	if _, _, code = s.cli(t, "exec", id, "--", "no-such-program"); code != 127 {
-		t.Fatalf("exec of a missing program: exit %d, want 127", code)
+	// An end the program did not choose is explained on stderr; the exit code stays.
+	if _, stderr, code = s.cli(t, "exec", id, "--", "no-such-program"); code != 127 || !strings.Contains(stderr, "no-such-program: executable file not found") {
+		t.Fatalf("exec of a missing program: exit %d, stderr %q, want 127 and why", code, stderr)
+	}
+	if _, stderr, code = s.cli(t, "exec", id, "--timeout", "1s", "--", "sleep", "60"); code != 137 || !strings.Contains(stderr, "timed out") {
+		t.Fatalf("exec past its timeout: exit %d, stderr %q, want 137 and why", code, stderr)
+	}
+	if _, stderr, code = s.cli(t, "exec", id, "--", "sh", "-c", "kill -TERM $$"); code != 143 || stderr != "space: the process was killed by SIGTERM\n" {
+		t.Fatalf("exec of a process a signal kills: exit %d, stderr %q", code, stderr)
 	}
 
 	// List with filters, text and JSON.

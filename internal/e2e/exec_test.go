@@ -78,6 +78,19 @@ func TestExecRoute(t *testing.T) {
 		t.Fatalf("got %d bytes with sha256 %x, want 8 MiB with %s", data.Len(), sum, out[:64])
 	}
 
+	// A timeout's kill says so in the exit event, on the one-request route and a session.
+	x, err = s.C.Run(c, sb.ID, api.ExecRequest{Argv: []string{"sleep", "60"}, Timeout: "500ms"}, client.Output{})
+	if err != nil || !x.TimedOut || x.Signal != "SIGKILL" {
+		t.Fatalf("exec past its timeout: %+v %v", x, err)
+	}
+	sess, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Argv: []string{"sleep", "60"}, Timeout: "500ms"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if x, err = s.C.Follow(c, sess, client.Output{}); err != nil || !x.TimedOut {
+		t.Fatalf("session past its timeout: %+v %v", x, err)
+	}
+
 	// The CLI.
 	stdout, stderr, code := s.cli(t, "exec", sb.ID, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
 	if stdout != "out\n" || stderr != "err\n" || code != 3 {

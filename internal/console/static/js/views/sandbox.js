@@ -442,7 +442,9 @@ class OutputView {
               this.pre.append(h('span', { class: 'note' }, `[${d.dropped} bytes fell out of the journal before this reader got them]\n`));
             } else if (ev.event === 'exit') {
               exited = true;
-              const how = d.signal ? `killed by ${d.signal}` : `exited with code ${d.exit_code}`;
+              const how = d.error ? `could not be run: ${d.error}`
+                : d.timed_out ? `timed out and was killed by ${d.signal}`
+                : d.signal ? `killed by ${d.signal}` : `exited with code ${d.exit_code}`;
               this.state.textContent = `Process ${how} (${d.offset} bytes of output).`;
               announce('Process ' + how);
               if (this.onExit) this.onExit();
