@@ -328,13 +328,16 @@ const (
 
 // Process describes one process in a sandbox.
 type Process struct {
-	PID       int        `json:"pid"`
-	Argv      []string   `json:"argv"`
-	Cwd       string     `json:"cwd,omitempty"`
-	User      string     `json:"user,omitempty"`
-	State     string     `json:"state"` // created, running, exited
-	ExitCode  *int       `json:"exit_code,omitempty"`
-	Signal    string     `json:"signal,omitempty"`
+	PID      int      `json:"pid"`
+	Argv     []string `json:"argv"`
+	Cwd      string   `json:"cwd,omitempty"`
+	User     string   `json:"user,omitempty"`
+	State    string   `json:"state"` // created, running, exited
+	ExitCode *int     `json:"exit_code,omitempty"`
+	Signal   string   `json:"signal,omitempty"`
+	// Error says why the program could not be run; TimedOut that its timeout killed it.
+	Error     string     `json:"error,omitempty"`
+	TimedOut  bool       `json:"timed_out,omitempty"`
 	PTY       bool       `json:"pty,omitempty"`
 	Stdin     bool       `json:"stdin,omitempty"`
 	StartedAt *time.Time `json:"started_at,omitempty"`

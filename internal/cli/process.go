@@ -45,6 +45,9 @@ func (a *app) psCmd() *cobra.Command {
 				case p.Signal != "":
 					exit = p.Signal
 				}
+				if p.TimedOut {
+					exit += " (timed out)"
+				}
 				started := "-"
 				if p.StartedAt != nil {
 					started = ago(*p.StartedAt)

@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -82,6 +83,13 @@ func TestExecRoute(t *testing.T) {
 	x, err = s.C.Run(c, sb.ID, api.ExecRequest{Argv: []string{"sleep", "60"}, Timeout: "500ms"}, client.Output{})
 	if err != nil || !x.TimedOut || x.Signal != "SIGKILL" {
 		t.Fatalf("exec past its timeout: %+v %v", x, err)
+	}
+	procs, err := s.C.ListProcesses(c, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(procs, func(p api.Process) bool { return p.TimedOut }); i < 0 || procs[i].Signal != "SIGKILL" || procs[i].Argv[0] != "sleep" {
+		t.Fatalf("the timed-out process is not listed as such: %+v", procs)
 	}
 	sess, err := s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Argv: []string{"sleep", "60"}, Timeout: "500ms"})
 	if err != nil {

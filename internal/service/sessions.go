@@ -226,7 +226,7 @@ func ProcessSpec(req *api.CreateSessionRequest) (*wire.ProcessSpec, error) {
 // processFromWire converts an agent process record to its API form.
 func processFromWire(p wire.ProcessInfo) api.Process {
 	return api.Process{PID: p.PID, Argv: p.Argv, Cwd: p.Cwd, User: p.User, State: p.State, ExitCode: p.ExitCode,
-		Signal: p.Signal, PTY: p.PTY, Stdin: p.Stdin, StartedAt: p.StartedAt, EndedAt: p.EndedAt}
+		Signal: p.Signal, Error: p.Error, TimedOut: p.TimedOut, PTY: p.PTY, Stdin: p.Stdin, StartedAt: p.StartedAt, EndedAt: p.EndedAt}
 }
 
 // Processes lists a sandbox's processes (running and recently exited).

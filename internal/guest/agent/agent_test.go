@@ -392,6 +392,9 @@ func TestExecFailures(t *testing.T) {
 		if exitCode(t, r.exit) != tc.code || !strings.Contains(r.exit.Error, tc.msg) {
 			t.Errorf("%v: exit %+v, want code %d and %q", tc.argv, r.exit, tc.code, tc.msg)
 		}
+		if info, err := e.c.Proc(pi.PID, pi.UID).Info(ctx); err != nil || info.Error != r.exit.Error {
+			t.Errorf("%v: process record %+v %v, want the exit's error", tc.argv, info, err)
+		}
 	}
 }
 
@@ -722,9 +725,13 @@ func TestTimeout(t *testing.T) {
 	needTools(t, "sleep")
 	e := startAgent(t, nil)
 	start := time.Now()
-	_, r := e.run(t, wire.ProcessSpec{Argv: []string{"sh", "-c", "echo go; sleep 100"}, TimeoutMs: 300})
+	pi, r := e.run(t, wire.ProcessSpec{Argv: []string{"sh", "-c", "echo go; sleep 100"}, TimeoutMs: 300})
 	if r.exit.Signal != "SIGKILL" || !r.exit.TimedOut || string(r.stdout) != "go\n" {
 		t.Fatalf("exit %+v output %q", r.exit, r.all)
+	}
+	// The process's record says so too.
+	if info, err := e.c.Proc(pi.PID, pi.UID).Info(testCtx(t, 10*time.Second)); err != nil || !info.TimedOut || info.Signal != "SIGKILL" {
+		t.Fatalf("process after its timeout: %+v %v", info, err)
 	}
 	if d := time.Since(start); d < 300*time.Millisecond || d > 10*time.Second {
 		t.Fatalf("timeout took %v", d)

@@ -656,6 +656,8 @@ func (p *process) info() wire.ProcessInfo {
 		pi.EndedAt = &t
 		pi.ExitCode = p.exit.ExitCode
 		pi.Signal = p.exit.Signal
+		pi.Error = p.exit.Error
+		pi.TimedOut = p.exit.TimedOut
 	}
 	return pi
 }

@@ -172,19 +172,22 @@ type ProcessInfo struct {
 	// boot id and a sequence number): a pid can be reused after the sandbox's instance
 	// was lost, a UID never is. Requests may name it (?uid=) to be sure to reach this
 	// process and no other (410 ErrCodeProcessGone otherwise).
-	UID       string            `json:"uid"`
-	Argv      []string          `json:"argv"`
-	Env       map[string]string `json:"env,omitempty"`
-	Cwd       string            `json:"cwd,omitempty"`
-	User      string            `json:"user,omitempty"`
-	Tag       string            `json:"tag,omitempty"`
-	State     string            `json:"state"` // created, running, exited
-	ExitCode  *int              `json:"exit_code,omitempty"`
-	Signal    string            `json:"signal,omitempty"`
-	PTY       bool              `json:"pty,omitempty"`
-	Stdin     bool              `json:"stdin,omitempty"`
-	StartedAt *time.Time        `json:"started_at,omitempty"`
-	EndedAt   *time.Time        `json:"ended_at,omitempty"`
+	UID      string            `json:"uid"`
+	Argv     []string          `json:"argv"`
+	Env      map[string]string `json:"env,omitempty"`
+	Cwd      string            `json:"cwd,omitempty"`
+	User     string            `json:"user,omitempty"`
+	Tag      string            `json:"tag,omitempty"`
+	State    string            `json:"state"` // created, running, exited
+	ExitCode *int              `json:"exit_code,omitempty"`
+	Signal   string            `json:"signal,omitempty"`
+	// Error and TimedOut are those of the exit (Exit) once the process exited.
+	Error     string     `json:"error,omitempty"`
+	TimedOut  bool       `json:"timed_out,omitempty"`
+	PTY       bool       `json:"pty,omitempty"`
+	Stdin     bool       `json:"stdin,omitempty"`
+	StartedAt *time.Time `json:"started_at,omitempty"`
+	EndedAt   *time.Time `json:"ended_at,omitempty"`
 	// Written is the total number of output bytes produced so far (journal end offset).
 	Written int64 `json:"written"`
 	// Retained is the first offset still held in the journal.

@@ -211,7 +211,7 @@ export function render(main, ctx, id, tab) {
         replace(procBody, list.length ? list.map((pr) => h('tr', { 'data-pid': pr.pid },
           h('td', { class: 'num' }, pr.pid), h('td', { class: 'mono' }, (pr.argv || []).join(' ')),
           h('td', {}, badge(pr.state === 'exited' ? (pr.exit_code === 0 ? 'succeeded' : 'failed') : pr.state), pr.pty ? ' pty' : ''),
-          h('td', {}, pr.exit_code !== undefined && pr.exit_code !== null ? String(pr.exit_code) : (pr.signal || '')),
+          h('td', {}, (pr.exit_code !== undefined && pr.exit_code !== null ? String(pr.exit_code) : (pr.signal || '')) + (pr.timed_out ? ' (timed out)' : '')),
           h('td', {}, timeEl(pr.started_at)),
           h('td', {}, h('button', {
             type: 'button', class: 'small', 'aria-label': 'View output of pid ' + pr.pid,
