@@ -275,12 +275,13 @@ type Execution struct {
 	untrack func()
 }
 
-// Close ends the output stream.
+// Close ends the output stream: the stream first, so that a stream read to its exit
+// leaves its agent connection for the next command, then its context.
 func (x *Execution) Close() {
-	x.cancel()
 	if x.Out != nil {
 		_ = x.Out.Close()
 	}
+	x.cancel()
 	x.untrack()
 }
 

@@ -2,12 +2,16 @@ package agent_test
 
 import (
 	"bytes"
+	"context"
+	"net"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/spacedev/space/internal/guest/agent"
+	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
@@ -118,3 +122,46 @@ func TestSlowReaderLosesNothing(t *testing.T) {
 	}
 	t.Logf("%d MiB in %d frames, no gap", got>>20, frames)
 }
+
+// Commands one after another reuse one connection to the agent: a stream read to its
+// exit frame and closed leaves its connection to the client's pool (a new connection
+// costs a dial and, under gVisor, an accept in the sandbox per command).
+func TestExecReusesConnections(t *testing.T) {
+	e := startAgent(t, nil)
+	var dials atomic.Int32
+	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
+		dials.Add(1)
+		conn, err := agentclient.DialUnix(e.sock)(ctx)
+		return byteConn{conn}, err
+	})
+	defer c.CloseIdleConnections()
+	ctx := testCtx(t, 30*time.Second)
+	for i := 0; i < 5; i++ {
+		x, err := c.Exec(ctx, wire.ProcessSpec{Argv: []string{"echo", "hi"}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// As the host's relays do: read up to the exit frame, then close.
+		for {
+			f, err := x.Out.Next()
+			if err != nil {
+				t.Fatalf("run %d: %v before the exit frame", i, err)
+			}
+			if f.Type == wire.FrameExit {
+				break
+			}
+		}
+		if err := x.Out.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := dials.Load(); n != 1 {
+		t.Fatalf("5 commands dialed the agent %d times, want 1", n)
+	}
+}
+
+// byteConn reads one byte at a time: the end of an answer after its exit frame is not
+// read ahead with the frame, as when it crosses into a sandbox's host socket later.
+type byteConn struct{ net.Conn }
+
+func (c byteConn) Read(p []byte) (int, error) { return c.Conn.Read(p[:min(len(p), 1)]) }
