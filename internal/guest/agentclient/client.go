@@ -549,6 +549,7 @@ type OutputStream struct {
 	buf    []byte
 	merged []byte
 	exited bool // the exit frame was read
+	closed bool
 }
 
 // After its exit frame, Close reads the rest of a stream (the end of the agent's
@@ -617,8 +618,12 @@ func (s *OutputStream) Buffered() bool { return s.br.Buffered() >= wire.FrameHea
 // close the connection, and the next call would pay a dial (and, under gVisor, an
 // accept in the sandbox). An agent that holds its answer open after the exit gets
 // drainTimeout. Close the stream before cancelling its request's context: a cancelled
-// request closes its connection too.
+// request closes its connection too. Closing again does nothing.
 func (s *OutputStream) Close() error {
+	if s.closed {
+		return nil
+	}
+	s.closed = true
 	if s.exited {
 		t := time.AfterFunc(drainTimeout, func() { _ = s.body.Close() })
 		_, _ = io.Copy(io.Discard, io.LimitReader(s.br, drainMax))
