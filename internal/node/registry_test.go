@@ -85,13 +85,15 @@ func TestNodeEvictsUnusedReleases(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Not placed (no controller): it waits for a node, pinned to the release. It exists
+	// before the releases are old enough to evict: an eviction pass between the two would
+	// rightly take the pending one too (a node pulls it again when it needs it).
+	if _, err := s.C.CreateSandbox(c, api.CreateSandboxRequest{Template: "py@" + pending}, ""); err != nil {
+		t.Fatal(err)
+	}
 	db := s.Store.DB()
 	defer db.Close()
 	if _, err := db.ExecContext(c, `UPDATE template_releases SET created_at = now() - interval '2 hours' WHERE digest IN ($1, $2)`, unused, pending); err != nil {
-		t.Fatal(err)
-	}
-	// Not placed (no controller): it waits for a node, pinned to the release.
-	if _, err := s.C.CreateSandbox(c, api.CreateSandboxRequest{Template: "py@" + pending}, ""); err != nil {
 		t.Fatal(err)
 	}
 	s.Eventually(30*time.Second, "the unused release to be evicted", func() bool {
