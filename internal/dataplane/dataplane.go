@@ -334,15 +334,14 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 		if f.Type == wire.FrameStdout || f.Type == wire.FrameStderr || f.Type == wire.FrameHeartbeat {
 			d.cfg.Node.Touch(g.id) // output and an open stream both count as activity
 		}
-		if f.Type == wire.FrameExit {
-			_ = out.Close() // the agent connection back to the pool first (see API.exec)
-			_ = e.Flush()
-			return nil
-		}
 		if !out.Buffered() {
 			if e.Flush() != nil {
 				return nil
 			}
+		}
+		if f.Type == wire.FrameExit {
+			_ = e.Flush()
+			return nil
 		}
 	}
 }

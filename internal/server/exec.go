@@ -54,10 +54,6 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 		if f.Type == wire.FrameExit {
-			// The agent's answer ends right after its exit: read it to its end before the
-			// client hears of the exit, so that the agent connection is back in the pool
-			// when the client's next command arrives (it would dial another otherwise).
-			_ = x.Out.Close()
 			_ = e.Flush()
 			return nil
 		}

@@ -275,13 +275,12 @@ type Execution struct {
 	untrack func()
 }
 
-// Close ends the output stream: the stream first, so that a stream read to its exit
-// leaves its agent connection for the next command, then its context.
+// Close ends the output stream.
 func (x *Execution) Close() {
+	x.cancel()
 	if x.Out != nil {
 		_ = x.Out.Close()
 	}
-	x.cancel()
 	x.untrack()
 }
 

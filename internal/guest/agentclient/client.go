@@ -548,11 +548,9 @@ type OutputStream struct {
 	br     *bufio.Reader
 	buf    []byte
 	merged []byte
-	exited bool // the exit frame was read
-	closed bool
 }
 
-// After its exit frame, Close reads the rest of a stream (the end of the agent's
+// After its exit frame, Next reads the rest of a stream (the end of the agent's
 // answer) for at most drainTimeout and drainMax bytes.
 const (
 	drainTimeout = time.Second
@@ -561,6 +559,13 @@ const (
 
 // Next returns the next frame; io.EOF at the end of the stream. The payload is only
 // valid until the next call.
+//
+// With the exit frame, Next also reads the stream to its end, which the agent sends
+// right after the exit: an answer read to its end leaves its connection to the client's
+// pool for the next call (whatever the caller does next: close the stream, cancel the
+// request's context), where one closed early would close the connection, and the next
+// call would pay a dial (and, under gVisor, an accept in the sandbox). An agent that
+// holds its answer open after the exit gets drainTimeout.
 func (s *OutputStream) Next() (wire.Frame, error) {
 	f, err := wire.ReadFrame(s.br, s.buf)
 	if err != nil {
@@ -573,7 +578,9 @@ func (s *OutputStream) Next() (wire.Frame, error) {
 		s.buf = f.Payload[:cap(f.Payload)]
 	}
 	if f.Type == wire.FrameExit {
-		s.exited = true
+		t := time.AfterFunc(drainTimeout, func() { _ = s.body.Close() })
+		_, _ = io.Copy(io.Discard, io.LimitReader(s.br, drainMax))
+		t.Stop()
 	}
 	return f, nil
 }
@@ -612,25 +619,8 @@ func (s *OutputStream) NextMerged(max int) (wire.Frame, error) {
 // (a relay flushes its client when it has not).
 func (s *OutputStream) Buffered() bool { return s.br.Buffered() >= wire.FrameHeaderSize }
 
-// Close ends the stream. A stream read to its exit frame is first read to its end,
-// which the agent sends right after the exit: an answer read to its end leaves its
-// connection to the client's pool for the next call, where one closed early would
-// close the connection, and the next call would pay a dial (and, under gVisor, an
-// accept in the sandbox). An agent that holds its answer open after the exit gets
-// drainTimeout. Close the stream before cancelling its request's context: a cancelled
-// request closes its connection too. Closing again does nothing.
-func (s *OutputStream) Close() error {
-	if s.closed {
-		return nil
-	}
-	s.closed = true
-	if s.exited {
-		t := time.AfterFunc(drainTimeout, func() { _ = s.body.Close() })
-		_, _ = io.Copy(io.Discard, io.LimitReader(s.br, drainMax))
-		t.Stop()
-	}
-	return s.body.Close()
-}
+// Close ends the stream.
+func (s *OutputStream) Close() error { return s.body.Close() }
 
 // WaitQuiesced waits (polling every 2 ms) until the agent whose run directory on the
 // host is runDir has closed its listener and connections after Quiesce: then the
