@@ -220,6 +220,12 @@ func TestPlanTable(t *testing.T) {
 		{"running lost instance and disk", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1}, Action{Step: Settle, State: api.StateFailed, Error: "the sandbox's disk is missing", Note: LostInstance}},
 		{"paused lost its instance", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Disk: true}, Action{Step: Resolve, State: St, Note: LostInstance}},
 		{"running but paused on host", Facts{State: R, Desired: R, Generation: 1, ObservedGeneration: 1, Instance: InstancePaused, Disk: true}, Action{Step: Resolve, State: P}},
+		{"paused but running on host", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true}, Action{Step: Resolve, State: R}},
+		// A warm-pool member waits running where the runtime parks members running.
+		{"parked member running", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true, Parked: true}, Action{Step: Nothing}},
+		{"parked member paused", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Instance: InstancePaused, Disk: true, Parked: true}, Action{Step: Nothing}},
+		{"parked member lost its instance", Facts{State: P, Desired: P, Generation: 1, ObservedGeneration: 1, Disk: true, Parked: true}, Action{Step: Resolve, State: St, Note: LostInstance}},
+		{"claimed parked member resumes", Facts{State: P, Desired: R, Generation: 2, ObservedGeneration: 1, Instance: InstanceRunning, Disk: true, NeedsIdentity: true}, Action{Step: Resume}},
 		{"suspended lost its snapshot", Facts{State: S, Desired: S, Generation: 1, ObservedGeneration: 1, Disk: true}, Action{Step: Resolve, State: St, Note: LostSnapshot}},
 		{"wake of suspended without snapshot boots", Facts{State: S, Desired: R, Generation: 2, ObservedGeneration: 1, Disk: true}, Action{Step: Reboot, Note: LostSnapshot}},
 		{"pending clones first", Facts{State: R, Desired: S, Generation: 2, ObservedGeneration: 1, PendingClones: true, Instance: InstanceRunning, Disk: true}, Action{Step: PrepareClones}},

@@ -35,6 +35,9 @@ type Facts struct {
 	// NeedsIdentity: a claimed warm-pool member that has not received its owner's
 	// identity yet.
 	NeedsIdentity bool
+	// Parked: a warm-pool member nobody has claimed. It is recorded paused, and on a
+	// runtime that parks members running (runtime.Caps.ParkRunning) its instance runs.
+	Parked bool
 	// OpenOps: operations the sandbox's observed generation has reached are still
 	// open (a crash came between the report of a state and their completion).
 	OpenOps bool
@@ -313,7 +316,10 @@ func checkResting(f Facts) (Action, bool) {
 				// rests in.
 				return Action{Step: Adopt, State: f.State}, true
 			}
-			if s := instanceState(f.Instance); s != f.State {
+			// A warm-pool member parked running is paused for all but its runtime, until
+			// its claim's resume has given it its owner's identity.
+			parkedRunning := f.State == api.StatePaused && (f.Parked || f.NeedsIdentity)
+			if s := instanceState(f.Instance); s != f.State && !parkedRunning {
 				return Action{Step: Resolve, State: s}, true
 			}
 			return Action{}, false

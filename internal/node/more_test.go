@@ -11,6 +11,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/node"
+	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/fake"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/spacetest"
@@ -199,6 +200,54 @@ func TestPoolClaimGivesIdentity(t *testing.T) {
 	}
 	if want := "accepted claimed node recorded resumed agent identity reported done"; strings.Join(phases, " ") != want {
 		t.Fatalf("timeline phases %q, want %q", strings.Join(phases, " "), want)
+	}
+}
+
+// On a runtime that parks warm-pool members running (gVisor), a member waits recorded
+// paused with its instance running, a node restart leaves it so, and its claim
+// resumes nothing yet gives it its owner's identity.
+func TestPoolMembersParkRunning(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{ParkRunning: true})
+	if _, err := s.C.SetPool(ctx(t), api.SetPoolRequest{Template: "base", Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(time.Minute, "the pool to fill", func() bool {
+		pools, err := s.C.ListPools(ctx(t))
+		return err == nil && len(pools) == 1 && pools[0].Ready == 1
+	})
+	members, err := s.Store.PoolMembers(ctx(t), store.PoolKey("default", "base:latest", 1, 512))
+	if err != nil || len(members) != 1 {
+		t.Fatalf("members %v, %v", members, err)
+	}
+	m := members[0]
+	running := func() {
+		t.Helper()
+		if st, err := s.Runtime.Status(ctx(t), m.ID); err != nil || st != runtime.StatusRunning {
+			t.Fatalf("the parked member's instance is %s (%v), want running", st, err)
+		}
+		if got, err := s.Store.GetSandbox(ctx(t), m.ID); err != nil || got.State != api.StatePaused {
+			t.Fatalf("the parked member is recorded %+v (%v), want paused", got, err)
+		}
+	}
+	running()
+	s.StopNode()
+	seen := s.Runtime.StatusCalls(m.ID)
+	s.StartNode()
+	// The restarted node plans for the member: observed, planned, the step taken, and
+	// observed again by its next pass. The plan must leave it parked.
+	s.Eventually(30*time.Second, "the restarted node to plan for the member twice", func() bool {
+		return s.Runtime.StatusCalls(m.ID) >= seen+2
+	})
+	running()
+	sb := s.Create(api.CreateSandboxRequest{Env: map[string]string{"OWNER": "me"}})
+	if sb.StartPath != "pool" || sb.ID != m.ID {
+		t.Fatalf("start path %s, id %s (member %s)", sb.StartPath, sb.ID, m.ID)
+	}
+	if out := run(t, s, sb.ID, "echo $OWNER"); strings.TrimSpace(out) != "me" {
+		t.Fatalf("identity: %q", out)
+	}
+	if got := get(t, s, sb.ID); got.State != api.StateRunning || got.Error != "" {
+		t.Fatalf("claimed member: %s %q", got.State, got.Error)
 	}
 }
 

@@ -263,6 +263,8 @@ func (n *Node) Run(ctx context.Context) error {
 	}
 	// Sandboxes move only between nodes that share a registry (controller/moves.go).
 	details["registry"] = n.cfg.Artifacts != nil
+	// Warm-pool members wait running on this runtime (docs/lifecycle.md, Warm pools).
+	details["park_running"] = info.Caps.ParkRunning
 	reg := &store.Node{ID: n.cfg.ID, Name: n.cfg.Name, Runtime: info.Name, RuntimeInfo: details, DataPlaneURL: n.cfg.AdvertiseURL,
 		Allocatable: n.cfg.Capacity, Fingerprint: n.cfg.Fingerprint, TakeOver: n.cfg.TakeOver}
 	if err := n.st.RegisterNode(ctx, reg); err != nil {

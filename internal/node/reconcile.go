@@ -82,6 +82,7 @@ func (n *Node) observe(ctx context.Context, sb *store.Sandbox) (lifecycle.Facts,
 		State: sb.State, Desired: sb.DesiredState, Generation: sb.Generation, ObservedGeneration: sb.ObservedGeneration,
 		Transition: sb.Transition, CloneOf: sb.CloneOf, CloneReady: sb.CloneReady,
 		NeedsIdentity: sb.ClaimedAt != nil && sb.IdentityGeneration == 0,
+		Parked:        parked(sb),
 	}
 	pending, err := n.st.PendingWork(ctx, sb.ID, sb.ObservedGeneration)
 	if err != nil {

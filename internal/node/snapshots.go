@@ -423,7 +423,7 @@ func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
 			return err
 		}
 		if sb.DesiredState == api.StatePaused {
-			if err := n.pauseInstance(ctx, sb.ID); err != nil {
+			if err := n.park(ctx, sb); err != nil {
 				return err
 			}
 		}

@@ -102,7 +102,7 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	if err == nil && sb.DesiredState == api.StatePaused {
 		// A warm-pool member: warm it, then park it.
 		n.warmMember(ctx, sb)
-		err = n.pauseInstance(ctx, sb.ID)
+		err = n.park(ctx, sb)
 	}
 	if err != nil {
 		if n.work.Err() != nil {
@@ -127,6 +127,27 @@ func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	n.measureLater(sb.ID)
 	return nil
 }
+
+// park takes a warm-pool member out of service until it is claimed: its instance is
+// paused, or, on a runtime where pausing and resuming cost more than an idle instance
+// (runtime.Caps.ParkRunning), left running and only marked not ready. Either way the
+// member is recorded paused (lifecycle.Facts.Parked).
+func (n *Node) park(ctx context.Context, sb *store.Sandbox) error {
+	if n.parksRunning(sb) {
+		n.setReady(sb.ID, false)
+		return nil
+	}
+	return n.pauseInstance(ctx, sb.ID)
+}
+
+// parksRunning reports whether sb, an unclaimed warm-pool member, waits with its
+// instance running on this node's runtime.
+func (n *Node) parksRunning(sb *store.Sandbox) bool {
+	return n.info.Caps.ParkRunning && parked(sb)
+}
+
+// parked reports whether sb is a warm-pool member nobody has claimed yet.
+func parked(sb *store.Sandbox) bool { return sb.PoolKey != "" && sb.ClaimedAt == nil }
 
 // pauseInstance freezes a running instance's vCPUs.
 func (n *Node) pauseInstance(ctx context.Context, id string) error {
@@ -625,7 +646,7 @@ func (n *Node) reviveInstance(ctx context.Context, sb *store.Sandbox, target str
 		}
 	}
 	if target == api.StatePaused {
-		return n.pauseInstance(ctx, sb.ID)
+		return n.park(ctx, sb)
 	}
 	n.setReady(sb.ID, true)
 	return nil

@@ -51,6 +51,9 @@ type Options struct {
 	Node func(*node.Config)
 	// NoBase starts without the base release (a Builder makes it on first use).
 	NoBase bool
+	// ParkRunning makes the fake runtime park warm-pool members running
+	// (runtime.Caps.ParkRunning), as gVisor does.
+	ParkRunning bool
 }
 
 // Space is a running in-process space.
@@ -111,7 +114,7 @@ func Start(t testing.TB, opts Options) *Space {
 	if s.Signer, err = token.NewSigner(key); err != nil {
 		t.Fatal(err)
 	}
-	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate}); err != nil {
+	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning}); err != nil {
 		t.Fatal(err)
 	}
 	if s.Disk, err = fake.NewDisk(s.DataDir + "/store"); err != nil {

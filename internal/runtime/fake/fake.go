@@ -23,6 +23,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -37,12 +38,16 @@ type Config struct {
 	AgentPath string
 	// FailCreate, when set, fails Create for matching sandbox ids (tests of undo).
 	FailCreate func(id string) error
+	// ParkRunning reports runtime.Caps.ParkRunning (warm-pool members wait running).
+	ParkRunning bool
 }
 
 // Runtime runs agents as host processes.
 type Runtime struct {
 	cfg Config
 	mu  sync.Mutex
+	// statuses counts the Status calls per instance (StatusCalls).
+	statuses sync.Map
 }
 
 var (
@@ -109,10 +114,20 @@ func (r *Runtime) read(id string) (record, error) {
 	return rec, json.Unmarshal(data, &rec)
 }
 
+// StatusCalls reports how often Status was asked about id: a node observes a sandbox
+// before each plan, so a test can wait for a plan to have been carried out.
+func (r *Runtime) StatusCalls(id string) int64 {
+	n, ok := r.statuses.Load(id)
+	if !ok {
+		return 0
+	}
+	return n.(*atomic.Int64).Load()
+}
+
 // Info reports the fake runtime.
 func (r *Runtime) Info(context.Context) (runtime.Info, error) {
 	return runtime.Info{Name: "fake", Disk: runtime.DiskDir, Version: "1",
-		Caps: runtime.Caps{AgentResume: runtime.ResumeByAPI}, Details: map[string]string{"isolation": "none (tests only)"}}, nil
+		Caps: runtime.Caps{AgentResume: runtime.ResumeByAPI, ParkRunning: r.cfg.ParkRunning}, Details: map[string]string{"isolation": "none (tests only)"}}, nil
 }
 
 // Create starts the agent for spec.ID.
@@ -181,6 +196,8 @@ func (r *Runtime) Dial(ctx context.Context, id string) (net.Conn, error) {
 
 // Status reports the agent process's state.
 func (r *Runtime) Status(_ context.Context, id string) (runtime.Status, error) {
+	n, _ := r.statuses.LoadOrStore(id, new(atomic.Int64))
+	n.(*atomic.Int64).Add(1)
 	rec, err := r.read(id)
 	if err != nil {
 		return "", err

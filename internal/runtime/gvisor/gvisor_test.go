@@ -915,6 +915,19 @@ func TestStartNotesRunning(t *testing.T) {
 	if pid := noted("Resume"); pid != created {
 		t.Fatalf("resumed sandbox process %d, was %d", pid, created)
 	}
+	// Resuming a running sandbox does nothing (warm-pool members wait running,
+	// runtime.Caps.ParkRunning): known running from the cache, or, in a runtime that
+	// knows nothing of it yet (a restarted node), from runsc.
+	if err := rt.Resume(ctx, spec.ID); err != nil {
+		t.Fatalf("Resume of a running sandbox: %v", err)
+	}
+	fresh := newTestRuntime(t, rt.cfg.RootDir)
+	if err := fresh.Resume(ctx, spec.ID); err != nil {
+		t.Fatalf("Resume of a running sandbox, status not cached: %v", err)
+	}
+	if pid := noted("Resume of a running sandbox"); pid != created {
+		t.Fatalf("sandbox process %d, was %d", pid, created)
+	}
 	waitHealthy(t, c)
 	quiesce(t, c, spec)
 	dir := t.TempDir()

@@ -33,13 +33,22 @@ func (r *Runtime) Pause(ctx context.Context, id string) error {
 	return nil
 }
 
-// Resume continues a paused sandbox (runsc resume).
+// Resume continues a paused sandbox (runsc resume). A running one is left as it is (a
+// warm-pool member parked running, runtime.Caps.ParkRunning): known running from the
+// status cache, no runsc process is started for it.
 func (r *Runtime) Resume(ctx context.Context, id string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor resume: invalid id %q", id)
 	}
 	before, known, _ := r.statuses.lookup(id)
+	if known && before.st.Status == "running" {
+		return nil
+	}
 	if _, err := r.runsc(ctx, "resume", id); err != nil {
+		// runsc refuses to resume a container that runs: then there is nothing to do.
+		if st, serr := r.state(ctx, id); serr == nil && observed(st) == runtime.StatusRunning {
+			return nil
+		}
 		return fmt.Errorf("gvisor resume %s: %w", id, err)
 	}
 	if known {
