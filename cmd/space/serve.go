@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 	"golang.org/x/term"
 
 	"github.com/spacedev/space/internal/artifact"
@@ -245,6 +246,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 		return fmt.Errorf("data dir: %w", err)
 	}
 	log.Info("starting space", "version", version, "data_dir", dataDir, "roles", strings.Join(c.roles, ","))
+	// space gives what it creates the modes it means (private files and directories are
+	// made 0600 and 0700 explicitly). An inherited stricter umask (a unit's UMask=0077)
+	// made the directories runsc shares with a sandbox's unprivileged host uid
+	// unreadable to it: every sandbox start failed with "cannot read client sync file".
+	if old := unix.Umask(0o022); old != 0o022 {
+		log.Info("umask set for the files space creates", "inherited", fmt.Sprintf("%04o", old), "now", "0022")
+	}
 
 	// Every listener is bound before anything starts: one that cannot bind stops serve.
 	lns, err := c.bindListeners()

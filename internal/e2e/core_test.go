@@ -120,6 +120,24 @@ func assertGone(t *testing.T, s *srv, id string) {
 }
 
 // TestBadInput checks that malformed requests get clear JSON errors and create nothing.
+// A server started under a strict umask (a unit's UMask=0077) starts sandboxes all the
+// same (runsc's directories must stay readable to the sandbox's unprivileged host uid),
+// and its private files stay private.
+func TestStrictUmask(t *testing.T) {
+	s := start(t, options{Umask: "077"})
+	out, stderr, code := s.cli(t, "sandbox", "create", "--template", "base", "--wait")
+	if code != 0 {
+		t.Fatalf("sandbox create under umask 077: exit %d: %s", code, stderr)
+	}
+	id := strings.TrimSpace(out)
+	if out, stderr, code = s.cli(t, "exec", id, "--", "echo", "ok"); code != 0 || out != "ok\n" {
+		t.Fatalf("exec: exit %d, %q %q", code, out, stderr)
+	}
+	if fi, err := os.Stat(filepath.Join(s.DataDir, "admin.key")); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("admin.key: %v %v, want mode 0600", fi, err)
+	}
+}
+
 func TestBadInput(t *testing.T) {
 	s := start(t, options{})
 	big := `{"metadata":{"k":"` + strings.Repeat("x", 2<<20) + `"}}`

@@ -51,6 +51,8 @@ type Options struct {
 	Env []string
 	// DBURL shares a database with another server (a fleet).
 	DBURL string
+	// Umask, when set (e.g. "077"), is the umask the server process inherits.
+	Umask string
 }
 
 // Server is a space serve process under test.
@@ -146,6 +148,10 @@ func (s *Server) launch() {
 	}
 	args = append(args, o.Args...)
 	cmd := exec.Command(s.Bin, args...)
+	if o.Umask != "" {
+		// A shell sets it and becomes the server (same pid).
+		cmd = exec.Command("/bin/sh", append([]string{"-c", `umask "$0" && exec "$@"`, o.Umask, s.Bin}, args...)...)
+	}
 	cmd.Env = append(os.Environ(), o.Env...)
 	w := &lockedWriter{b: &bytes.Buffer{}}
 	cmd.Stdout, cmd.Stderr = w, w
