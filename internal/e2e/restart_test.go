@@ -54,6 +54,22 @@ func TestKillRestartAdopts(t *testing.T) {
 		t.Fatal(err)
 	}
 	st.Close()
+	// A warm-pool member waits running under gVisor (docs/lifecycle.md): the restarted
+	// server adopts it as it is and a claim gets it with its owner's identity.
+	if _, err := s.C.SetPool(ctx(t, time.Minute), api.SetPoolRequest{Template: "base", Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 2*time.Minute, "the pool to fill", func() bool {
+		pools, err := s.C.ListPools(ctx(t, time.Minute))
+		return err == nil && len(pools) == 1 && pools[0].Ready == 1
+	})
+	var member string
+	for _, id := range s.RunscIDs() {
+		if id != sb.ID {
+			member = id
+		}
+	}
+	memberPid := s.runscPid(t, member)
 
 	s.Kill()
 	s.Restart()
@@ -75,6 +91,16 @@ func TestKillRestartAdopts(t *testing.T) {
 	p, err := s.C.GetProcess(ctx(t, time.Minute), sb.ID, sess.PID)
 	if err != nil || p.State != api.ProcRunning {
 		t.Fatalf("long command after restart: %+v %v", p, err)
+	}
+	claimed, err := s.C.CreateAndWait(ctx(t, time.Minute), api.CreateSandboxRequest{Env: map[string]string{"OWNER": "me"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if claimed.StartPath != "pool" || claimed.ID != member || s.runscPid(t, member) != memberPid {
+		t.Fatalf("claim after restart: %s from %s (member %s), runsc pid %d (was %d)", claimed.ID, claimed.StartPath, member, s.runscPid(t, member), memberPid)
+	}
+	if out, _, code := s.exec(t, claimed.ID, "sh", "-c", "echo $OWNER"); code != 0 || out != "me\n" {
+		t.Fatalf("claimed member after restart: %d %q", code, out)
 	}
 }
 

@@ -954,12 +954,27 @@ func TestUnrecordedShareList(t *testing.T) {
 	needRunsc(t)
 	// A runsc that takes its time over list, so that every lookup below starts while
 	// the first list runs.
-	rt, calls := newCountingRuntime(t, testRootDir(t), "sleep 0.5")
+	root := testRootDir(t)
+	rt, calls := newCountingRuntime(t, root, "sleep 0.5")
 	const n = 8
 	errs := make(chan error, n)
 	ids := make([]string, n)
 	for i := range ids {
 		ids[i] = newID(t)
+	}
+	// An id that no entry of runsc's root dir names costs no runsc list at all.
+	if _, err := rt.Status(context.Background(), ids[0]); !errors.Is(err, runtime.ErrNotFound) || !rt.statuses.isGone(ids[0]) {
+		t.Fatalf("Status of a new id: %v (known absent: %v)", err, rt.statuses.isGone(ids[0]))
+	}
+	if lists := calls("list"); lists != 0 {
+		t.Fatalf("a new id no root dir entry names ran %d runsc list", lists)
+	}
+	rt.statuses.change(ids[:1])()
+	// Ids that some entry names (files runsc's list ignores) are looked up in runsc's list.
+	for _, id := range ids {
+		if err := os.WriteFile(filepath.Join(root, id+".note"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for _, id := range ids {
 		go func() {
