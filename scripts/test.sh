@@ -12,7 +12,4 @@ go vet ./...
 # temp dirs, stores, clusters, fake host namespaces; host names derived from its data
 # dirs), so two at a time halves the wall time on a 2-core machine. Flags given to this
 # script go last and win, e.g. scripts/test.sh -p 1 for one package at a time.
-# The end-to-end package takes longest (15–20 minutes here): it is listed first, so that
-# it starts at once and the others run beside it instead of before it.
-others=$(go list ./... | grep -v '/internal/e2e$')
-go test -p 2 -count=1 -timeout 30m "$@" ./internal/e2e/ $others
+go test -p 2 -count=1 -timeout 30m "$@" ./...

@@ -384,6 +384,35 @@ func TestCloneOfDeletedSourceFails(t *testing.T) {
 	}
 }
 
+// A clone whose source lost its memory before it prepared the snapshot (its instance
+// vanished while it was paused: it settles stopped) fails, saying why, instead of
+// waiting for it forever (seen in TestChaos).
+func TestCloneOfSourceWithoutMemoryFails(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	src := s.Create(api.CreateSandboxRequest{})
+	op, err := s.C.Lifecycle(ctx(t), src.ID, api.OpPause)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	s.StopNode()
+	clones, err := s.C.Clone(ctx(t), src.ID, api.CloneRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Runtime.Destroy(ctx(t), src.ID); err != nil {
+		t.Fatal(err)
+	}
+	s.StartNode()
+	failed := s.WaitOp(clones[0].Operation.ID, api.OpFailed)
+	if !strings.Contains(failed.Error, "no memory to clone") {
+		t.Fatalf("op %+v", failed)
+	}
+	if got := get(t, s, src.ID); got.State != api.StateStopped {
+		t.Fatalf("source %s", got.State)
+	}
+}
+
 func TestLoadOrCreateID(t *testing.T) {
 	dir := t.TempDir()
 	a, err := node.LoadOrCreateID(dir)

@@ -342,8 +342,7 @@ func (n *Node) checkPendingSnapshot(ctx context.Context, sn *store.Snapshot) {
 		return
 	case src.NodeID != n.cfg.ID:
 		why = "the source sandbox is on another node"
-	case src.ObservedGeneration >= src.Generation && src.Transition == "" &&
-		(src.State == api.StateFailed || src.State == api.StateStopped):
+	case noMemory(src):
 		why = "the source sandbox is " + src.State + ", so it has no memory to capture"
 	}
 	if why != "" {
@@ -351,6 +350,13 @@ func (n *Node) checkPendingSnapshot(ctx context.Context, sn *store.Snapshot) {
 		return
 	}
 	n.kick(src.ID)
+}
+
+// noMemory reports whether src has settled stopped or failed: it has no memory for a
+// pending snapshot or clone to capture (a later start boots it afresh).
+func noMemory(src *store.Sandbox) bool {
+	return src.ObservedGeneration >= src.Generation && src.Transition == "" &&
+		(src.State == api.StateFailed || src.State == api.StateStopped)
 }
 
 // startFromSnapshot makes a new sandbox's disk from a named snapshot and restores it

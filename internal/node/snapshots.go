@@ -387,14 +387,26 @@ func (n *Node) failClones(ctx context.Context, clones []*store.Sandbox, cause er
 }
 
 // waitClone handles a clone whose source has not prepared its snapshot yet: the
-// source's worker is woken (or the clone fails when its source is gone).
+// source's worker is woken, or the clone fails when its source is gone or has settled
+// stopped or failed (no memory to clone).
 func (n *Node) waitClone(ctx context.Context, sb *store.Sandbox) {
 	src, err := n.st.GetSandbox(ctx, sb.CloneOf)
-	if fault.Is(err, fault.NotFound) || err == nil && (src.DeletedAt != nil || src.DesiredState == api.StateDeleted) {
-		n.failClones(ctx, []*store.Sandbox{sb}, fmt.Errorf("the source sandbox %s was deleted", sb.CloneOf))
+	var why error
+	switch {
+	case fault.Is(err, fault.NotFound) || err == nil && (src.DeletedAt != nil || src.DesiredState == api.StateDeleted):
+		why = fmt.Errorf("the source sandbox %s was deleted", sb.CloneOf)
+	case err != nil:
+		return
+	case noMemory(src):
+		// It lost its memory after the clone was asked for (its instance vanished): a
+		// clone of it would never be prepared.
+		why = fmt.Errorf("the source sandbox %s is %s, so it has no memory to clone", sb.CloneOf, src.State)
+	}
+	if why != nil {
+		n.failClones(ctx, []*store.Sandbox{sb}, why)
 		return
 	}
-	if err == nil && src.NodeID == n.cfg.ID {
+	if src.NodeID == n.cfg.ID {
 		n.kick(src.ID) // its worker prepares the snapshot
 	}
 }
