@@ -33,6 +33,17 @@ func TestEnsureHostsEntry(t *testing.T) {
 	if got := read(); got != want {
 		t.Fatalf("new name:\n%q\nwant\n%q", got, want)
 	}
+	// The same name again (a warm-pool member's claim) leaves the file as it is.
+	before, err := os.Stat(hosts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ensureHostsEntry(hosts, "def"); err != nil {
+		t.Fatal(err)
+	}
+	if after, err := os.Stat(hosts); err != nil || !os.SameFile(before, after) || read() != want {
+		t.Fatalf("the same name rewrote the file: %v %q", err, read())
+	}
 	// A file that names the host itself is left alone.
 	own := "10.0.0.5 myhost\n"
 	if err := os.WriteFile(hosts, []byte(own), 0o644); err != nil {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -130,8 +131,12 @@ func ensureHostsEntry(hosts string, names ...string) error {
 	if len(missing) > 0 {
 		keep = append(keep, "127.0.1.1\t"+strings.Join(missing, " ")+"\t"+hostsMarker)
 	}
+	content := []byte(strings.Join(keep, "\n") + "\n")
+	if bytes.Equal(content, data) {
+		return nil // as it was: a warm-pool member keeps its host name when claimed
+	}
 	tmp := hosts + ".space-tmp"
-	if err := os.WriteFile(tmp, []byte(strings.Join(keep, "\n")+"\n"), 0o644); err != nil {
+	if err := os.WriteFile(tmp, content, 0o644); err != nil {
 		return err
 	}
 	if err := os.Rename(tmp, hosts); err != nil {
