@@ -571,21 +571,23 @@ func checkWorld(t *testing.T, s *server, w *world, where string) bool {
 		return false
 	}
 	// Nothing leaks: instances only for sandboxes with memory, disks only for live ones.
-	live := map[string]string{}
-	list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
-	if err != nil {
-		return fail("list: %v", err)
-	}
-	for _, sb := range list {
-		live[sb.ID] = sb.State
-	}
-	for _, sb := range sbs {
-		if sb.State != api.StateDeleted {
-			live[sb.ID] = sb.State
-		}
-	}
+	// The states are read again on every look: another world's sandbox (a clone being
+	// started, checked after this one) may still be on its way.
 	deadline = time.Now().Add(30 * time.Second)
 	for {
+		live := map[string]string{}
+		list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
+		if err != nil {
+			return fail("list: %v", err)
+		}
+		for _, sb := range list {
+			live[sb.ID] = sb.State
+		}
+		for _, sb := range sbs {
+			if sb.State != api.StateDeleted {
+				live[sb.ID] = sb.State
+			}
+		}
 		var leaks []string
 		for _, id := range s.instances() {
 			if st, ok := live[id]; ok && (st == api.StateRunning || st == api.StatePaused) || strings.HasPrefix(id, "bs") || isPoolMember(s, id) {
