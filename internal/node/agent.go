@@ -110,6 +110,8 @@ func (n *Node) dropAgent(id string) {
 	delete(n.ready, id)
 	delete(n.active, id)
 	delete(n.seenOutput, id)
+	delete(n.polled, id)
+	delete(n.idleOf, id)
 	n.mu.Unlock()
 	if c != nil {
 		c.CloseIdleConnections()

@@ -54,6 +54,7 @@ const (
 	DefaultAgentReadyTimeout = 60 * time.Second
 	DefaultShutdownGrace     = 10 * time.Second
 	activityPoll             = 2 * time.Second
+	maxActivityPoll          = time.Minute
 	measurePoll              = 3 * time.Second
 	// maxStepsPerKick bounds how many planned steps one reconcile takes before it
 	// yields (a sandbox that keeps failing cannot monopolize its worker).
@@ -153,6 +154,10 @@ type Node struct {
 	toMeasure map[string]bool
 	// seenOutput is each agent's last-activity time as last polled.
 	seenOutput map[string]time.Time
+	// polled is when each agent was last asked for its activity; idleOf each running
+	// sandbox's idle timeout as last read (0: never suspended), which sets how often.
+	polled map[string]time.Time
+	idleOf map[string]time.Duration
 
 	netLocks netLocks
 	// snapKick wakes the named snapshot loop (named.go).
@@ -209,7 +214,7 @@ func New(cfg Config) (*Node, error) {
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, gated: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
-		seenOutput: map[string]time.Time{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
+		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),
 	}, nil
 }

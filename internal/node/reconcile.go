@@ -54,6 +54,7 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 		if a.Step == lifecycle.Nothing {
 			if sb.State == api.StateRunning && facts.Instance == lifecycle.InstanceRunning {
 				n.setReady(sb.ID, true)
+				n.noteIdleTimeout(sb.ID, sb.IdleTimeout)
 				n.pollAgentActivity(ctx, sb.ID)
 			}
 			n.pushIfMissing(sb)
