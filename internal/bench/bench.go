@@ -45,6 +45,9 @@ type Config struct {
 	// ScaleMax caps the scale scenario's largest step (of 10, 50, 100, 200 idle
 	// sandboxes); 0 means 200.
 	ScaleMax int
+	// ScaleCPUWindow is how long the scale scenario reads idle CPU at each step (and
+	// once with no idle sandboxes); 0 means 20 s, four of a node's sample rounds.
+	ScaleCPUWindow time.Duration
 }
 
 // Result is one row of the report.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/cgroupstat"
 	"github.com/spacedev/space/internal/ids"
 	"github.com/spacedev/space/internal/runtime/gvisor"
 )
@@ -166,39 +167,14 @@ func sumMem(pids []int) procMem {
 	return m
 }
 
-// cgroupMemory reads the memory charged to pid's memory cgroup (KiB): memory.current
-// (cgroup v2) or memory.usage_in_bytes (v1: anonymous memory, page cache, shared
-// memory and kernel memory of the Sentry and the gofer together), or -1.
+// cgroupMemory reads the memory charged to pid's memory cgroup (KiB; see
+// cgroupstat.Memory), or -1.
 func cgroupMemory(pid int) int {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	n, err := cgroupstat.Memory(pid)
 	if err != nil {
 		return -1
 	}
-	read := func(path string) int {
-		v, err := os.ReadFile(path)
-		if err != nil {
-			return -1
-		}
-		n, err := strconv.Atoi(strings.TrimSpace(string(v)))
-		if err != nil {
-			return -1
-		}
-		return n / 1024
-	}
-	v2 := -1
-	for _, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		f := strings.SplitN(l, ":", 3)
-		if len(f) != 3 {
-			continue
-		}
-		if slices.Contains(strings.Split(f[1], ","), "memory") {
-			return read(filepath.Join("/sys/fs/cgroup/memory", f[2], "memory.usage_in_bytes"))
-		}
-		if f[0] == "0" && f[1] == "" && f[2] != "/" {
-			v2 = read(filepath.Join("/sys/fs/cgroup", f[2], "memory.current"))
-		}
-	}
-	return v2
+	return int(n / 1024)
 }
 
 // memAvailable is the host's MemAvailable (KiB).

@@ -8,8 +8,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/procfs"
+
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/cgroupstat"
 	"github.com/spacedev/space/internal/runtime/qemu"
 )
 
@@ -31,6 +34,10 @@ const scaleDiskMB = 1024
 // scaleSettle is how long a step's sandboxes are left idle before memory is read.
 const scaleSettle = 3 * time.Second
 
+// scaleCPUWindow is how long each step's idle CPU is read unless Config.ScaleCPUWindow
+// says: four of a node's 5 s resource-sample rounds.
+const scaleCPUWindow = 20 * time.Second
+
 // scale creates idle sandboxes (scaleMemoryMB, scaleDiskMB) on the server in steps of 10, 50, 100 and 200 (those
 // below cfg.ScaleMax, then cfg.ScaleMax) and at each step reports how fast they were created, the API's latency
 // while they exist (GET of a sandbox, the list, a `true` command; the baseline is the
@@ -43,6 +50,10 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 	set := &idleSet{cfg: cfg}
 	defer set.deleteAll(ctx)
 	samples := max(cfg.Runs, 20)
+	window := cfg.ScaleCPUWindow
+	if window <= 0 {
+		window = scaleCPUWindow
+	}
 
 	// One sandbox the latency probes use throughout (GET and exec), and the empty
 	// server's latencies as the baseline.
@@ -56,6 +67,12 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 		return nil, err
 	}
 	availStart := memAvailable()
+	// The host's busy CPU with no idle sandboxes, against which each step's is read.
+	busy0 := hostBusy()
+	if err := sleepCtx(ctx, window); err != nil {
+		return nil, err
+	}
+	idleRate := msPerS(hostBusy()-busy0, window)
 	var out []Result
 	var steps []int
 	for _, n := range scaleSteps {
@@ -96,6 +113,10 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 				cg = append(cg, mib(c))
 			}
 		}
+		perSandbox, hostRate, err := idleCPU(ctx, all, set.ids, window)
+		if err != nil {
+			return out, err
+		}
 		get, list, ex, err := apiLatency(ctx, cfg, probe.ID, set.ids, samples)
 		if err != nil {
 			return out, err
@@ -116,6 +137,14 @@ func scale(ctx context.Context, cfg *Config) ([]Result, error) {
 			out = append(out, result("scale", p("sandbox cgroup memory"), "MiB", cg, "", nil))
 		}
 		out = append(out, host)
+		if len(perSandbox) > 0 {
+			r := result("scale", p("CPU per idle sandbox (its cgroup)"), "ms/s", perSandbox, "", nil)
+			r.Note = fmt.Sprintf("each sandbox's host cgroup CPU over %s (the Sentry, its stubs and the gofer; a VM's QEMU)", window)
+			out = append(out, r)
+		}
+		hr := result("scale", p("host CPU per idle sandbox"), "ms/s", []float64{(hostRate - idleRate) / float64(n)}, "", nil)
+		hr.Note = fmt.Sprintf("the whole host's busy CPU over %s, less the same with no idle sandboxes (%.1f ms/s), per sandbox: the server and PostgreSQL included, other work on the host too", window, idleRate)
+		out = append(out, hr)
 		if cfg.Progress != nil {
 			fmt.Fprintf(cfg.Progress, "bench: scale: %d idle sandboxes (%s)\n", n, took.Round(time.Millisecond))
 		}
@@ -168,4 +197,53 @@ func apiLatency(ctx context.Context, cfg *Config, probe string, idle []string, n
 		ex = append(ex, ms(time.Since(start)))
 	}
 	return get, list, ex, nil
+}
+
+// idleCPU reads, over window, each sandbox's cgroup CPU (ms of CPU per second) and the
+// whole host's busy CPU (ms/s).
+func idleCPU(ctx context.Context, all []proc, ids []string, window time.Duration) (perSandbox []float64, host float64, err error) {
+	var pids []int
+	for _, id := range ids {
+		if sp, _ := sandboxProcs(all, id); len(sp) > 0 {
+			pids = append(pids, sp[0])
+		} else if pid := qemu.FindVMProcess(id); pid > 0 {
+			pids = append(pids, pid)
+		}
+	}
+	before := make([]time.Duration, len(pids))
+	for i, pid := range pids {
+		before[i], _ = cgroupstat.CPU(pid)
+	}
+	busy := hostBusy()
+	if err := sleepCtx(ctx, window); err != nil {
+		return nil, 0, err
+	}
+	host = msPerS(hostBusy()-busy, window)
+	for i, pid := range pids {
+		if after, err := cgroupstat.CPU(pid); err == nil && before[i] > 0 && after >= before[i] {
+			perSandbox = append(perSandbox, msPerS(after-before[i], window))
+
+		}
+	}
+	return perSandbox, host, nil
+}
+
+// hostBusy is the CPU time the host has spent busy on all its CPUs (/proc/stat: user,
+// nice, system, irq, softirq, steal).
+func hostBusy() time.Duration {
+	fs, err := procfs.NewDefaultFS()
+	if err != nil {
+		return 0
+	}
+	st, err := fs.Stat()
+	if err != nil {
+		return 0
+	}
+	c := st.CPUTotal
+	return time.Duration((c.User + c.Nice + c.System + c.IRQ + c.SoftIRQ + c.Steal) * float64(time.Second))
+}
+
+// msPerS is CPU time used over a wall time, in milliseconds per second.
+func msPerS(used, over time.Duration) float64 {
+	return float64(used) / float64(time.Millisecond) / over.Seconds()
 }

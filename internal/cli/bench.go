@@ -112,6 +112,7 @@ Scenarios: ` + joinNames() + `.`,
 	cmd.Flags().StringVar(&htmlFile, "html", "", "also write the results as a self-contained HTML page with a plot per measurement")
 	cmd.Flags().StringVar(&svgDir, "svg", "", "also write one SVG per scenario (DIR/bench-<scenario>.svg)")
 	cmd.Flags().IntVar(&cfg.ScaleMax, "scale-max", 200, "scale scenario: the largest number of idle sandboxes (steps of 10, 50, 100, 200 below it, then it)")
+	cmd.Flags().DurationVar(&cfg.ScaleCPUWindow, "scale-cpu-window", 20*time.Second, "scale scenario: how long idle CPU is read at each step")
 	cmd.Flags().StringVar(&from, "from", "", "render a saved report (a JSON file, or \"last\" for <data-dir>/bench/last.json) with --html or --svg, running nothing")
 	return cmd
 }

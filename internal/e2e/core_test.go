@@ -323,6 +323,11 @@ func TestObservability(t *testing.T) {
 	if m := getFrom("http://"+metricsAddr, "/metrics", "", 200); !strings.Contains(m, "space_sandboxes") {
 		t.Fatal("--metrics-listen serves no metrics")
 	}
+	// An idle sandbox's resource samples come from its host cgroup, its agent left
+	// alone (docs/operations.md, "Sandbox metrics"): from the second round on.
+	waitFor(t, 30*time.Second, "a resource sample from the host alone", func() bool {
+		return regexp.MustCompile(`space_node_metric_samples_total\{node="[^"]*",source="host"\} [1-9]`).MatchString(getFrom(s.URL, "/metrics", s.Key, 200))
+	})
 	m := getFrom(s.URL, "/metrics", s.Key, 200)
 	for _, want := range []string{`space_sandboxes{state="running"} 1`, `space_operation_duration_seconds_count{kind="create",result="succeeded"} 1`, "space_http_request_duration_seconds"} {
 		if !strings.Contains(m, want) {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,6 +95,14 @@ func TestNamedSnapshots(t *testing.T) {
 			t.Fatalf("sample: %+v", x)
 		}
 	}
+	// CPU use comes from the sandbox's host cgroup: two seconds of spinning show.
+	if _, _, code := s.exec(t, id, "timeout", "2", "sh", "-c", "while :; do :; done"); code != 124 {
+		t.Fatalf("spin: exit %d", code)
+	}
+	waitFor(t, 30*time.Second, "a sample of the busy round", func() bool {
+		m, err := s.C.SandboxMetrics(c, id, time.Time{}, time.Time{})
+		return err == nil && slices.ContainsFunc(m.Samples, func(x api.MetricSample) bool { return x.CPUUsedPct >= 25 })
+	})
 
 	out, _, code = s.cli(t, "snapshot", "list")
 	if code != 0 || !strings.Contains(out, "e2e-warm") || !strings.Contains(out, "ready") {

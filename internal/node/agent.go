@@ -112,6 +112,7 @@ func (n *Node) dropAgent(id string) {
 	delete(n.seenOutput, id)
 	delete(n.polled, id)
 	delete(n.idleOf, id)
+	delete(n.looked, id)
 	n.mu.Unlock()
 	if c != nil {
 		c.CloseIdleConnections()

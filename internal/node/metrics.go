@@ -1,6 +1,7 @@
 package node
 
 import (
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -97,6 +98,12 @@ func (n *Node) RegisterMetrics(reg prometheus.Registerer) {
 				return float64(c)
 			}),
 	)
+	for source, c := range map[string]*atomic.Int64{"agent": &n.sampledBy.agent, "host": &n.sampledBy.host} {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "space_node_metric_samples_total",
+			ConstLabels: prometheus.Labels{"node": n.cfg.Name, "source": source},
+			Help:        "Resource samples of running sandboxes taken by asking their agent, or from the host alone (the sandbox idle since, its agent left alone)."},
+			func() float64 { return float64(c.Load()) }))
+	}
 	if sp, ok := n.disk.(storeSpace); ok {
 		space := func(free bool) func() float64 {
 			return func() float64 {

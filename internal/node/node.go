@@ -158,6 +158,11 @@ type Node struct {
 	// sandbox's idle timeout as last read (0: never suspended), which sets how often.
 	polled map[string]time.Time
 	idleOf map[string]time.Duration
+	// looked is each running sandbox's host CPU reading and last agent answer, for
+	// runtimes that read CPU time on the host (samples.go).
+	looked map[string]hostLook
+	// sampledBy counts resource samples by where they came from (samples.go).
+	sampledBy sampleCounts
 
 	netLocks netLocks
 	// snapKick wakes the named snapshot loop (named.go).
@@ -214,7 +219,7 @@ func New(cfg Config) (*Node, error) {
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, gated: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
-		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
+		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, looked: map[string]hostLook{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),
 	}, nil
 }

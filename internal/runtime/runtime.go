@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"time"
 )
 
 // ErrNotFound is returned when the runtime has no instance with the given id.
@@ -187,4 +188,16 @@ type LiveCheckpointer interface {
 	// Checkpoint does, and leaves it paused: nothing in it runs (and nothing it writes
 	// reaches its disk) until Resume.
 	CheckpointPaused(ctx context.Context, id, dir string) error
+}
+
+// CPUTimer is implemented by runtimes that can read the CPU time an instance has used
+// from the host (its cgroup's counter) without waking anything inside it. The node's
+// resource samples read it every round and ask the agent only when the sandbox did
+// something since (docs/operations.md, "Sandbox metrics"): each question to an agent
+// wakes the sandbox, which costs an idle gVisor sandbox several milliseconds of CPU.
+type CPUTimer interface {
+	// CPUTime reports the host CPU time the instance has used since it started (a
+	// restore starts the count again). An error means the runtime cannot tell now
+	// (no cgroup of its own, or not running); the node then asks the agent.
+	CPUTime(ctx context.Context, id string) (time.Duration, error)
 }

@@ -54,6 +54,9 @@ type Options struct {
 	// ParkRunning makes the fake runtime park warm-pool members running
 	// (runtime.Caps.ParkRunning), as gVisor does.
 	ParkRunning bool
+	// HostCPU makes the fake runtime read instances' CPU time (runtime.CPUTimer), as
+	// gVisor does from the sandbox's cgroup.
+	HostCPU bool
 }
 
 // Space is a running in-process space.
@@ -114,7 +117,7 @@ func Start(t testing.TB, opts Options) *Space {
 	if s.Signer, err = token.NewSigner(key); err != nil {
 		t.Fatal(err)
 	}
-	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning}); err != nil {
+	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU}); err != nil {
 		t.Fatal(err)
 	}
 	if s.Disk, err = fake.NewDisk(s.DataDir + "/store"); err != nil {

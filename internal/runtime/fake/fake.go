@@ -27,6 +27,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/procfs"
+
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -40,6 +42,10 @@ type Config struct {
 	FailCreate func(id string) error
 	// ParkRunning reports runtime.Caps.ParkRunning (warm-pool members wait running).
 	ParkRunning bool
+	// CPUTime makes the runtime a runtime.CPUTimer: an instance's CPU time is its
+	// agent's and its processes' (reaped ones included). Without it CPUTime fails, as
+	// on a runtime that cannot tell, and the node asks the agents.
+	CPUTime bool
 }
 
 // Runtime runs agents as host processes.
@@ -54,6 +60,7 @@ var (
 	_ runtime.Runtime          = (*Runtime)(nil)
 	_ runtime.Snapshotter      = (*Runtime)(nil)
 	_ runtime.LiveCheckpointer = (*Runtime)(nil)
+	_ runtime.CPUTimer         = (*Runtime)(nil)
 )
 
 // New prepares the runtime's directory.
@@ -438,3 +445,35 @@ func (r *Runtime) PID(id string) int {
 	}
 	return rec.PID
 }
+
+// CPUTime is the CPU time of the instance's agent and of its descendants, living and
+// reaped (Config.CPUTime).
+func (r *Runtime) CPUTime(_ context.Context, id string) (time.Duration, error) {
+	if !r.cfg.CPUTime {
+		return 0, runtime.ErrUnsupported
+	}
+	rec, err := r.read(id)
+	if err != nil {
+		return 0, err
+	}
+	p, err := procfs.NewProc(rec.PID)
+	if err != nil {
+		return 0, err
+	}
+	st, err := p.Stat()
+	if err != nil {
+		return 0, err
+	}
+	ticks := st.UTime + st.STime + uint(st.CUTime) + uint(st.CSTime)
+	for _, pid := range descendants(rec.PID) {
+		if q, err := procfs.NewProc(pid); err == nil {
+			if qs, err := q.Stat(); err == nil {
+				ticks += qs.UTime + qs.STime
+			}
+		}
+	}
+	return time.Duration(ticks) * time.Second / userHZ, nil
+}
+
+// userHZ is the kernel's clock tick for /proc/<pid>/stat times (100 on Linux).
+const userHZ = 100

@@ -27,6 +27,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -114,6 +115,8 @@ type Runtime struct {
 	// lists shares one runsc list among the lookups of ids without a record that
 	// overlap (unrecorded): a batch of clones starts them together.
 	lists singleflight.Group
+	// cpuFiles is each running instance's host cgroup CPU counter file (CPUTime).
+	cpuFiles sync.Map
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -707,6 +710,7 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 	if !validID(id) {
 		return fmt.Errorf("gvisor destroy: invalid id %q", id)
 	}
+	r.cpuFiles.Delete(id)
 	if r.statuses.isGone(id) {
 		// Destroyed completely, and nothing has made it since: nothing to tear down
 		// (a restore destroys first, which cost runsc kill, runsc delete and a /proc

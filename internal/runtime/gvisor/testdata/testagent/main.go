@@ -48,6 +48,17 @@ func run() error {
 	mux.HandleFunc("GET /v1/health", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, map[string]string{"version": "test"})
 	})
+	mux.HandleFunc("POST /spin", func(w http.ResponseWriter, r *http.Request) {
+		// Burn CPU for ?ms= milliseconds of wall time (CPU accounting tests).
+		ms, _ := strconv.Atoi(r.URL.Query().Get("ms"))
+		n := 0
+		for end := time.Now().Add(time.Duration(ms) * time.Millisecond); time.Now().Before(end); {
+			for i := 0; i < 100000; i++ {
+				n += i
+			}
+		}
+		writeJSON(w, map[string]int{"n": n})
+	})
 	mux.HandleFunc("GET /meminfo", func(w http.ResponseWriter, r *http.Request) {
 		b, err := os.ReadFile("/proc/meminfo")
 		if err != nil {

@@ -1,0 +1,146 @@
+// Package cgroupstat reads a process's host cgroup counters — the CPU time and the
+// memory charged to the cgroup it is in — on cgroup v1 and v2 hosts. The gVisor runtime
+// reports a sandbox's CPU time from it, and the benchmarks read sandboxes' memory and
+// CPU with it. It reads files only: it never writes a cgroup or asks the process.
+package cgroupstat
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/procfs"
+)
+
+// Root is where the host's cgroup hierarchies are mounted.
+const Root = "/sys/fs/cgroup"
+
+// ErrNoCgroup is returned when the process's cgroup is not the one asked for or has no
+// such counter.
+var ErrNoCgroup = errors.New("cgroupstat: no such cgroup counter")
+
+// CPUFile finds the CPU counter file of pid's cgroup: cpuacct.usage of its cpuacct
+// cgroup (v1) or cpu.stat of its cgroup (v2). With base set, the cgroup's last path
+// element must be base (a sandbox's own cgroup, named by its id): a process in any
+// other cgroup — or a pid since reused — gives ErrNoCgroup.
+func CPUFile(pid int, base string) (string, error) {
+	var found string
+	err := eachCgroup(pid, base, func(controllers []string, hierarchy int, p string) bool {
+		if slices.Contains(controllers, "cpuacct") {
+			for _, dir := range []string{"cpuacct", "cpu,cpuacct", "cpuacct,cpu"} {
+				f := filepath.Join(Root, dir, p, "cpuacct.usage")
+				if _, err := os.Stat(f); err == nil {
+					found = f
+					return true
+				}
+			}
+		}
+		if hierarchy == 0 && len(controllers) == 0 {
+			if f := filepath.Join(Root, p, "cpu.stat"); fileExists(f) {
+				found = f
+				return true
+			}
+		}
+		return false
+	})
+	if err != nil {
+		return "", err
+	}
+	if found == "" {
+		return "", ErrNoCgroup
+	}
+	return found, nil
+}
+
+// ReadCPU reads a counter file CPUFile found: cpuacct.usage (nanoseconds) or cpu.stat
+// (usage_usec).
+func ReadCPU(file string) (time.Duration, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	if filepath.Base(file) == "cpuacct.usage" {
+		n, err := strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+		return time.Duration(n), err
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "usage_usec "); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			return time.Duration(n) * time.Microsecond, err
+		}
+	}
+	return 0, fmt.Errorf("%s: no usage_usec", file)
+}
+
+// CPU is the CPU time pid's cgroup has used.
+func CPU(pid int) (time.Duration, error) {
+	f, err := CPUFile(pid, "")
+	if err != nil {
+		return 0, err
+	}
+	return ReadCPU(f)
+}
+
+// Memory is the memory charged to pid's memory cgroup, in bytes: memory.usage_in_bytes
+// (v1: anonymous memory, page cache, shared memory and kernel memory together) or
+// memory.current (v2).
+func Memory(pid int) (int64, error) {
+	var found string
+	err := eachCgroup(pid, "", func(controllers []string, hierarchy int, p string) bool {
+		if slices.Contains(controllers, "memory") {
+			found = filepath.Join(Root, "memory", p, "memory.usage_in_bytes")
+			return true
+		}
+		if hierarchy == 0 && len(controllers) == 0 && p != "/" {
+			found = filepath.Join(Root, p, "memory.current")
+		}
+		return false
+	})
+	if err != nil {
+		return 0, err
+	}
+	if found == "" {
+		return 0, ErrNoCgroup
+	}
+	b, err := os.ReadFile(found)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+}
+
+// eachCgroup calls fn for each of pid's cgroups (whose last element is base, if set)
+// until fn returns true.
+func eachCgroup(pid int, base string, fn func(controllers []string, hierarchy int, path string) bool) error {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return err
+	}
+	groups, err := p.Cgroups()
+	if err != nil {
+		return err
+	}
+	for _, g := range groups {
+		if base != "" && path.Base(g.Path) != base {
+			continue
+		}
+		if fn(g.Controllers, g.HierarchyID, g.Path) {
+			return nil
+		}
+	}
+	return nil
+}
+
+func fileExists(f string) bool {
+	_, err := os.Stat(f)
+	return err == nil
+}
