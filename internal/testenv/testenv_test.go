@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -375,5 +376,35 @@ func TestRequireRoot(t *testing.T) {
 	})
 	if ran != (syscall.Geteuid() == 0) {
 		t.Errorf("RequireRoot ran=%v as uid %d", ran, syscall.Geteuid())
+	}
+}
+
+// FreeAddr's ports are free and outside the kernel's ephemeral range.
+func TestFreeAddr(t *testing.T) {
+	lo, hi := freePortRange()
+	for range 20 {
+		_, p, err := net.SplitHostPort(FreeAddr(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		port, _ := strconv.Atoi(p)
+		if port < lo || port > hi {
+			t.Fatalf("port %d outside %d-%d", port, lo, hi)
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:"+p)
+		if err != nil {
+			t.Fatalf("port %d not free: %v", port, err)
+		}
+		ln.Close()
+	}
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		t.Skip(err)
+	}
+	f := strings.Fields(string(b))
+	eLo, _ := strconv.Atoi(f[0])
+	eHi, _ := strconv.Atoi(f[1])
+	if lo <= eHi && hi >= eLo {
+		t.Fatalf("range %d-%d overlaps the ephemeral %d-%d", lo, hi, eLo, eHi)
 	}
 }

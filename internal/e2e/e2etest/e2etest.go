@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -81,15 +80,9 @@ func RequireHost(t testing.TB) {
 	templatetest.RequireStore(t)
 }
 
-// FreeAddr returns a loopback address with a port free at the time of the call.
-func FreeAddr(t testing.TB) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+// FreeAddr returns a loopback address with a port free at the time of the call, one
+// that no outgoing connection takes meanwhile (testenv.FreeAddr).
+func FreeAddr(t testing.TB) string { return testenv.FreeAddr(t) }
 
 // storeSize is the size of the servers' store images.
 const storeSize = 16 << 30
