@@ -31,8 +31,8 @@ with --html and/or --svg without running anything.
 
 density breaks down the host memory of idle sandboxes (sentry, gofer, the agent inside,
 the server's share); scale creates 10, 50, 100 and 200 idle sandboxes (--scale-max caps
-the largest step) and reports create throughput, API latency and host memory per
-sandbox at each size.
+the largest step) and reports create throughput, API latency, host memory and the CPU
+an idle sandbox costs at each size.
 
 Scenarios: ` + joinNames() + `.`,
 		Example: "  space bench --runs 20\n  space bench --only cold-create -o json\n" +
