@@ -222,7 +222,6 @@ func idleCPU(ctx context.Context, all []proc, ids []string, window time.Duration
 	for i, pid := range pids {
 		if after, err := cgroupstat.CPU(pid); err == nil && before[i] > 0 && after >= before[i] {
 			perSandbox = append(perSandbox, msPerS(after-before[i], window))
-
 		}
 	}
 	return perSandbox, host, nil

@@ -36,8 +36,7 @@ func CPUFile(pid int, base string) (string, error) {
 	err := eachCgroup(pid, base, func(controllers []string, hierarchy int, p string) bool {
 		if slices.Contains(controllers, "cpuacct") {
 			for _, dir := range []string{"cpuacct", "cpu,cpuacct", "cpuacct,cpu"} {
-				f := filepath.Join(Root, dir, p, "cpuacct.usage")
-				if _, err := os.Stat(f); err == nil {
+				if f := filepath.Join(Root, dir, p, "cpuacct.usage"); fileExists(f) {
 					found = f
 					return true
 				}

@@ -3,9 +3,6 @@ package gvisor
 import (
 	"context"
 	"fmt"
-	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spacedev/space/internal/cgroupstat"
@@ -49,13 +46,9 @@ func (r *Runtime) cpuFile(id string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	b, err := os.ReadFile(pidFilePath(rec.StateDir))
+	pid, err := readPidFile(rec.StateDir)
 	if err != nil {
 		return "", err
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 0 {
-		return "", fmt.Errorf("pid file: %q", b)
 	}
 	return cgroupstat.CPUFile(pid, id)
 }

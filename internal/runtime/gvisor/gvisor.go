@@ -360,12 +360,8 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 // process, 10–25 ms, in every create, wake and clone). Without a readable pid file
 // (an older runsc) the observation asks runsc, as before.
 func (r *Runtime) noteRunning(spec runtime.Spec) {
-	b, err := os.ReadFile(pidFilePath(spec.StateDir))
+	pid, err := readPidFile(spec.StateDir)
 	if err != nil {
-		return
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 0 {
 		return
 	}
 	r.statuses.put(spec.ID, containerState{ID: spec.ID, Status: "running", PID: pid, Bundle: spec.StateDir}, r.statuses.generation())
@@ -374,6 +370,19 @@ func (r *Runtime) noteRunning(spec runtime.Spec) {
 // pidFilePath is where run has runsc write the sandbox process's pid (on the log tmpfs,
 // which only the host writes to).
 func pidFilePath(stateDir string) string { return filepath.Join(stateDir, logDir, "sandbox.pid") }
+
+// readPidFile reads the sandbox process's pid runsc wrote (pidFilePath).
+func readPidFile(stateDir string) (int, error) {
+	b, err := os.ReadFile(pidFilePath(stateDir))
+	if err != nil {
+		return 0, err
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		return 0, fmt.Errorf("pid file: %q", b)
+	}
+	return pid, nil
+}
 
 // pidsMax is the pids limit start sets inside the Sentry for spec (0 when this runsc
 // holds none there).
