@@ -153,7 +153,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
-	f.StringVar(&c.vmKernel, "vm-kernel", "", "guest kernel for VM runtimes (default: the newest Debian cloud kernel in /boot)")
+	f.StringVar(&c.vmKernel, "vm-kernel", "", "guest kernel for VM runtimes (default: the newest Debian cloud kernel in /boot); QEMU boots a compressed kernel built with CONFIG_PVH through its PVH entry, from the vmlinux it extracts into <data-dir>/cache/qemu-kernel")
 	f.StringVar(&c.fcBin, "firecracker-bin", os.Getenv("SPACE_FIRECRACKER_BIN"), "firecracker binary (env SPACE_FIRECRACKER_BIN; default: firecracker on PATH)")
 	f.StringVar(&c.jailerBin, "jailer-bin", os.Getenv("SPACE_JAILER_BIN"), "jailer binary (env SPACE_JAILER_BIN; default: jailer beside firecracker, else on PATH)")
 	f.StringVar(&c.fcKernel, "firecracker-kernel", os.Getenv("SPACE_FIRECRACKER_KERNEL"), "uncompressed vmlinux for Firecracker guests (env SPACE_FIRECRACKER_KERNEL)")
@@ -698,8 +698,11 @@ func selectRuntime(c *serveConfig, dataDir string, log *slog.Logger) (runtime.Ru
 		return qemu.New(qemu.Config{
 			RootDir:    filepath.Join("/run/space", "qemu-"+suffix),
 			KernelPath: c.vmKernel,
-			Accel:      c.qemuAccel,
-			Logger:     log.With("component", "qemu"),
+			// On disk, not tmpfs: the extracted vmlinux (53 MB for Debian's cloud kernel)
+			// is page cache every VM maps and the host can reclaim.
+			KernelCacheDir: filepath.Join(dataDir, "cache", "qemu-kernel"),
+			Accel:          c.qemuAccel,
+			Logger:         log.With("component", "qemu"),
 		})
 	}
 	switch c.runtime {

@@ -264,7 +264,7 @@ func details(v any) string {
 		return ""
 	}
 	var parts []string
-	for _, k := range []string{"version", "platform", "accel", "accel_reason"} {
+	for _, k := range []string{"version", "platform", "accel", "accel_reason", "kernel_boot"} {
 		if s, ok := m[k]; ok {
 			parts = append(parts, fmt.Sprintf("%s=%v", k, s))
 		}

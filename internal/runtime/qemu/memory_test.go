@@ -1,6 +1,7 @@
 package qemu
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
@@ -27,6 +28,7 @@ type memoryVariant struct {
 	balloon bool
 	host    hostOpts
 	cmdline string // added to the guest kernel's command line
+	kernel  string // the kernel QEMU boots; default the configured one, through the firmware
 }
 
 // TestIdleMemory boots idle VMs of the base template with each memory setting alone
@@ -64,7 +66,8 @@ func TestIdleMemory(t *testing.T) {
 		{name: "balloon, THP off", balloon: true, host: hostOpts{TCGCacheMB: 32}},
 		{name: "tb-size=16", host: hostOpts{TCGCacheMB: 16, THP: true}},
 		{name: "tb-size=8", host: hostOpts{TCGCacheMB: 8, THP: true}},
-		{name: "defaults (Create)", balloon: true, host: rt.host},
+		{name: "defaults (Create)", balloon: true, host: rt.host, kernel: rt.boot},
+		{name: "defaults, firmware boot of the bzImage (before PVH)", balloon: true, host: rt.host},
 	}
 	if v := os.Getenv("SPACE_QEMU_MEMORY_ONLY"); v != "" {
 		// A comma-separated list of variant indexes.
@@ -124,7 +127,7 @@ func TestIdleMemory(t *testing.T) {
 				defer wg.Done()
 				defer func() { <-sem }()
 				m := machine{
-					MemoryMB: guestMB, CPU: 1, Accel: rt.accel, Kernel: rt.cfg.KernelPath, Initrd: initrd,
+					MemoryMB: guestMB, CPU: 1, Accel: rt.accel, Kernel: cmp.Or(v.kernel, rt.cfg.KernelPath), Initrd: initrd,
 					Append: strings.TrimSpace(v.cmdline + " " + cmdline), QEMU: rt.version, Balloon: v.balloon, Host: v.host,
 				}
 				start := time.Now()

@@ -53,6 +53,7 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/initramfs"
 	"github.com/spacedev/space/internal/runtime/instances"
+	"github.com/spacedev/space/internal/runtime/kernelimage"
 )
 
 // Config configures the QEMU runtime. Zero values take the documented defaults.
@@ -60,8 +61,14 @@ type Config struct {
 	// QemuPath is the emulator; default qemu-system-x86_64 on PATH.
 	QemuPath string
 	// KernelPath is the guest kernel; default the newest /boot/vmlinuz-*-cloud-amd64,
-	// else the newest /boot/vmlinuz-*.
+	// else the newest /boot/vmlinuz-*. A compressed kernel (bzImage) built with
+	// CONFIG_PVH is booted through its PVH entry: the vmlinux inside it is extracted
+	// once into KernelCacheDir (package kernelimage); any other kernel is booted as it is.
 	KernelPath string
+	// KernelCacheDir holds the vmlinux extracted from KernelPath; default
+	// <RootDir>/kernel. On a disk (space serve: <data-dir>/cache/qemu-kernel) its pages
+	// are page cache the host can reclaim; on tmpfs they stay in memory.
+	KernelCacheDir string
 	// ModulesDir holds the kernel's modules (modules.dep); default
 	// /lib/modules/<version>, the version taken from the kernel's file name.
 	ModulesDir string
@@ -117,6 +124,9 @@ type Runtime struct {
 	rootKey     string // short hash of RootDir, part of every process name
 	tscKHz      int64  // the host's TSC frequency, given to TCG guests (0: unknown)
 	host        hostOpts
+	// boot is the kernel QEMU boots: the PVH vmlinux extracted from cfg.KernelPath, or
+	// cfg.KernelPath itself; bootNote says which and why.
+	boot, bootNote string
 
 	initrds *initramfs.Cache
 	uids    *uidLeases
@@ -214,6 +224,10 @@ func New(cfg Config) (*Runtime, error) {
 	if err := worldReadable(cfg.KernelPath); err != nil {
 		return nil, fmt.Errorf("qemu: kernel: %w", err)
 	}
+	if cfg.KernelCacheDir == "" {
+		cfg.KernelCacheDir = filepath.Join(cfg.RootDir, kernelDir)
+	}
+	boot, bootNote := bootKernel(cfg.KernelPath, cfg.KernelCacheDir, logger)
 	jail, err := baseJail(cfg.QemuPath, accel)
 	if err != nil {
 		return nil, fmt.Errorf("qemu: %w", err)
@@ -251,6 +265,8 @@ func New(cfg Config) (*Runtime, error) {
 		cgroups:     cgs,
 		jail:        jail,
 		host:        defaultHostOpts(),
+		boot:        boot,
+		bootNote:    bootNote,
 	}
 	r.initrds = &initramfs.Cache{
 		Dir:        filepath.Join(cfg.RootDir, initramfsDir),
@@ -260,9 +276,27 @@ func New(cfg Config) (*Runtime, error) {
 		// Bind-mounted into each jail: only the file's own mode counts for QEMU's uid.
 		WorldReadable: true,
 	}
-	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "modules", len(modules), "version", version, "tsc_khz", tscKHz,
+	r.log.Info("qemu runtime", "accel", accel, "reason", reason, "kernel", cfg.KernelPath, "boot", bootNote, "modules", len(modules), "version", version, "tsc_khz", tscKHz,
 		"uids", fmt.Sprintf("%d+%d", cfg.FirstUID, cfg.UIDCount), "cgroup_v2", cgs.v2)
 	return r, nil
+}
+
+// kernelDir is where the extracted kernel is kept by default, under the root dir.
+const kernelDir = "kernel"
+
+// bootKernel returns the kernel QEMU is to boot for kernel and a note saying how: the
+// PVH-capable vmlinux inside it (extracted into cacheDir on first use), which QEMU maps
+// instead of copying into every VM's memory and which skips the guest's decompressor
+// (docs/benchmarks.md, "QEMU boots the vmlinux"); else kernel itself, booted through
+// the firmware as a bzImage.
+func bootKernel(kernel, cacheDir string, log *slog.Logger) (string, string) {
+	c := &kernelimage.Cache{Dir: cacheDir, Logger: log}
+	p, err := c.PVH(context.Background(), kernel)
+	if err != nil {
+		log.Info("qemu: booting the kernel through the firmware, not PVH", "kernel", kernel, "reason", err)
+		return kernel, "firmware (" + err.Error() + ")"
+	}
+	return p, "pvh " + p
 }
 
 // DefaultKernel finds the default guest kernel: the newest /boot/vmlinuz-*-cloud-amd64,
@@ -322,6 +356,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 			"accel":        r.accel,
 			"accel_reason": r.accelReason,
 			"kernel":       r.cfg.KernelPath,
+			"kernel_boot":  r.bootNote,
 			"transport":    "virtio-serial+yamux",
 			// The agent keeps its transport across a checkpoint (the serial port is a
 			// device, not a host socket): after a restore it gets its identity over it.
@@ -400,7 +435,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	}
 	m := machine{
 		MemoryMB: spec.MemoryMB, CPU: spec.CPU, Accel: r.accel,
-		Kernel: r.cfg.KernelPath, Initrd: initrd, Append: cmdline, QEMU: r.version,
+		Kernel: r.boot, Initrd: initrd, Append: cmdline, QEMU: r.version,
 		Network: spec.NetNS != "", Balloon: true, Host: r.host,
 	}
 	if err := r.launch(ctx, spec, m, ""); err != nil {

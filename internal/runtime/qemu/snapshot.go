@@ -202,6 +202,12 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) er
 			return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 		}
 	}
+	if _, err := os.Stat(m.Kernel); err != nil {
+		// An extracted kernel removed since (a kernel upgrade, a cleared cache): as with
+		// the initramfs, the guest's kernel is in the migration stream; QEMU only loads a
+		// file it will not copy into a VM that arrives by migration.
+		m.Kernel = r.boot
+	}
 	if err := ensureWorldReadable(m.Initrd); err != nil {
 		return fmt.Errorf("qemu restore %s: %w", spec.ID, err)
 	}
