@@ -156,7 +156,7 @@ that have none of their own (-1: unlimited).`,
 	f.StringVar(&c.vmKernel, "vm-kernel", "", "guest kernel for VM runtimes (default: the newest Debian cloud kernel in /boot); QEMU boots a compressed kernel built with CONFIG_PVH through its PVH entry, from the vmlinux it extracts into <data-dir>/cache/qemu-kernel")
 	f.StringVar(&c.fcBin, "firecracker-bin", os.Getenv("SPACE_FIRECRACKER_BIN"), "firecracker binary (env SPACE_FIRECRACKER_BIN; default: firecracker on PATH)")
 	f.StringVar(&c.jailerBin, "jailer-bin", os.Getenv("SPACE_JAILER_BIN"), "jailer binary (env SPACE_JAILER_BIN; default: jailer beside firecracker, else on PATH)")
-	f.StringVar(&c.fcKernel, "firecracker-kernel", os.Getenv("SPACE_FIRECRACKER_KERNEL"), "uncompressed vmlinux for Firecracker guests (env SPACE_FIRECRACKER_KERNEL)")
+	f.StringVar(&c.fcKernel, "firecracker-kernel", os.Getenv("SPACE_FIRECRACKER_KERNEL"), "guest kernel for Firecracker: a vmlinux, or a vmlinuz whose vmlinux space extracts (env SPACE_FIRECRACKER_KERNEL)")
 	f.StringVar(&c.fcUser, "firecracker-user", "", "unprivileged user the jailer runs Firecracker as (empty: run without the jailer, for development only)")
 	f.StringVar(&c.qemuAccel, "qemu-accel", "auto", "qemu accelerator: auto (kvm when the CPU has vmx/svm and /dev/kvm works, else tcg), kvm or tcg")
 	f.StringVar(&c.advertiseURL, "advertise-url", "", "URL clients use to reach this node's data plane (default: http://<listen>)")

@@ -30,7 +30,6 @@ import (
 	"bufio"
 	"context"
 	"crypto/sha256"
-	"debug/elf"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -51,6 +50,7 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/initramfs"
 	"github.com/spacedev/space/internal/runtime/instances"
+	"github.com/spacedev/space/internal/runtime/kernelimage"
 )
 
 // Config configures the Firecracker runtime. Zero values take the documented defaults.
@@ -64,11 +64,14 @@ type Config struct {
 	// switch or cgroup limits (the working directory is still the instance's jail).
 	// For development only.
 	NoJailer bool
-	// KernelPath is the guest kernel: an uncompressed vmlinux (ELF). Required.
+	// KernelPath is the guest kernel: an uncompressed vmlinux (ELF), or a compressed
+	// kernel (a bzImage such as Debian's /boot/vmlinuz-*), whose vmlinux the runtime
+	// extracts once into <RootDir>/kernel (package kernelimage). Required.
 	KernelPath string
 	// ModulesDir holds the kernel's modules (modules.dep) for the initramfs. Default
-	// /lib/modules/<version> when the kernel is named vmlinux-<version> and that
-	// directory exists; otherwise the kernel must have its drivers built in.
+	// /lib/modules/<version> when the kernel is named vmlinux-<version> or
+	// vmlinuz-<version> and that directory exists; otherwise the kernel must have its
+	// drivers built in.
 	ModulesDir string
 	// RootDir holds the runtime's records and initramfs cache; default
 	// /var/lib/space/firecracker.
@@ -132,6 +135,7 @@ type Runtime struct {
 	version    version // of the firecracker binary
 	cgroupRoot string
 	rootKey    string // short hash of RootDir, part of every jail id
+	kernel     string // the vmlinux each jail gets: cfg.KernelPath or the one extracted from it
 
 	fallbackOnce sync.Once
 	initrds      *initramfs.Cache
@@ -177,23 +181,18 @@ func New(cfg Config) (*Runtime, error) {
 		}
 	}
 	if cfg.KernelPath == "" {
-		return nil, errors.New("firecracker: a guest kernel is required (an uncompressed vmlinux)")
+		return nil, errors.New("firecracker: a guest kernel is required (a vmlinux, or a vmlinuz to extract it from)")
 	}
 	if cfg.KernelPath, err = filepath.Abs(cfg.KernelPath); err != nil {
 		return nil, fmt.Errorf("firecracker: %w", err)
 	}
-	if err := checkKernel(cfg.KernelPath); err != nil {
-		return nil, fmt.Errorf("firecracker: %w", err)
-	}
-	if jailed {
-		if err := readableBy(cfg.KernelPath, cfg.UID, cfg.GID); err != nil {
-			return nil, fmt.Errorf("firecracker: kernel: %w", err)
-		}
-	}
 	if cfg.ModulesDir == "" {
-		if ver, ok := strings.CutPrefix(filepath.Base(cfg.KernelPath), "vmlinux-"); ok {
-			if d := filepath.Join("/lib/modules", ver); dirExists(d) {
-				cfg.ModulesDir = d
+		base := filepath.Base(cfg.KernelPath)
+		for _, prefix := range []string{"vmlinux-", "vmlinuz-"} {
+			if ver, ok := strings.CutPrefix(base, prefix); ok {
+				if d := filepath.Join("/lib/modules", ver); dirExists(d) {
+					cfg.ModulesDir = d
+				}
 			}
 		}
 	}
@@ -212,6 +211,19 @@ func New(cfg Config) (*Runtime, error) {
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
+	}
+	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
+		return nil, fmt.Errorf("firecracker: %w", err)
+	}
+	kc := &kernelimage.Cache{Dir: filepath.Join(cfg.RootDir, kernelDir), Logger: logger.With("runtime", "firecracker")}
+	boot, err := kc.ELF(context.Background(), cfg.KernelPath)
+	if err != nil {
+		return nil, fmt.Errorf("firecracker: kernel %s is not an uncompressed vmlinux (ELF), nor a compressed kernel space can unpack: %w", cfg.KernelPath, err)
+	}
+	if jailed {
+		if err := readableBy(boot, cfg.UID, cfg.GID); err != nil {
+			return nil, fmt.Errorf("firecracker: kernel: %w", err)
+		}
 	}
 	// Without a modules directory (or modules.dep in it) the kernel is assumed to have
 	// everything built in, as Firecracker's recommended guest configurations do.
@@ -232,6 +244,7 @@ func New(cfg Config) (*Runtime, error) {
 		execName: filepath.Base(cfg.FirecrackerPath),
 		version:  ver,
 		locks:    map[string]chan struct{}{},
+		kernel:   boot,
 	}
 	// Initramfs images are keyed by the agent's content and the modules' identity (not
 	// the kernel's); each jail holds a hard link or copy of its image. They are readable
@@ -271,7 +284,7 @@ func New(cfg Config) (*Runtime, error) {
 	} else if ver.major == 1 && ver.minor == 16 && ver.patch == 0 {
 		r.log.Warn("firecracker 1.16.0 can leave vsock silent after a restore: use 1.16.1 or later", "version", ver)
 	}
-	r.log.Info("firecracker runtime", "version", ver, "jailer", jailed, "kernel", cfg.KernelPath,
+	r.log.Info("firecracker runtime", "version", ver, "jailer", jailed, "kernel", cfg.KernelPath, "boot", boot,
 		"modules", len(modules), "chroot_base", cfg.ChrootBaseDir, "cgroup", r.cgroupRoot)
 	return r, nil
 }
@@ -313,20 +326,6 @@ func binaryVersion(bin, prefix string) (version, error) {
 		return version{}, fmt.Errorf("%s --version: unexpected output %q", bin, first)
 	}
 	return parseVersion(v)
-}
-
-// checkKernel checks that p is an uncompressed x86-64 kernel (an ELF vmlinux), which is
-// what Firecracker boots; a bzImage (vmlinuz) fails only at InstanceStart otherwise.
-func checkKernel(p string) error {
-	f, err := elf.Open(p)
-	if err != nil {
-		return fmt.Errorf("kernel %s is not an uncompressed vmlinux (ELF): %w (extract it from a vmlinuz with the kernel's scripts/extract-vmlinux)", p, err)
-	}
-	defer f.Close()
-	if f.Machine != elf.EM_X86_64 {
-		return fmt.Errorf("kernel %s is for %v, not x86-64", p, f.Machine)
-	}
-	return nil
 }
 
 // readableBy checks that p's permission bits let uid or gid read it (the jail holds a
@@ -422,6 +421,7 @@ func (r *Runtime) Info(ctx context.Context) (runtime.Info, error) {
 		"transport":   "hybrid vsock",
 		"vsock_port":  strconv.Itoa(AgentVsockPort),
 		"chroot_base": r.cfg.ChrootBaseDir,
+		"kernel_boot": "vmlinux " + r.kernel,
 		// vsock connections do not survive a snapshot, the agent's listener does: after
 		// a restore the node dials again and hands the identity over the API.
 	}

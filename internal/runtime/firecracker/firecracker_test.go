@@ -26,6 +26,7 @@ import (
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker/fcfake"
 	"github.com/spacedev/space/internal/runtime/instances"
+	kt "github.com/spacedev/space/internal/runtime/kernelimage/kernelimagetest"
 	"github.com/spacedev/space/internal/testenv"
 )
 
@@ -851,4 +852,45 @@ func sameFile(t *testing.T, a, b string) bool {
 func fileExists(p string) bool {
 	_, err := os.Stat(p)
 	return err == nil
+}
+
+// TestCompressedKernel: a compressed kernel (a bzImage, as /boot/vmlinuz-* is) works as
+// KernelPath: the runtime extracts its vmlinux once into <RootDir>/kernel, each jail
+// gets that ELF, and a restarted runtime reuses the extraction.
+func TestCompressedKernel(t *testing.T) {
+	f := newFixture(t, fixtureOpts{jailer: os.Geteuid() == 0})
+	vmlinux, err := os.ReadFile(f.cfg.KernelPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.cfg.KernelPath = filepath.Join(f.dir, "vmlinuz-0.0.0-test")
+	if err := os.WriteFile(f.cfg.KernelPath, kt.BzImage(kt.Compress(t, "zstd", vmlinux)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f.rt = f.newRuntime()
+	extracted, err := filepath.Glob(filepath.Join(f.cfg.RootDir, kernelDir, "*.vmlinux"))
+	if err != nil || len(extracted) != 1 {
+		t.Fatalf("extracted kernels: %v %v, want one", extracted, err)
+	}
+	before, _ := os.Stat(extracted[0])
+	spec := f.spec("bz1")
+	f.create(spec)
+	f.health(spec.ID)
+	jid := f.rt.jailID(spec.ID)
+	rec := record{JailID: jid, JailDir: filepath.Join(f.cfg.RootDir, "jail", "firecracker", jid)}
+	got, err := os.ReadFile(filepath.Join(rec.chroot(), kernelName))
+	if err != nil || !bytes.Equal(got, vmlinux) {
+		t.Fatalf("the jail's kernel is not the vmlinux inside the bzImage (%v)", err)
+	}
+	f.rt = f.newRuntime()
+	if after, err := os.Stat(extracted[0]); err != nil || !after.ModTime().Equal(before.ModTime()) {
+		t.Fatalf("a restarted runtime extracted the kernel again (%v)", err)
+	}
+	// Neither an ELF nor a bzImage: refused at start-up.
+	if err := os.WriteFile(f.cfg.KernelPath, []byte("MZ\x00 a PE image"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(f.cfg); err == nil || !strings.Contains(err.Error(), "not an uncompressed vmlinux") {
+		t.Fatalf("New with an unusable kernel: %v", err)
+	}
 }

@@ -16,3 +16,7 @@ func guestModules() []string {
 
 // initramfsDir is where built initramfs images are cached, under the root dir.
 const initramfsDir = "initramfs"
+
+// kernelDir is where a vmlinux extracted from a compressed kernel is kept, under the
+// root dir.
+const kernelDir = "kernel"

@@ -117,7 +117,7 @@ func (r *Runtime) prepareJail(rec record, initrd string) error {
 		return fmt.Errorf("create jail: %w", err)
 	}
 	if initrd != "" { // a restore needs no kernel: it is in the snapshot's memory
-		if err := placeFile(r.cfg.KernelPath, filepath.Join(chroot, kernelName)); err != nil {
+		if err := placeFile(r.kernel, filepath.Join(chroot, kernelName)); err != nil {
 			return fmt.Errorf("kernel into jail: %w", err)
 		}
 		if err := placeFile(initrd, filepath.Join(chroot, initrdName)); err != nil {

@@ -3,6 +3,7 @@ package kernelimage
 import (
 	"context"
 	"crypto/sha256"
+	"debug/elf"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -32,21 +33,34 @@ type Cache struct {
 	Logger *slog.Logger
 }
 
-// PVH returns the path of a PVH-bootable ELF kernel for kernel: kernel itself when it is
-// such an ELF, else the vmlinux inside it, extracted on first use into a temporary file
-// that is checked and renamed into place (never half-written). Kernels extracted from
-// other images are removed from Dir: only one kernel is current. It fails with
-// ErrUnsupported or ErrNoPVH when the kernel cannot be booted that way.
+// PVH returns the path of a PVH-bootable ELF kernel for kernel (see ELF), or an error
+// wrapping ErrUnsupported or ErrNoPVH when kernel cannot be booted that way.
 func (c *Cache) PVH(ctx context.Context, kernel string) (string, error) {
+	p, err := c.ELF(ctx, kernel)
+	if err != nil {
+		return "", err
+	}
+	if _, ok, err := PVHEntry(p); err != nil {
+		return "", err
+	} else if !ok {
+		return "", ErrNoPVH
+	}
+	return p, nil
+}
+
+// ELF returns the path of an x86-64 ELF kernel for kernel: kernel itself when it is
+// one, else the vmlinux inside it, extracted on first use into a temporary file that is
+// checked and renamed into place (never half-written). Kernels extracted from other
+// images are removed from Dir: only one kernel is current. It fails with ErrUnsupported
+// when kernel is neither.
+func (c *Cache) ELF(ctx context.Context, kernel string) (string, error) {
 	isELF, err := IsELF(kernel)
 	if err != nil {
 		return "", fmt.Errorf("kernelimage: %w", err)
 	}
 	if isELF {
-		if _, ok, err := PVHEntry(kernel); err != nil {
+		if err := checkELF(kernel); err != nil {
 			return "", err
-		} else if !ok {
-			return "", ErrNoPVH
 		}
 		return kernel, nil
 	}
@@ -69,10 +83,8 @@ func (c *Cache) PVH(ctx context.Context, kernel string) (string, error) {
 		return "", fmt.Errorf("kernelimage: hash %s: %w", kernel, err)
 	}
 	out := filepath.Join(c.Dir, hex.EncodeToString(h.Sum(nil))[:32]+cacheSuffix)
-	if st, err := os.Stat(out); err == nil && st.Size() == p.Size {
-		if _, ok, err := PVHEntry(out); err == nil && ok {
-			return out, nil
-		}
+	if st, err := os.Stat(out); err == nil && st.Size() == p.Size && checkELF(out) == nil {
+		return out, nil
 	}
 	if err := ctx.Err(); err != nil {
 		return "", err
@@ -97,20 +109,31 @@ func (c *Cache) PVH(ctx context.Context, kernel string) (string, error) {
 	if err := tmp.Close(); err != nil {
 		return "", fmt.Errorf("kernelimage: %w", err)
 	}
-	if _, ok, err := PVHEntry(tmp.Name()); err != nil {
+	if err := checkELF(tmp.Name()); err != nil {
 		return "", fmt.Errorf("kernelimage: the kernel inside %s: %w", kernel, err)
-	} else if !ok {
-		return "", ErrNoPVH
 	}
 	if err := os.Rename(tmp.Name(), out); err != nil {
 		return "", fmt.Errorf("kernelimage: %w", err)
 	}
 	c.removeOthers(out)
 	if c.Logger != nil {
-		c.Logger.InfoContext(ctx, "kernel extracted for PVH boot", "from", kernel, "path", out,
+		c.Logger.InfoContext(ctx, "kernel extracted", "from", kernel, "path", out,
 			"compression", p.Compression, "bytes", p.Size, "duration", time.Since(start))
 	}
 	return out, nil
+}
+
+// checkELF checks that path is an x86-64 ELF.
+func checkELF(path string) error {
+	f, err := elf.Open(path)
+	if err != nil {
+		return fmt.Errorf("%w: %s: %v", ErrUnsupported, path, err)
+	}
+	defer f.Close()
+	if f.Machine != elf.EM_X86_64 {
+		return fmt.Errorf("%w: %s is a %s ELF, not x86-64", ErrUnsupported, path, f.Machine)
+	}
+	return nil
 }
 
 // removeOthers removes the kernels in Dir other than keep (extracted from kernels no

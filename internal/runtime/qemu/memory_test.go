@@ -79,17 +79,7 @@ func TestIdleMemory(t *testing.T) {
 		}
 		variants = keep
 	}
-	initrd, err := rt.initrds.Build(ctx, agent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ensureWorldReadable(initrd); err != nil {
-		t.Fatal(err)
-	}
-	cmdline, err := kernelCmdline(nil, rt.tscKHz)
-	if err != nil {
-		t.Fatal(err)
-	}
+	initrd, cmdline := bootFiles(t, ctx, rt, agent)
 	type vm struct {
 		v    int
 		spec runtime.Spec
@@ -212,6 +202,23 @@ func TestIdleMemory(t *testing.T) {
 		}
 		ksmPhase(t, rt, specs, guestMB)
 	}
+}
+
+// bootFiles builds the initramfs for agent and the kernel command line a VM launched
+// directly (rt.launch) boots with.
+func bootFiles(t *testing.T, ctx context.Context, rt *Runtime, agent string) (initrd, cmdline string) {
+	t.Helper()
+	initrd, err := rt.initrds.Build(ctx, agent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ensureWorldReadable(initrd); err != nil {
+		t.Fatal(err)
+	}
+	if cmdline, err = kernelCmdline(nil, rt.tscKHz); err != nil {
+		t.Fatal(err)
+	}
+	return initrd, cmdline
 }
 
 // anonMappings lists pid's ten largest resident anonymous mappings other than the

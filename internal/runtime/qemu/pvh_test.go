@@ -3,7 +3,6 @@ package qemu
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -38,36 +37,18 @@ func TestPVHBoot(t *testing.T) {
 	_, agent := testenv.Binaries(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	initrd, err := rt.initrds.Build(ctx, agent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ensureWorldReadable(initrd); err != nil {
-		t.Fatal(err)
-	}
-	cmdline, err := kernelCmdline(nil, rt.tscKHz)
-	if err != nil {
-		t.Fatal(err)
-	}
+	initrd, cmdline := bootFiles(t, ctx, rt, agent)
 	// Copies of both kernels, removed before the restores.
 	copyKernel := func(src string) string {
 		dst := filepath.Join(t.TempDir(), filepath.Base(src))
-		in, err := os.Open(src)
+		data, err := os.ReadFile(src)
+		if err == nil {
+			err = os.WriteFile(dst, data, 0o644)
+		}
+		if err == nil {
+			err = os.Chmod(filepath.Dir(dst), 0o755)
+		}
 		if err != nil {
-			t.Fatal(err)
-		}
-		defer in.Close()
-		out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY, 0o644)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.Copy(out, in); err != nil {
-			t.Fatal(err)
-		}
-		if err := out.Close(); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chmod(filepath.Dir(dst), 0o755); err != nil {
 			t.Fatal(err)
 		}
 		return dst

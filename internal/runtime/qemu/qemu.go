@@ -224,10 +224,6 @@ func New(cfg Config) (*Runtime, error) {
 	if err := worldReadable(cfg.KernelPath); err != nil {
 		return nil, fmt.Errorf("qemu: kernel: %w", err)
 	}
-	if cfg.KernelCacheDir == "" {
-		cfg.KernelCacheDir = filepath.Join(cfg.RootDir, kernelDir)
-	}
-	boot, bootNote := bootKernel(cfg.KernelPath, cfg.KernelCacheDir, logger)
 	jail, err := baseJail(cfg.QemuPath, accel)
 	if err != nil {
 		return nil, fmt.Errorf("qemu: %w", err)
@@ -243,6 +239,10 @@ func New(cfg Config) (*Runtime, error) {
 	if err := os.MkdirAll(cfg.RootDir, 0o700); err != nil {
 		return nil, fmt.Errorf("qemu: create root dir: %w", err)
 	}
+	if cfg.KernelCacheDir == "" {
+		cfg.KernelCacheDir = filepath.Join(cfg.RootDir, kernelDir)
+	}
+	boot, bootNote := bootKernel(cfg.KernelPath, cfg.KernelCacheDir, logger)
 	jail.Root = filepath.Join(cfg.RootDir, jailDir)
 	if err := os.Mkdir(jail.Root, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("qemu: create jail mount point: %w", err)
