@@ -50,7 +50,7 @@ func (c *Cache) PVH(ctx context.Context, kernel string) (string, error) {
 
 // ELF returns the path of an x86-64 ELF kernel for kernel: kernel itself when it is
 // one, else the vmlinux inside it, extracted on first use into a temporary file that is
-// checked and renamed into place (never half-written). Kernels extracted from other
+// checked, fsynced and renamed into place (never half-written). Kernels extracted from other
 // images are removed from Dir: only one kernel is current. It fails with ErrUnsupported
 // when kernel is neither.
 func (c *Cache) ELF(ctx context.Context, kernel string) (string, error) {
@@ -105,6 +105,12 @@ func (c *Cache) ELF(ctx context.Context, kernel string) (string, error) {
 	if err := tmp.Chmod(0o644); err != nil {
 		tmp.Close()
 		return "", fmt.Errorf("kernelimage: %w", err)
+	}
+	// On disk before its name is: after a host crash the name may be gone (it is
+	// extracted again), never on a file of the right size holding zeros.
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return "", fmt.Errorf("kernelimage: fsync: %w", err)
 	}
 	if err := tmp.Close(); err != nil {
 		return "", fmt.Errorf("kernelimage: %w", err)
