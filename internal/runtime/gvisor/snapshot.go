@@ -258,10 +258,9 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	// What the sandbox did to its own cgroup meanwhile it could do again after the
 	// write; the host's pids cgroup bounds it either way (bundle.go).
 	pidsSet := meta.PidsMax != 0 && meta.PidsMax == r.pidsMax(spec)
-	// Not -background (memory loading while the sandbox already runs): a sandbox
-	// suspended right after such a restore, its load still going, came back with a
-	// user process that never ran again (TestAdversarial's impersonation attack, 2 runs
-	// in 9), and wakes measured no faster with it (docs/runtimes.md).
+	// Not -background (return before the memory has loaded): wakes measured no faster
+	// with it, since runsc's parallel page reads starve the kernel state's load, which
+	// then ends with them anyway (docs/runtimes.md, "Snapshots").
 	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
 	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, pidsSet, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
