@@ -1,7 +1,8 @@
 // Package cgroupstat reads a process's host cgroup counters — the CPU time and the
 // memory charged to the cgroup it is in — on cgroup v1 and v2 hosts. The gVisor runtime
 // reports a sandbox's CPU time from it, and the benchmarks read sandboxes' memory and
-// CPU with it. It reads files only: it never writes a cgroup or asks the process.
+// CPU with it. It reads files only: it never writes a cgroup or asks the process (the
+// gVisor runtime finds a sandbox's CPU quota file with it and writes that itself).
 package cgroupstat
 
 import (
@@ -32,18 +33,31 @@ var ErrNoCgroup = errors.New("cgroupstat: no such cgroup counter")
 // element must be base (a sandbox's own cgroup, named by its id): a process in any
 // other cgroup — or a pid since reused — gives ErrNoCgroup.
 func CPUFile(pid int, base string) (string, error) {
+	return controllerFile(pid, base, "cpuacct", "cpuacct.usage", "cpu.stat")
+}
+
+// CPULimitFile finds the file that holds the CPU quota of pid's cgroup, whose last path
+// element must be base: cpu.cfs_quota_us of its cpu cgroup (v1; cpu.cfs_period_us is
+// beside it) or cpu.max (v2). It only finds the file; the caller writes it.
+func CPULimitFile(pid int, base string) (string, error) {
+	return controllerFile(pid, base, "cpu", "cpu.cfs_quota_us", "cpu.max")
+}
+
+// controllerFile finds a file of pid's cgroup: v1File in the v1 hierarchy of controller
+// (mounted alone or as the usual cpu and cpuacct pair), or v2File in the unified one.
+func controllerFile(pid int, base, controller, v1File, v2File string) (string, error) {
 	var found string
 	err := eachCgroup(pid, base, func(controllers []string, hierarchy int, p string) bool {
-		if slices.Contains(controllers, "cpuacct") {
-			for _, dir := range []string{"cpuacct", "cpu,cpuacct", "cpuacct,cpu"} {
-				if f := filepath.Join(Root, dir, p, "cpuacct.usage"); fileExists(f) {
+		if slices.Contains(controllers, controller) {
+			for _, dir := range []string{controller, "cpu,cpuacct", "cpuacct,cpu"} {
+				if f := filepath.Join(Root, dir, p, v1File); fileExists(f) {
 					found = f
 					return true
 				}
 			}
 		}
 		if hierarchy == 0 && len(controllers) == 0 {
-			if f := filepath.Join(Root, p, "cpu.stat"); fileExists(f) {
+			if f := filepath.Join(Root, p, v2File); fileExists(f) {
 				found = f
 				return true
 			}

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacedev/space/internal/cgroupstat"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -528,4 +529,75 @@ func TestCheckpointPaused(t *testing.T) {
 	}
 	waitHealthy(t, agentClient(t, rt, dst.ID))
 	waitHealthy(t, c) // the source runs on beside its clone
+}
+
+// TestRestoreCPULimit: a restore runs without the CPU quota (cpulimit.go) and Restore
+// returns only once the quota is on the sandbox's host cgroup; Adopt puts back a quota
+// that is missing (a node stopped between the restore and the write).
+func TestRestoreCPULimit(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	c := startSandbox(t, rt, spec)
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, rt, spec.ID)
+	spec.CPU = 2 // a clone may be of another size: the Spec's count is what counts
+	if err := rt.Restore(ctx, spec, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	pid, err := readPidFile(spec.StateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	file, err := cgroupstat.CPULimitFile(pid, spec.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	quota := func() string {
+		t.Helper()
+		b, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(string(b))
+	}
+	want, unlimited := "200000", "-1"
+	if filepath.Base(file) == "cpu.max" {
+		want, unlimited = "200000 100000", "max 100000"
+	}
+	if got := quota(); got != want {
+		t.Fatalf("%s after Restore = %q, want %q", file, got, want)
+	}
+	if err := os.WriteFile(file, []byte(strings.Fields(unlimited)[0]), 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := quota(); got != unlimited {
+		t.Fatalf("%s = %q after removing the quota, want %q", file, got, unlimited)
+	}
+	if err := rt.Adopt(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	if got := quota(); got != want {
+		t.Errorf("%s after Adopt = %q, want %q", file, got, want)
+	}
+}
+
+// suspendInstance checkpoints a quiesced instance into a new directory, which it
+// returns, and destroys the instance, as a suspend does.
+func suspendInstance(t *testing.T, rt *Runtime, id string) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := rt.Checkpoint(context.Background(), id, dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Destroy(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }

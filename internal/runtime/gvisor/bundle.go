@@ -58,6 +58,9 @@ var defaultCaps = []string{
 
 // bundleOptions are the inputs of the OCI config that do not come from the Spec.
 type bundleOptions struct {
+	// CPULater leaves the CPU quota out of the bundle: start sets it on the host cgroup
+	// once runsc has returned (a restore; cpulimit.go).
+	CPULater bool
 	// CgroupsPath is linux.cgroupsPath, e.g. /space/<id>.
 	CgroupsPath string
 	// NetNS is the path of a network namespace to join; empty means a new one.
@@ -135,6 +138,9 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 				{Type: specs.MountNamespace},
 			},
 		},
+	}
+	if opts.CPULater {
+		s.Linux.Resources.CPU = nil
 	}
 	if opts.GuestPids {
 		// gVisor's own cgroups (not the host's): with this mount the container's tasks

@@ -317,7 +317,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		}
 	}
 	owned = true
-	if mountPoints, err = r.start(ctx, spec, spec.ID, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, false, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
@@ -325,14 +325,17 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 
 // start makes the instance's host mounts, writes its bundle, runs runsc's sub (run or
 // restore) and sets the pids limit on the container's cgroup inside the Sentry, named
-// cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). It
-// returns the mount points it created in the rootfs. The caller undoes a failure with
-// destroy.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet bool, sub ...string) (mountPoints []string, err error) {
+// cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). With
+// cpuLater (a restore) the bundle has no CPU quota and start sets it on the host cgroup
+// once runsc has returned (cpulimit.go). It returns the mount points it created in the
+// rootfs. The caller undoes a failure with destroy.
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet, cpuLater bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
 	if err != nil {
 		return nil, err
 	}
+	cpuLater = cpuLater && !r.ignoresCgroups()
+	opts.CPULater = cpuLater
 	oci := bundleSpec(spec, opts)
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
 		return nil, err
@@ -344,6 +347,15 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 		return mountPoints, err
 	}
 	r.statuses.startedClean(spec.ID)
+	if cpuLater {
+		pid, err := readPidFile(spec.StateDir)
+		if err != nil {
+			return mountPoints, fmt.Errorf("sandbox process: %w", err)
+		}
+		if err := r.applyCPULimit(spec, pid); err != nil {
+			return mountPoints, err
+		}
+	}
 	if r.guestPids && !pidsSet {
 		if err := r.limitTasks(ctx, spec, cgroup); err != nil {
 			return mountPoints, err
@@ -708,6 +720,11 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	case filepath.Clean(rec.StateDir) != filepath.Clean(spec.StateDir):
 		return fmt.Errorf("gvisor adopt %s: recorded state dir %s, not %s", spec.ID, rec.StateDir, spec.StateDir)
+	}
+	// A restore whose node stopped before it set the CPU quota (cpulimit.go) gets it
+	// now; for every other instance this writes the quota it already has.
+	if err := r.applyCPULimit(spec, st.PID); err != nil {
+		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
 	return nil
 }

@@ -930,13 +930,7 @@ func TestStartNotesRunning(t *testing.T) {
 	}
 	waitHealthy(t, c)
 	quiesce(t, c, spec)
-	dir := t.TempDir()
-	if err := rt.Checkpoint(ctx, spec.ID, dir); err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Destroy(ctx, spec.ID); err != nil {
-		t.Fatal(err)
-	}
+	dir := suspendInstance(t, rt, spec.ID)
 	if err := rt.Restore(ctx, spec, dir); err != nil {
 		t.Fatal(err)
 	}
