@@ -47,7 +47,7 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 }
 
 // ignoresCgroups tells whether runsc runs with --ignore-cgroups (ExtraFlags): it then
-// makes no cgroup for a sandbox, so there is neither a quota to defer nor one to set.
+// makes no cgroup for a sandbox, so there is no quota to set.
 func (r *Runtime) ignoresCgroups() bool {
 	return slices.ContainsFunc(r.cfg.ExtraFlags, func(f string) bool {
 		name, value, _ := strings.Cut(strings.TrimLeft(f, "-"), "=")

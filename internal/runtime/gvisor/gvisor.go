@@ -334,7 +334,6 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 	if err != nil {
 		return nil, err
 	}
-	cpuLater = cpuLater && !r.ignoresCgroups()
 	opts.CPULater = cpuLater
 	oci := bundleSpec(spec, opts)
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {
