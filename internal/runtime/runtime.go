@@ -172,7 +172,8 @@ type Snapshotter interface {
 	// Checkpoint writes the instance's memory and device state into dir (an empty
 	// directory on the node's btrfs store) and stops the instance, freeing its
 	// resources (Destroy is still called afterwards to remove leftovers). The node
-	// fsyncs the files when it needs them durable (a runtime may do it already).
+	// fsyncs the files when it needs them durable, once: a runtime does not (a clone's
+	// checkpoint is used at once, and a suspend's is synced after it is reported).
 	Checkpoint(ctx context.Context, id, dir string) error
 	// Restore starts an instance from a checkpoint in dir. spec.RootFS may be a copy of
 	// the disk the checkpoint was taken with (a clone); spec.ID may differ from the

@@ -12,7 +12,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -100,9 +99,11 @@ func (r *Runtime) runningInstance(id string) (record, error) {
 
 // Checkpoint pauses the VM (if it runs), has Firecracker write a Full snapshot into the
 // jail, ends firecracker and moves the state and memory files into dir with the metadata
-// Restore needs, all fsynced. Firecracker flushes the drive to the host page cache
-// first; the node snapshots the disk afterwards. On failure dir is left without the
-// files and a VM that was running runs again.
+// Restore needs. Firecracker flushes the drive to the host page cache first; the node
+// snapshots the disk afterwards. Nothing is fsynced here: the node does that once, and
+// only for a checkpoint that must outlive the host's boot (a suspend's, after it is
+// reported; runtime.Snapshotter). On failure dir is left without the files and a VM
+// that was running runs again.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 	if !validID(id) {
 		return fmt.Errorf("firecracker checkpoint: invalid id %q", id)
@@ -187,10 +188,7 @@ func (r *Runtime) checkpoint(ctx context.Context, id, dir string) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := durable.WriteFile(filepath.Join(dir, cpMeta), append(data, '\n'), 0o600); err != nil {
-		return err
-	}
-	if err := durable.Sync(dir); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, cpMeta), append(data, '\n'), 0o600); err != nil {
 		return err
 	}
 	r.log.InfoContext(ctx, "vm checkpointed", "id", id, "pause", paused, "snapshot", written-paused, "duration", time.Since(start))
@@ -318,10 +316,10 @@ func (r *Runtime) placeCheckpoint(rec record, dir string) error {
 }
 
 // moveFile moves src to dst: a rename, or a copy (reflinked where possible) and removal
-// across file systems. dst is fsynced.
+// across file systems. Nothing is fsynced (see Checkpoint).
 func moveFile(src, dst string) error {
 	if err := os.Rename(src, dst); err == nil {
-		return durable.Sync(dst)
+		return nil
 	} else if !errors.Is(err, unix.EXDEV) {
 		return err
 	}
@@ -341,11 +339,8 @@ func moveFile(src, dst string) error {
 			return err
 		}
 	}
-	if err := out.Sync(); err != nil {
-		out.Close()
-		return err
-	}
 	if err := out.Close(); err != nil {
+		os.Remove(dst)
 		return err
 	}
 	return os.Remove(src)

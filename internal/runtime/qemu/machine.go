@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/guest/vmboot"
 )
 
@@ -213,7 +212,7 @@ func writeMachine(dir string, m machine) error {
 	if err != nil {
 		return err
 	}
-	return durable.WriteFile(filepath.Join(dir, machineFile), append(data, '\n'), 0o600)
+	return os.WriteFile(filepath.Join(dir, machineFile), append(data, '\n'), 0o600)
 }
 
 func readMachine(dir string) (machine, error) {

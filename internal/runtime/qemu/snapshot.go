@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/spacedev/space/internal/durable"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/instances"
 )
@@ -65,9 +64,12 @@ func (r *Runtime) runningInstance(id string) (record, error) {
 
 // Checkpoint stops the VM, writes its RAM and device state into dir/memory (a QEMU
 // migration stream, written straight into a descriptor passed over QMP) and the machine
-// configuration into dir/vm.json, fsyncs both and the directory, and ends QEMU. The disk
-// is flushed before QEMU exits; the node snapshots it afterwards. On failure the files
-// are removed and a VM that was running runs again.
+// configuration into dir/vm.json, and ends QEMU. The disk is flushed before QEMU exits;
+// the node snapshots it afterwards. The files are not fsynced here: the node does that
+// once, and only for a checkpoint that must outlive the host's boot (a suspend's, after
+// it is reported; runtime.Snapshotter), so a clone's or a wake-bound suspend's
+// checkpoint never waits for the disk. On failure the files are removed and a VM that
+// was running runs again.
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 	if !validID(id) {
 		return fmt.Errorf("qemu checkpoint: invalid id %q", id)
@@ -133,16 +135,9 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
 	migrated := time.Since(start)
-	if err := durable.Sync(memPath); err != nil {
-		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
-	}
 	if err := writeMachine(dir, rec.Machine); err != nil {
 		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
 	}
-	if err := durable.Sync(dir); err != nil {
-		return fmt.Errorf("qemu checkpoint %s: %w", id, err)
-	}
-	synced := time.Since(start)
 	// From here on the checkpoint is complete: the VM is not resumed on failure.
 	state = ""
 	_ = q.exec(ctx, "quit", nil, nil) // QEMU may close the connection before answering
@@ -156,7 +151,7 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) (err error) {
 		size = fi.Size()
 	}
 	r.log.InfoContext(ctx, "vm checkpointed", "id", id, "stop", stopped, "migrate", migrated,
-		"fsync", synced, "duration", time.Since(start), "memory_bytes", size)
+		"duration", time.Since(start), "memory_bytes", size)
 	return nil
 }
 
