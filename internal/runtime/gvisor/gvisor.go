@@ -317,7 +317,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		}
 	}
 	owned = true
-	if mountPoints, err = r.start(ctx, spec, spec.ID, false, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
@@ -325,15 +325,16 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 
 // start makes the instance's host mounts, writes its bundle, runs runsc's sub (run or
 // restore) and sets the pids limit on the container's cgroup inside the Sentry, named
-// cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). With
-// cpuLater (a restore) the bundle has no CPU quota and start sets it on the host cgroup
-// once runsc has returned (cpulimit.go). It returns the mount points it created in the
-// rootfs. The caller undoes a failure with destroy.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet, cpuLater bool, sub ...string) (mountPoints []string, err error) {
+// cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). A
+// restore's bundle has no CPU quota: start sets it on the host cgroup once runsc has
+// returned (cpulimit.go). It returns the mount points it created in the rootfs. The
+// caller undoes a failure with destroy.
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
 	if err != nil {
 		return nil, err
 	}
+	cpuLater := sub[0] == "restore"
 	opts.CPULater = cpuLater
 	oci := bundleSpec(spec, opts)
 	if mountPoints, err = makeMountPoints(spec.RootFS, oci.Mounts); err != nil {

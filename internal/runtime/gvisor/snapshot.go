@@ -262,7 +262,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	// with it, since runsc's parallel page reads starve the kernel state's load, which
 	// then ends with them anyway (docs/runtimes.md, "Snapshots").
 	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
-	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, pidsSet, true, append(args, spec.ID)...); err != nil {
+	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, pidsSet, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	return nil
