@@ -357,16 +357,34 @@ func Next(out *agentclient.OutputStream, e Encoder) (wire.Frame, error) {
 // ended tells an attached client why its stream ended before the process's exit: the
 // sandbox lost the process (its instance died; "lost"), or the stream broke (the client
 // reconnects with Last-Event-ID; "error").
+//
+// The look is repeated while the agent does not answer and the instance still looks
+// running: an agent's connections close as it dies, a moment before the runtime shows
+// the instance stopped, and an instance booted in its place answers only once it is
+// ready (then with Gone: the process is not one of its own). A single look in that
+// moment called a lost process's stream merely broken.
 func (d *DataPlane) ended(ctx context.Context, e Encoder, g *grant, cause error) {
 	hctx, cancel := context.WithTimeout(ctx, lostCheckTimeout)
 	defer cancel()
-	agent, err := d.cfg.Node.Agent(hctx, g.id)
-	if err == nil {
-		_, err = agent.Proc(g.pid, g.proc.UID()).Info(hctx)
-	}
-	if fault.Is(err, fault.Gone) || err != nil && !d.cfg.Node.InstanceRunning(hctx, g.id) {
-		lost(e, g.pid, "the sandbox lost this process: its instance stopped before the process exited")
-		return
+	for {
+		agent, err := d.cfg.Node.Agent(hctx, g.id)
+		if err == nil {
+			_, err = agent.Proc(g.pid, g.proc.UID()).Info(hctx)
+		}
+		if fault.Is(err, fault.Gone) || err != nil && !d.cfg.Node.InstanceRunning(hctx, g.id) {
+			lost(e, g.pid, "the sandbox lost this process: its instance stopped before the process exited")
+			return
+		}
+		if err == nil {
+			break // the process lives on: only the stream broke
+		}
+		select {
+		case <-hctx.Done():
+		case <-time.After(lostCheckInterval):
+		}
+		if hctx.Err() != nil {
+			break
+		}
 	}
 	msg := "agent stream ended"
 	if cause != io.EOF {
@@ -375,8 +393,12 @@ func (d *DataPlane) ended(ctx context.Context, e Encoder, g *grant, cause error)
 	_ = e.Error(msg)
 }
 
-// lostCheckTimeout bounds the look at why a stream ended.
-const lostCheckTimeout = 5 * time.Second
+// lostCheckTimeout bounds the look at why a stream ended; lostCheckInterval spaces its
+// repeats.
+const (
+	lostCheckTimeout  = 5 * time.Second
+	lostCheckInterval = 50 * time.Millisecond
+)
 
 // lost writes the "lost" event that ends a stream whose process is gone.
 func lost(e Encoder, pid int, msg string) {
