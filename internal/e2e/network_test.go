@@ -155,8 +155,11 @@ func TestNetworkEgressPolicy(t *testing.T) {
 		t.Fatalf("patch: %+v, %v", st, err)
 	}
 	t.Logf("policy change applied in %v", took)
-	if took > time.Second {
-		t.Errorf("policy change took %v, want < 1s", took)
+	// Speed is the bench's (`network`: PATCH → in force); this bound only tells an
+	// answer that waited for something periodic (a resync) from one that did the work.
+	// Usually 20–40 ms; 1.3 s once on a loaded CI host.
+	if took > 10*time.Second {
+		t.Errorf("policy change took %v, want < 10s", took)
 	}
 	got = fetch(t, s, sb.ID, allowedURL, deniedURL)
 	expect(t, "after allowing the address", got, map[string]bool{allowedURL: true, deniedURL: true})
