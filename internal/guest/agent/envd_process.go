@@ -127,11 +127,11 @@ func (s *envdProcess) Start(ctx context.Context, req *connect.Request[processpb.
 		// Connect-Timeout-Ms is the process's lifetime (envd semantics).
 		spec.TimeoutMs = max(time.Until(deadline).Milliseconds(), 1)
 	}
-	p, err := s.e.a.startProcess(spec)
+	p, f, err := s.e.a.startProcess(spec, true)
 	if err != nil {
 		return rpcError(err)
 	}
-	return s.follow(ctx, p, 0, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
+	return s.follow(ctx, p, f, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
 		return stream.Send(&processpb.StartResponse{Event: ev})
 	})
 }
@@ -142,24 +142,23 @@ func (s *envdProcess) Connect(ctx context.Context, req *connect.Request[processp
 		return err
 	}
 	_, end := p.journal.bounds()
-	return s.follow(ctx, p, end, keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
+	return s.follow(ctx, p, p.journal.follow(end), keepaliveInterval(req.Header()), func(ev *processpb.ProcessEvent) error {
 		return stream.Send(&processpb.ConnectResponse{Event: ev})
 	})
 }
 
-// follow sends the start event, the process's output from journal offset from, and
-// its end event; keepalive events when nothing was sent for the interval.
-func (s *envdProcess) follow(ctx context.Context, p *process, from int64, keepalive time.Duration,
+// follow sends the start event, the process's output from follower f's offset, and
+// its end event; keepalive events when nothing was sent for the interval. It closes f.
+func (s *envdProcess) follow(ctx context.Context, p *process, f *follower, keepalive time.Duration,
 	send func(*processpb.ProcessEvent) error) error {
+	defer f.close()
 	start := &processpb.ProcessEvent{Event: &processpb.ProcessEvent_Start{Start: &processpb.ProcessEvent_StartEvent{Pid: uint32(p.pid)}}}
 	if err := send(start); err != nil {
 		return err
 	}
 	pty := p.spec.PTY != nil
 	buf := make([]byte, 64<<10)
-	pos := from
-	f := p.journal.follow(from)
-	defer f.close()
+	pos := f.pos
 	ka := time.NewTimer(keepalive)
 	defer ka.Stop()
 	for {

@@ -123,6 +123,57 @@ func TestSlowReaderLosesNothing(t *testing.T) {
 	t.Logf("%d MiB in %d frames, no gap", got>>20, frames)
 }
 
+// The stream of a command started and read in one call is owed its output from the
+// first byte, even when the program writes more than the journal holds before the
+// stream's first read: the agent registers the reader before the program runs. (It
+// once registered it after the start, and a fast writer on a loaded host could push
+// the first bytes out in between: TestSlowReaderLosesNothing then began with a gap.)
+// Here the first read waits until the journal is full and the writer waits for it.
+func TestExecStreamIsOwedTheFirstByte(t *testing.T) {
+	needTools(t, "head")
+	const journal, total = 1 << 20, 4 << 20
+	e := startAgent(t, func(c *agent.Config) {
+		c.JournalBytes = journal
+		c.ReaderStall = time.Minute // the writer waits for this reader, however long it idles
+	})
+	x, err := e.a.StartFollowed(wire.ProcessSpec{Argv: []string{"head", "-c", strconv.Itoa(total), "/dev/zero"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer x.Close()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		held := x.WriterHeld()
+		first, end := x.Bounds()
+		if first != 0 {
+			t.Fatalf("bytes [0, %d) evicted before the stream's first read", first)
+		}
+		if held {
+			break // the journal is full and the writer waits for the reader
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the writer did not wait for the reader within 20 s (%d bytes written)", end)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	buf := make([]byte, 128<<10)
+	var got int64
+	for got < total {
+		n, gap := x.ReadAt(got, buf)
+		if gap > 0 {
+			t.Fatalf("gap of %d bytes at offset %d", gap, got)
+		}
+		if n == 0 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d of %d bytes after 20 s", got, total)
+			}
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		got += int64(n)
+	}
+}
+
 // Commands one after another reuse one connection to the agent: a stream read to its
 // exit frame and closed leaves its connection to the client's pool (a new connection
 // costs a dial and, under gVisor, an accept in the sandbox per command).

@@ -169,7 +169,7 @@ func (a *Agent) handleStartProcess(w http.ResponseWriter, r *http.Request) error
 	if err := decodeJSON(r, &spec); err != nil {
 		return err
 	}
-	p, err := a.startProcess(spec)
+	p, _, err := a.startProcess(spec, false)
 	if err != nil {
 		return err
 	}
@@ -337,7 +337,11 @@ func (a *Agent) handleOutput(w http.ResponseWriter, r *http.Request) error {
 		return &apiError{status: http.StatusBadRequest, code: wire.ErrCodeOffsetBeyondEnd,
 			msg: fmt.Sprintf("offset %d beyond end %d", from, end)}
 	}
-	a.streamOutput(w, r, p, from, follow)
+	var f *follower
+	if follow {
+		f = p.journal.follow(from)
+	}
+	a.streamOutput(w, r, p, from, f)
 	return nil
 }
 
@@ -357,12 +361,14 @@ func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
 	if req.StdinData != nil {
 		spec.Stdin = true
 	}
-	p, err := a.startProcess(spec)
+	p, f, err := a.startProcess(spec, true)
 	var ae *apiError
 	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
 		spec.Gated = true
-		if p, err = a.startProcess(spec); err == nil {
-			err = p.start()
+		if p, f, err = a.startProcess(spec, true); err == nil {
+			if err = p.start(); err != nil {
+				f.close()
+			}
 		}
 	}
 	if err != nil {
@@ -377,13 +383,18 @@ func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
 			}
 		}()
 	}
-	a.streamOutput(w, r, p, 0, true)
+	a.streamOutput(w, r, p, 0, f)
 	return nil
 }
 
 // streamOutput writes the frames of p's journal from offset from; see the rules in
-// package wire.
-func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process, from int64, follow bool) {
+// package wire. With a follower f (at from) it follows the journal until the exit and
+// closes f when it returns; with nil it writes what the journal holds.
+func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process, from int64, f *follower) {
+	if f != nil {
+		defer f.close()
+	}
+	follow := f != nil
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Cache-Control", "no-store")
 	w.WriteHeader(http.StatusOK)
@@ -423,8 +434,6 @@ func (a *Agent) streamOutput(w http.ResponseWriter, r *http.Request, p *process,
 	pos := from
 	read := p.journal.readAt
 	if follow {
-		f := p.journal.follow(from)
-		defer f.close()
 		read = f.readAt
 	}
 	sentStart := false

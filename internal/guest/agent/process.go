@@ -72,38 +72,46 @@ type process struct {
 }
 
 // startProcess creates a process from spec. Any failure undoes what was set up.
-func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
+//
+// With follow, it also returns a follower of the process's output from offset 0,
+// registered before the program runs: a caller that streams the output from the first
+// byte (POST /v1/exec, envd's Start) is then owed every byte from the start, even when
+// the program writes more than the journal holds before the caller's first read. A
+// follower registered after the start would come too late for such a program: the
+// bytes it wrote in between are evicted without waiting, and the stream would begin
+// with a gap. The caller closes the follower.
+func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *follower, error) {
 	if len(spec.Argv) == 0 || spec.Argv[0] == "" {
-		return nil, badRequest("argv is empty")
+		return nil, nil, badRequest("argv is empty")
 	}
 	if spec.PTY != nil && (spec.PTY.Rows == 0 || spec.PTY.Cols == 0) {
-		return nil, badRequest("pty size must be non-zero")
+		return nil, nil, badRequest("pty size must be non-zero")
 	}
 	if spec.TimeoutMs < 0 {
-		return nil, badRequest("timeout_ms is negative")
+		return nil, nil, badRequest("timeout_ms is negative")
 	}
 	acct, err := a.users.lookup(spec.User)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cred, err := credentialFor(acct)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	env, err := a.processEnv(acct, spec)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	cwd, err := processCwd(acct, spec.Cwd)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 
 	path, argv := "/proc/self/exe", append([]string{gateArg0}, spec.Argv...)
 	if !spec.Gated {
 		path, err = lookPath(spec.Argv[0], env["PATH"], cwd)
 		if err != nil {
-			return nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()}
+			return nil, nil, &apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()}
 		}
 		argv = spec.Argv
 	}
@@ -126,10 +134,14 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 			f.Close()
 		}
 	}
-	fail := func(err error) (*process, error) {
+	var fol *follower
+	if follow {
+		fol = p.journal.follow(0)
+	}
+	fail := func(err error) (*process, *follower, error) {
 		closeAll(childFiles)
 		closeAll(parentFiles)
-		return nil, err
+		return nil, nil, err
 	}
 	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
 	var files []*os.File
@@ -247,7 +259,7 @@ func (a *Agent) startProcess(spec wire.ProcessSpec) (*process, error) {
 	a.procMu.Unlock()
 	a.prune() // keep MaxExited even between janitor runs
 	a.log.Debug("process started", "pid", pid, "argv", spec.Argv, "user", acct.Name, "gated", spec.Gated)
-	return p, nil
+	return p, fol, nil
 }
 
 // credentialFor returns the credential to run as acct, or nil to run as the agent's
