@@ -46,10 +46,14 @@ func TestSamplesLeaveIdleSandboxesAlone(t *testing.T) {
 	if a, h := count("agent"), count("host"); a < 1 || a > h+1 {
 		t.Fatalf("idle sandbox: %v samples from its agent, %v from the host", a, h)
 	}
-	m, err := s.C.SandboxMetrics(ctx(t), sb.ID, time.Time{}, time.Time{})
-	if err != nil || len(m.Samples) < 3 {
-		t.Fatalf("samples: %+v %v", m, err)
-	}
+	// The counters move as each sample is taken; a round's samples are stored together
+	// after the round.
+	var m *api.MetricList
+	var err error
+	s.Eventually(10*time.Second, "three stored samples", func() bool {
+		m, err = s.C.SandboxMetrics(ctx(t), sb.ID, time.Time{}, time.Time{})
+		return err == nil && len(m.Samples) >= 3
+	})
 	for _, x := range m.Samples {
 		if x.MemUsed <= 0 || x.MemUsed > x.MemTotal || x.CPUUsedPct < 0 || x.CPUUsedPct > 100 {
 			t.Fatalf("sample: %+v", x)
