@@ -601,3 +601,61 @@ func suspendInstance(t *testing.T, rt *Runtime, id string) string {
 	}
 	return dir
 }
+
+// A sandbox's host cgroup goes with it even when two instances of one id shared it, as
+// when a sandbox moves between two node processes of one host: it is restored on one
+// while the other node's instance, its node killed, still runs, and that node reclaims
+// its instance when it comes back. Here two runtimes (two runsc roots) run the same id;
+// once both are destroyed, in that order, no hierarchy keeps the cgroup (runsc left it
+// in every one).
+func TestDestroyRemovesCgroup(t *testing.T) {
+	needRunsc(t)
+	old := newTestRuntime(t, testRootDir(t))
+	if old.ignoresCgroups() || len(old.cgroupRoots()) == 0 {
+		t.Skip("no host cgroups for sandboxes")
+	}
+	id := newID(t)
+	oldSpec := testSpec(t, id)
+	startSandbox(t, old, oldSpec)
+	moved := newTestRuntime(t, testRootDir(t))
+	movedSpec := testSpec(t, id)
+	startSandbox(t, moved, movedSpec)
+	var dirs []string
+	for _, root := range old.cgroupRoots() {
+		if dir := filepath.Join(root, old.cgroupsPath(id)); fileExists(dir) {
+			dirs = append(dirs, dir)
+		}
+	}
+	if len(dirs) == 0 {
+		t.Fatal("the sandboxes' cgroup is in no hierarchy")
+	}
+	t.Cleanup(func() {
+		for _, d := range dirs {
+			_ = os.Remove(d) // what a failure left
+		}
+	})
+	if err := old.Destroy(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	// The moved instance still runs in the shared cgroup.
+	pid, err := readPidFile(movedSpec.StateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cgroupstat.CPULimitFile(pid, id); err != nil {
+		t.Fatalf("the moved instance lost its cgroup: %v", err)
+	}
+	if err := moved.Destroy(context.Background(), id); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if fileExists(d) {
+			t.Errorf("%s is left after both instances were destroyed", d)
+		}
+	}
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}

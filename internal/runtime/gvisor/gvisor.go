@@ -117,6 +117,9 @@ type Runtime struct {
 	lists singleflight.Group
 	// cpuFiles is each running instance's host cgroup CPU counter file (CPUTime).
 	cpuFiles sync.Map
+	// cgroupMounts are the host's cgroup hierarchies (cgroupRoots), read once.
+	cgroupOnce   sync.Once
+	cgroupMounts []string
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -477,7 +480,7 @@ func (r *Runtime) limitTasks(ctx context.Context, spec runtime.Spec, cgroup stri
 }
 
 // cgroupsPath is the instance's linux.cgroupsPath; runsc creates the cgroup (v1 or v2)
-// and removes it on delete.
+// and removes it on delete, and destroy removes what runsc leaves (removeCgroup).
 func (r *Runtime) cgroupsPath(id string) string {
 	return filepath.Join(r.cfg.CgroupParent, id)
 }
@@ -798,6 +801,7 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 			return err
 		}
 	}
+	r.removeCgroup(ctx, id)
 	if err := r.releaseMounts(id, stateDir); err != nil {
 		return fmt.Errorf("release mounts: %w", err)
 	}
