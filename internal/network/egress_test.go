@@ -3,6 +3,7 @@ package network_test
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -418,8 +419,12 @@ func TestPolicyTightenedCutsOpenConnection(t *testing.T) {
 	err = roundTrip()
 	cut := time.Since(start)
 	mustFail(t, "round trip after tightening", err)
-	if cut > time.Second {
-		t.Fatalf("connection cut %v after the update, want < 1s", cut)
+	// Cut at once (reset), not left to time out at the round trip's deadline. How fast
+	// an update applies is the network bench's to measure: a loaded host can take over
+	// a second, so no time bound here.
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		t.Fatalf("the open connection was not cut: it timed out %v after the update (%v)", cut, err)
 	}
 	t.Logf("update applied in %v; open connection cut after %v (%v)", applied, cut, err)
 	_ = u.SetDeadline(time.Now().Add(time.Second))
