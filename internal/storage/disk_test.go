@@ -131,18 +131,16 @@ func TestSandboxDiskReflink(t *testing.T) {
 			t.Errorf("path %s, want %s", p, want)
 		}
 	}
+	// No time bound (a loaded host's disk can stretch even a reflink): that the disks
+	// share the image's extents is what tells a reflink from a copy.
 	t.Logf("reflink durations: %v", durations)
-	for _, d := range durations {
-		// A copy of the ~1 GB image takes seconds; a reflink milliseconds.
-		if d > 500*time.Millisecond {
-			t.Errorf("CreateSandboxDisk took %v: not O(1)", d)
+	for _, id := range []string{"diska", "diskb", "diskc"} {
+		disk, _ := s.SandboxDisk(id)
+		if frag := diskTool(t, "filefrag", "-v", disk); !strings.Contains(frag, "shared") {
+			t.Errorf("%s: disk extents not shared with the image:\n%.1500s", id, frag)
 		}
 	}
 	disk, _ := s.SandboxDisk("diska")
-	frag := diskTool(t, "filefrag", "-v", disk)
-	if !strings.Contains(frag, "shared") {
-		t.Errorf("disk extents not shared with the image:\n%.1500s", frag)
-	}
 	if _, err := s.CreateSandboxDisk(ctx, "diska", rel.Digest, 0); !errors.Is(err, fs.ErrExist) {
 		t.Errorf("second create: %v, want ErrExist", err)
 	}
