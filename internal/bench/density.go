@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spacedev/space/api"
@@ -423,7 +422,7 @@ func bareIdle(ctx context.Context, cfg *Config, n int, flags []string) (bareMem,
 	}
 	defer os.RemoveAll(bundle)
 	root := filepath.Join(bundle, "state")
-	defer syscall.Unmount(filepath.Join(root, "null-netns"), syscall.MNT_DETACH)
+	defer gvisor.UnpinNullNetNS(root)
 	var started []string
 	defer func() {
 		for _, id := range started {

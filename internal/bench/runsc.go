@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spacedev/space/internal/ids"
@@ -80,7 +79,7 @@ func runscRun(ctx context.Context, rootfs string, argv []string, runs int) ([]fl
 	defer os.RemoveAll(bundle)
 	root := filepath.Join(bundle, "state")
 	// runsc pins an empty network namespace for its gofers in its root dir (a mount).
-	defer syscall.Unmount(filepath.Join(root, "null-netns"), syscall.MNT_DETACH)
+	defer gvisor.UnpinNullNetNS(root)
 	var xs []float64
 	for i := 0; i < runs; i++ {
 		id := "bench" + ids.Secret(10)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/testenv"
 )
@@ -147,7 +148,7 @@ func TestFleetOps(t *testing.T) {
 		_ = syscall.Unmount(filepath.Join(copyDir, "store"), 0)
 		sum := sha256.Sum256([]byte(copyDir))
 		root := filepath.Join("/run/space", "runsc-"+hex.EncodeToString(sum[:6]))
-		_ = syscall.Unmount(filepath.Join(root, "null-netns"), syscall.MNT_DETACH)
+		_ = gvisor.UnpinNullNetNS(root)
 		_ = os.RemoveAll(root)
 	})
 	before := byName["fleet-1"]

@@ -11,9 +11,9 @@ import (
 	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
-	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/testenv"
 )
 
@@ -76,7 +76,7 @@ func TestGVisorInSandboxNetns(t *testing.T) {
 		out, err := cmd.CombinedOutput()
 		_ = exec.Command(runsc, "--root="+root, "delete", "-force", "gvisor1-net").Run()
 		// runsc leaves a pinned namespace of its own in its root directory.
-		_ = unix.Unmount(filepath.Join(root, "null-netns"), unix.MNT_DETACH)
+		_ = gvisor.UnpinNullNetNS(root)
 		return out, err
 	}
 	out, err := run("systrap")

@@ -306,7 +306,7 @@ func (s *Server) cleanup() {
 		}
 	}
 	// runsc pins an empty network namespace for its gofers in its root dir (a mount).
-	_ = syscall.Unmount(filepath.Join(s.RunscRoot(), "null-netns"), syscall.MNT_DETACH)
+	_ = gvisor.UnpinNullNetNS(s.RunscRoot())
 	if s.opts.Embedded {
 		// A killed server may leave its PostgreSQL running: stop it.
 		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {

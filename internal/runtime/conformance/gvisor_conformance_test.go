@@ -1,12 +1,9 @@
 package conformance_test
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"testing"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/conformance"
@@ -33,9 +30,8 @@ func TestGVisor(t *testing.T) {
 			// runsc pins an empty network namespace for its gofers in its root dir (a
 			// mount): release it so that the test's root dir can be removed.
 			t.Cleanup(func() {
-				p := filepath.Join(rootDir, "null-netns")
-				if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-					t.Errorf("unmount %s: %v", p, err)
+				if err := gvisor.UnpinNullNetNS(rootDir); err != nil {
+					t.Error(err)
 				}
 			})
 			return rt

@@ -659,3 +659,37 @@ func fileExists(p string) bool {
 	_, err := os.Stat(p)
 	return err == nil
 }
+
+// runsc processes that start together each pin the root dir's null network namespace
+// (stacked mounts); UnpinNullNetNS takes every one off, so that a test's or a bench's
+// own root dir can be removed.
+func TestUnpinNullNetNS(t *testing.T) {
+	needRunsc(t)
+	root := testRootDir(t)
+	rt := newTestRuntime(t, root)
+	errs := make(chan error, 3)
+	for range 3 {
+		spec := testSpec(t, newID(t))
+		t.Cleanup(func() { _ = rt.Destroy(context.Background(), spec.ID) })
+		go func() { errs <- rt.Create(context.Background(), spec) }()
+	}
+	for range 3 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	mounts := func() int {
+		b, err := os.ReadFile("/proc/self/mountinfo")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Count(string(b), " "+filepath.Join(root, "null-netns")+" ")
+	}
+	t.Logf("%d null-netns mounts after 3 concurrent creates", mounts())
+	if err := UnpinNullNetNS(root); err != nil {
+		t.Fatal(err)
+	}
+	if n := mounts(); n != 0 {
+		t.Fatalf("%d null-netns mounts left", n)
+	}
+}

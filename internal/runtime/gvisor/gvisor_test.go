@@ -120,9 +120,8 @@ func newRuntimeWith(t *testing.T, rootDir, runsc string) *Runtime {
 // all gofers (a host mount the root dir keeps for the host's lifetime), so that the
 // test's temporary root dir can be removed.
 func unmountNullNetNS(t *testing.T, rootDir string) {
-	p := filepath.Join(rootDir, "null-netns")
-	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-		t.Errorf("unmount %s: %v", p, err)
+	if err := UnpinNullNetNS(rootDir); err != nil {
+		t.Error(err)
 	}
 }
 
