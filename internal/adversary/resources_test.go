@@ -272,9 +272,12 @@ func attackLogFlood(t *testing.T, su *suite) {
 		t.Fatal(err)
 	}
 	done := make(chan struct{})
+	var out bytes.Buffer // the flood's own words, if it fails (stdout and stderr go to the log)
+	var exit *api.ExitEvent
+	var followErr error
 	go func() {
 		defer close(done)
-		_, _ = su.s.C.Follow(c, sess, client.Output{})
+		exit, followErr = su.s.C.Follow(c, sess, client.Output{Stdout: &out, Stderr: &out})
 	}()
 	var peak uint64
 	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); {
@@ -293,7 +296,8 @@ func attackLogFlood(t *testing.T, su *suite) {
 	t.Logf("log file system: peak %d KiB used (cap %d KiB); runsc.log now %d KiB", peak>>10, logTmpfsCap>>10, fi.Size()>>10)
 	su.figure("  log flood", fmt.Sprintf("log tmpfs peak %d KiB of %d KiB", peak>>10, logTmpfsCap>>10))
 	if peak < 512<<10 {
-		t.Errorf("the log held at most %d bytes: the flood did not reach it", peak)
+		t.Errorf("the log held at most %d bytes: the flood did not reach it (session exit %+v, follow error %v, output %q)",
+			peak, exit, followErr, out.String())
 	}
 	if peak > logTmpfsCap {
 		t.Errorf("the log's file system held %d bytes, above its %d cap", peak, logTmpfsCap)
