@@ -1,5 +1,6 @@
 // Package cgroupstat reads a process's host cgroup counters — the CPU time and the
-// memory charged to the cgroup it is in — on cgroup v1 and v2 hosts. The gVisor runtime
+// memory charged to the cgroup it is in — on cgroup v1 and v2 hosts, and lists the
+// host's cgroup hierarchies. The gVisor runtime
 // reports a sandbox's CPU time from it, and the benchmarks read sandboxes' memory and
 // CPU with it. It reads files only: it never writes a cgroup or asks the process (the
 // gVisor runtime finds a sandbox's CPU quota file with it and writes that itself).
@@ -71,6 +72,19 @@ func controllerFile(pid int, base, controller, v1File, v2File string) (string, e
 		return "", ErrNoCgroup
 	}
 	return found, nil
+}
+
+// Mounts lists the host's cgroup hierarchies (v1 and v2) as mounted, in mount order.
+// The gVisor runtime removes a sandbox's cgroup from each; the QEMU runtime finds in
+// them where its VMs' cgroups go.
+func Mounts() ([]*procfs.MountInfo, error) {
+	mounts, err := procfs.GetMounts()
+	if err != nil {
+		return nil, fmt.Errorf("list cgroup mounts: %w", err)
+	}
+	return slices.DeleteFunc(mounts, func(m *procfs.MountInfo) bool {
+		return m.FSType != "cgroup" && m.FSType != "cgroup2"
+	}), nil
 }
 
 // ReadCPU reads a counter file CPUFile found: cpuacct.usage (nanoseconds) or cpu.stat

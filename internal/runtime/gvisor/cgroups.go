@@ -7,7 +7,7 @@ import (
 	"path/filepath"
 	"syscall"
 
-	"github.com/prometheus/procfs"
+	"github.com/spacedev/space/internal/cgroupstat"
 )
 
 // removeCgroup removes the instance's host cgroup (cgroupsPath) from every cgroup
@@ -43,15 +43,13 @@ func (r *Runtime) removeCgroup(ctx context.Context, id string) {
 // once: a host does not mount them while it runs sandboxes.
 func (r *Runtime) cgroupRoots() []string {
 	r.cgroupOnce.Do(func() {
-		mounts, err := procfs.GetMounts()
+		mounts, err := cgroupstat.Mounts()
 		if err != nil {
 			r.log.Warn("list the host's cgroup hierarchies", "err", err)
 			return
 		}
 		for _, m := range mounts {
-			if m.FSType == "cgroup" || m.FSType == "cgroup2" {
-				r.cgroupMounts = append(r.cgroupMounts, m.MountPoint)
-			}
+			r.cgroupMounts = append(r.cgroupMounts, m.MountPoint)
 		}
 	})
 	return r.cgroupMounts

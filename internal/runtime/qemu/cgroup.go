@@ -14,6 +14,8 @@ import (
 
 	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
+
+	"github.com/spacedev/space/internal/cgroupstat"
 )
 
 // Each QEMU runs in a cgroup of its own, <parent>/<rootKey>-<id>, with cpu, memory and
@@ -68,7 +70,7 @@ func newCgroups(parent string) (*cgroups, error) {
 	if parent == "" || filepath.IsAbs(parent) || !filepath.IsLocal(parent) {
 		return nil, fmt.Errorf("cgroup parent %q must be a relative path", parent)
 	}
-	mounts, err := procfs.GetMounts()
+	mounts, err := cgroupstat.Mounts()
 	if err != nil {
 		return nil, fmt.Errorf("cgroups: %w", err)
 	}
