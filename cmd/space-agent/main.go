@@ -53,6 +53,9 @@ func run() error {
 		Version: version,
 		Logger:  log,
 	}
+	if os.Getpid() == 1 {
+		cfg.CgroupRoot = "/sys/fs/cgroup" // the sandbox's own; user processes get a child
+	}
 	var err error
 	if cfg.JournalBytes, err = envInt("SPACE_AGENT_JOURNAL_BYTES"); err != nil {
 		return err

@@ -44,6 +44,13 @@ func CPULimitFile(pid int, base string) (string, error) {
 	return controllerFile(pid, base, "cpu", "cpu.cfs_quota_us", "cpu.max")
 }
 
+// MemoryLimitFile finds the file that holds the memory limit of pid's cgroup, whose
+// last path element must be base: memory.limit_in_bytes of its memory cgroup (v1) or
+// memory.max (v2). It only finds the file; the caller writes it.
+func MemoryLimitFile(pid int, base string) (string, error) {
+	return controllerFile(pid, base, "memory", "memory.limit_in_bytes", "memory.max")
+}
+
 // controllerFile finds a file of pid's cgroup: v1File in the v1 hierarchy of controller
 // (mounted alone or as the usual cpu and cpuacct pair), or v2File in the unified one.
 func controllerFile(pid int, base, controller, v1File, v2File string) (string, error) {

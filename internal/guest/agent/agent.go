@@ -64,6 +64,11 @@ type Config struct {
 	// StateDir is where the agent keeps its own files inside the sandbox (the file
 	// metadata store of metadata.go). Default "/.space/state".
 	StateDir string
+	// CgroupRoot is the cgroup v2 mount inside the sandbox. With it set, the agent keeps
+	// user processes in a child cgroup of its own whose pids limit leaves room for the
+	// agent's threads (tasks.go). Empty: off. space-agent sets /sys/fs/cgroup when it
+	// runs as PID 1.
+	CgroupRoot string
 	// Version is reported by /v1/health.
 	Version string
 	// Reaper collects exited children; exactly one must exist per OS process (see
@@ -93,6 +98,7 @@ type Agent struct {
 	meta    *metaStore
 	bootID  string
 	handler http.Handler
+	tasks   taskSplit // user processes' own task limit (tasks.go)
 
 	lastActivity atomic.Int64 // unix nanoseconds
 
@@ -171,6 +177,7 @@ func New(cfg Config) (*Agent, error) {
 		bootID:  hex.EncodeToString(id[:]),
 		procs:   make(map[int]*process),
 		quiesce: make(chan struct{}, 1),
+		tasks:   taskSplit{root: cfg.CgroupRoot, log: cfg.Logger},
 	}
 	a.touch()
 	a.handler = a.routes()

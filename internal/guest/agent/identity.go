@@ -86,6 +86,7 @@ func (a *Agent) setIdentity(id wire.Identity) error {
 	}
 	a.defaultEnv = maps.Clone(id.Env)
 	a.generation = id.Generation
+	a.tasks.refresh() // a restore may have changed the sandbox's task limit
 	return nil
 }
 

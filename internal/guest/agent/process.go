@@ -144,6 +144,9 @@ func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *fol
 		return nil, nil, err
 	}
 	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
+	if fd := a.tasks.userCgroupFD(); fd >= 0 {
+		sys.UseCgroupFD, sys.CgroupFD = true, fd // tasks.go
+	}
 	var files []*os.File
 	var outputs []*os.File
 	if spec.PTY != nil {

@@ -531,7 +531,7 @@ func TestCheckpointPaused(t *testing.T) {
 	waitHealthy(t, c) // the source runs on beside its clone
 }
 
-// TestRestoreCPULimit: a restore runs without the CPU quota (cpulimit.go) and Restore
+// TestRestoreCPULimit: a restore runs without the CPU quota (limits.go) and Restore
 // returns only once the quota is on the sandbox's host cgroup; Adopt puts back a quota
 // that is missing (a node stopped between the restore and the write).
 func TestRestoreCPULimit(t *testing.T) {
@@ -586,6 +586,65 @@ func TestRestoreCPULimit(t *testing.T) {
 	if got := quota(); got != want {
 		t.Errorf("%s after Adopt = %q, want %q", file, got, want)
 	}
+}
+
+// TestHostMemoryLimit: the guest sees its own size (MemTotal) while its host cgroup's
+// limit leaves room for what the Sentry spends on its tasks (hostMemoryLimit), after a
+// boot and after a restore; Adopt raises a limit a node left at the guest's size (it
+// stopped between runsc's return and the write).
+func TestHostMemoryLimit(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	want := strconv.FormatInt(hostMemoryLimit(spec), 10)
+	if hostMemoryLimit(spec) <= int64(spec.MemoryMB)<<20 {
+		t.Fatalf("hostMemoryLimit %d leaves no room beyond the guest's %d MiB", hostMemoryLimit(spec), spec.MemoryMB)
+	}
+	check := func(when string, c *http.Client) string {
+		t.Helper()
+		pid, err := readPidFile(spec.StateDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		file, err := cgroupstat.MemoryLimitFile(pid, spec.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := readTrim(t, file); got != want {
+			t.Errorf("%s: %s = %s, want %s", when, file, got, want)
+		}
+		meminfo := strings.Join(strings.Fields(string(get(t, c, "/meminfo"))), " ")
+		if total := fmt.Sprintf("MemTotal: %d kB", spec.MemoryMB*1024); !strings.Contains(meminfo, total) {
+			t.Errorf("%s: the guest's meminfo does not say %q: %.200s", when, total, meminfo)
+		}
+		return file
+	}
+	c := startSandbox(t, rt, spec)
+	check("after a boot", c)
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, rt, spec.ID)
+	if err := rt.Restore(ctx, spec, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c = agentClient(t, rt, spec.ID)
+	waitHealthy(t, c)
+	file := check("after a restore", c)
+	if err := os.WriteFile(file, []byte(strconv.Itoa(spec.MemoryMB<<20)), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Adopt(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	check("after Adopt", c)
 }
 
 // suspendInstance checkpoints a quiesced instance into a new directory, which it

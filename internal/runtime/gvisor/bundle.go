@@ -59,7 +59,7 @@ var defaultCaps = []string{
 // bundleOptions are the inputs of the OCI config that do not come from the Spec.
 type bundleOptions struct {
 	// CPULater leaves the CPU quota out of the bundle: start sets it on the host cgroup
-	// once runsc has returned (a restore; cpulimit.go).
+	// once runsc has returned (a restore; limits.go).
 	CPULater bool
 	// CgroupsPath is linux.cgroupsPath, e.g. /space/<id>.
 	CgroupsPath string
@@ -191,31 +191,82 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 // platform a stub process with a system call thread and up to GOMAXPROCS sysmsg threads
 // (the Sentry pools them for reuse after the guest process exits), a guest thread
 // blocked in a host system call holds a Sentry thread, and the Sentry and the gofer
-// have threads of their own. A fork bomb at 2048 tasks inside peaks at ~1,700 host
-// tasks.
+// have threads of their own. Measured with bash fork bombs on a 2-core host (1-CPU
+// sandboxes, 2026-12-06): 2048 tasks inside peaked at 5,210 host tasks, 1024 at 3,855
+// (3.5–3.75 a task once the Sentry's own are taken off), so the factor is 5 (it was 4,
+// which left a 1 GiB sandbox 11 % below its host limit). A Sentry with more CPUs may run
+// more systrap worker threads per stub (up to its GOMAXPROCS); that was not measured
+// here.
+//
+// A Spec without a pids limit gets one task inside per MiB of memory, at least 256 and
+// at most 2048 (2048 without a memory size): every task also costs host memory outside
+// the guest's (hostMemoryLimit), and that cost has to stay in proportion to the
+// sandbox's size.
 const (
-	hostPidsFactor = 4
+	hostPidsFactor = 5
 	hostPidsSlack  = 256
-	// DefaultPidsLimit is the host limit of a sandbox whose Spec names none: 2048
-	// tasks inside.
-	DefaultPidsLimit = hostPidsFactor*2048 + hostPidsSlack
+	// DefaultPidsLimit is the host limit of a sandbox whose Spec names none and has 2 GiB
+	// of memory or more (or no size): 2048 tasks inside.
+	DefaultPidsLimit = hostPidsFactor*maxDefaultGuestTasks + hostPidsSlack
 	// MinPidsLimit is the smallest PidsLimit: 16 tasks inside.
 	MinPidsLimit = hostPidsFactor*16 + hostPidsSlack
+
+	minDefaultGuestTasks = 256
+	maxDefaultGuestTasks = 2048
 )
 
+// defaultGuestTasks is the number of tasks inside a sandbox whose Spec names no pids
+// limit: one per MiB of memory, within [minDefaultGuestTasks, maxDefaultGuestTasks].
+func defaultGuestTasks(spec runtime.Spec) int64 {
+	if spec.MemoryMB <= 0 {
+		return maxDefaultGuestTasks
+	}
+	return min(max(int64(spec.MemoryMB), minDefaultGuestTasks), maxDefaultGuestTasks)
+}
+
 // hostPidsLimit is the pids.max of the sandbox's host cgroup: the Spec's, or the
-// default.
+// default for its size.
 func hostPidsLimit(spec runtime.Spec) int64 {
 	if spec.PidsLimit > 0 {
 		return int64(spec.PidsLimit)
 	}
-	return DefaultPidsLimit
+	return hostPidsFactor*defaultGuestTasks(spec) + hostPidsSlack
 }
 
 // guestPidsLimit is the limit on tasks inside the sandbox that keeps the host limit out
 // of reach.
 func guestPidsLimit(spec runtime.Spec) int64 {
 	return (hostPidsLimit(spec) - hostPidsSlack) / hostPidsFactor
+}
+
+// The sandbox's host memory cgroup holds the guest's memory (the Sentry's memory file)
+// and everything the Sentry spends on the guest's behalf: its Go heap (kernel objects
+// for every task, address space and file), the systrap stub processes' page tables and
+// the host kernel's memory for all those tasks. With the cgroup limited to the guest's
+// size, a guest using half of its memory with many tasks had its whole instance killed
+// by the host's OOM killer: a bash fork bomb in a 1 GiB sandbox died at 498 MB of guest
+// memory. Measured (2026-12-06, bash fork bombs): at 2048 tasks inside (a 4 GiB
+// sandbox) 637 MiB of guest memory, 335 MiB of Sentry and stub memory and 316 MiB of
+// host kernel memory, 325 KiB a task besides the guest's own; at about 960 tasks (1 GiB)
+// 387, 261 and 199 MiB, 490 KiB a task (the Sentry's Go heap keeps garbage in
+// proportion). So the host limit is the guest's size plus
+// sentryMemOverhead plus taskMemOverhead for every task the sandbox may have
+// (guestPidsLimit): a sandbox within its memory and its tasks is never killed by the
+// host, and one beyond its memory still is (gVisor does not bound the guest's memory
+// itself; see docs/runtimes.md).
+const (
+	sentryMemOverhead = 32 << 20
+	taskMemOverhead   = 512 << 10
+)
+
+// hostMemoryLimit is the memory limit of the sandbox's host cgroup (0: none). The
+// guest's own size is what runsc tells the Sentry (MemTotal inside): the bundle carries
+// that, and start raises the cgroup's limit to this once runsc has returned (limits.go).
+func hostMemoryLimit(spec runtime.Spec) int64 {
+	if spec.MemoryMB <= 0 {
+		return 0
+	}
+	return int64(spec.MemoryMB)<<20 + sentryMemOverhead + guestPidsLimit(spec)*taskMemOverhead
 }
 
 // resources turns the Spec's CPU, memory and pids limit into host cgroup limits.

@@ -79,16 +79,48 @@ func TestResources(t *testing.T) {
 }
 
 func TestPidsLimits(t *testing.T) {
-	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1280: 256, 1281: 256} {
+	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1536: 256, 1537: 256, 1535: 255} {
 		if got := guestPidsLimit(runtime.Spec{PidsLimit: host}); got != guest {
 			t.Errorf("PidsLimit %d: %d tasks inside, want %d", host, got, guest)
 		}
 	}
-	if DefaultPidsLimit != 8448 {
+	if DefaultPidsLimit != 10496 {
 		t.Errorf("DefaultPidsLimit = %d", DefaultPidsLimit)
 	}
 	if err := validateSpec(runtime.Spec{ID: "x", RootFS: "/", StateDir: t.TempDir(), AgentPath: "/bin/sh", PidsLimit: MinPidsLimit - 1}); err == nil {
 		t.Error("a pids limit below the minimum was accepted")
+	}
+}
+
+func TestMemoryLimits(t *testing.T) {
+	const mib = 1 << 20
+	for _, tc := range []struct {
+		mem, pids  int
+		tasks      int64 // inside
+		hostPids   int64
+		hostMemMiB int64 // 0: none
+	}{
+		{0, 0, 2048, DefaultPidsLimit, 0},
+		{128, 0, 256, 1536, 128 + 32 + 128},
+		{256, 0, 256, 1536, 256 + 32 + 128},
+		{1024, 0, 1024, 5376, 1024 + 32 + 512},
+		{4096, 0, 2048, DefaultPidsLimit, 4096 + 32 + 1024},
+		{4096, 1536, 256, 1536, 4096 + 32 + 128},
+	} {
+		spec := runtime.Spec{MemoryMB: tc.mem, PidsLimit: tc.pids}
+		if got := guestPidsLimit(spec); got != tc.tasks {
+			t.Errorf("%d MiB, pids %d: %d tasks inside, want %d", tc.mem, tc.pids, got, tc.tasks)
+		}
+		if got := hostPidsLimit(spec); got != tc.hostPids {
+			t.Errorf("%d MiB, pids %d: host pids limit %d, want %d", tc.mem, tc.pids, got, tc.hostPids)
+		}
+		if got := hostMemoryLimit(spec); got != tc.hostMemMiB*mib {
+			t.Errorf("%d MiB, pids %d: host memory limit %.1f MiB, want %d", tc.mem, tc.pids, float64(got)/mib, tc.hostMemMiB)
+		}
+		// The bundle (what runsc tells the guest) carries the guest's size.
+		if res := resources(spec); tc.mem > 0 && (res.Memory == nil || *res.Memory.Limit != int64(tc.mem)*mib) {
+			t.Errorf("%d MiB: bundle memory limit %v", tc.mem, res.Memory)
+		}
 	}
 }
 

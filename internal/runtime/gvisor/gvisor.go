@@ -329,8 +329,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 // start makes the instance's host mounts, writes its bundle, runs runsc's sub (run or
 // restore) and sets the pids limit on the container's cgroup inside the Sentry, named
 // cgroup, unless pidsSet (a restore whose checkpoint holds that limit already). A
-// restore's bundle has no CPU quota: start sets it on the host cgroup once runsc has
-// returned (cpulimit.go). It returns the mount points it created in the rootfs. The
+// restore's bundle has no CPU quota, and every bundle has the guest's memory size as its
+// limit: start sets the quota and raises the memory limit on the host cgroup once runsc
+// has returned (limits.go). It returns the mount points it created in the rootfs. The
 // caller undoes a failure with destroy.
 func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, pidsSet bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
@@ -350,12 +351,17 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 		return mountPoints, err
 	}
 	r.statuses.startedClean(spec.ID)
-	if cpuLater {
+	if cpuLater || hostMemoryLimit(spec) > 0 {
 		pid, err := readPidFile(spec.StateDir)
 		if err != nil {
 			return mountPoints, fmt.Errorf("sandbox process: %w", err)
 		}
-		if err := r.applyCPULimit(spec, pid); err != nil {
+		if cpuLater {
+			if err := r.applyCPULimit(spec, pid); err != nil {
+				return mountPoints, err
+			}
+		}
+		if err := r.applyMemoryLimit(spec, pid); err != nil {
 			return mountPoints, err
 		}
 	}
@@ -724,9 +730,12 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	case filepath.Clean(rec.StateDir) != filepath.Clean(spec.StateDir):
 		return fmt.Errorf("gvisor adopt %s: recorded state dir %s, not %s", spec.ID, rec.StateDir, spec.StateDir)
 	}
-	// A restore whose node stopped before it set the CPU quota (cpulimit.go) gets it
-	// now; for every other instance this writes the quota it already has.
+	// A start whose node stopped before it set the CPU quota or raised the memory limit
+	// (limits.go) gets them now; for every other instance this writes what it has.
 	if err := r.applyCPULimit(spec, st.PID); err != nil {
+		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+	}
+	if err := r.applyMemoryLimit(spec, st.PID); err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
 	return nil

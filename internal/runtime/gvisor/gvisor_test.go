@@ -355,7 +355,7 @@ func TestLifecycle(t *testing.T) {
 	t.Run("host cgroup limits", func(t *testing.T) {
 		dirs := cgroupDirs(id)
 		if len(dirs) == 1 { // v2
-			if got := readTrim(t, filepath.Join(dirs[0], "memory.max")); got != fmt.Sprint(spec.MemoryMB<<20) {
+			if got := readTrim(t, filepath.Join(dirs[0], "memory.max")); got != fmt.Sprint(hostMemoryLimit(spec)) { // the guest plus the Sentry's share (bundle.go)
 				t.Errorf("memory.max = %s", got)
 			}
 			if got := readTrim(t, filepath.Join(dirs[0], "cpu.max")); got != "100000 100000" {
@@ -363,7 +363,7 @@ func TestLifecycle(t *testing.T) {
 			}
 			return
 		}
-		if got := readTrim(t, filepath.Join(dirs[0], "memory.limit_in_bytes")); got != fmt.Sprint(spec.MemoryMB<<20) {
+		if got := readTrim(t, filepath.Join(dirs[0], "memory.limit_in_bytes")); got != fmt.Sprint(hostMemoryLimit(spec)) { // the guest plus the Sentry's share (bundle.go)
 			t.Errorf("memory.limit_in_bytes = %s", got)
 		}
 		if got := readTrim(t, filepath.Join(dirs[1], "cpu.cfs_quota_us")); got != "100000" {
@@ -759,7 +759,7 @@ func TestForkBombContained(t *testing.T) {
 		t.Skipf("runsc %s holds no pids limit inside the sandbox", rt.version)
 	}
 	spec := testSpec(t, newID(t))
-	spec.PidsLimit = 1280 // 256 tasks inside
+	spec.PidsLimit = hostPidsFactor*256 + hostPidsSlack // 256 tasks inside
 	if err := rt.Create(ctx, spec); err != nil {
 		t.Fatal(err)
 	}

@@ -46,6 +46,29 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 	return writeCgroupFile(file, strconv.FormatInt(quota, 10))
 }
 
+// The memory limit comes after runsc too, for every start. runsc tells the Sentry the
+// guest's total memory (MemTotal inside) from the host cgroup's limit as it finds it at
+// start, so the bundle carries the guest's size, and start raises the limit to
+// hostMemoryLimit (the guest plus what the Sentry spends on its tasks, bundle.go) once
+// runsc has returned. Until then the limit is the lower one: nothing the guest does in
+// those milliseconds could have been allowed and is not. Adopt raises it again for a
+// node that stopped in between.
+
+// applyMemoryLimit sets the host cgroup's memory limit of the instance (found from the
+// sandbox process pid) to hostMemoryLimit(spec). Without a memory size, or with runsc's
+// --ignore-cgroups, there is nothing to set.
+func (r *Runtime) applyMemoryLimit(spec runtime.Spec, pid int) error {
+	limit := hostMemoryLimit(spec)
+	if limit <= 0 || r.ignoresCgroups() {
+		return nil
+	}
+	file, err := cgroupstat.MemoryLimitFile(pid, spec.ID)
+	if err != nil {
+		return fmt.Errorf("find the sandbox's host memory cgroup: %w", err)
+	}
+	return writeCgroupFile(file, strconv.FormatInt(limit, 10))
+}
+
 // ignoresCgroups tells whether runsc runs with --ignore-cgroups (ExtraFlags): it then
 // makes no cgroup for a sandbox, so there is no quota to set.
 func (r *Runtime) ignoresCgroups() bool {
@@ -57,7 +80,7 @@ func (r *Runtime) ignoresCgroups() bool {
 
 func writeCgroupFile(file, value string) error {
 	if err := os.WriteFile(file, []byte(value), 0); err != nil {
-		return fmt.Errorf("set the sandbox's CPU limit: %w", err)
+		return fmt.Errorf("set the sandbox's host cgroup limit: %w", err)
 	}
 	return nil
 }

@@ -1,0 +1,186 @@
+package agent
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// Under gVisor the runtime limits the tasks (processes and threads) of the sandbox's
+// cgroup inside the Sentry: it writes the cgroup's pids.max after the start, before the
+// node asks the agent for anything. The agent shares that limit with every user
+// process, and a Go program that cannot start a thread dies: a fork bomb that took
+// every task ended the agent (exit 2), which is PID 1, and with it the sandbox, its
+// memory and its processes. So before it starts the first user process the agent splits
+// the cgroup (cgroup v2): itself into <cgroup>/agent, user processes into <cgroup>/user,
+// whose pids.max leaves agentTasks(limit) of the limit to the agent. User processes
+// start inside it (clone3 with CLONE_INTO_CGROUP), so no process exists for a moment
+// outside it. After a resume the agent sets the user limit again from the sandbox's
+// (a clone may be restored with another limit). Where the agent's cgroup has no pids
+// limit (VMs, whose guest kernel has its own limits, or a runsc without a pids
+// controller inside) nothing changes.
+//
+// Sandbox root can leave the user cgroup (or remove the limit); that only exposes its
+// own sandbox's agent, which root can stop anyway. The split protects the sandbox from
+// a runaway program, not from its own root.
+
+const (
+	// agentCgroupName and userCgroupName are the children of the sandbox's cgroup.
+	agentCgroupName = "agent"
+	userCgroupName  = "user"
+	// maxAgentTasks is the most tasks the split keeps for the agent: it runs about 8
+	// threads idle, a few more per busy connection.
+	maxAgentTasks = 64
+)
+
+// agentTasks is how many of a limit of limit tasks the agent keeps for itself: a
+// quarter of it, at most maxAgentTasks.
+func agentTasks(limit int64) int64 { return min(maxAgentTasks, limit/4) }
+
+// taskSplit keeps user processes in their own pids cgroup (see above).
+type taskSplit struct {
+	root string // the cgroup2 mount; "" disables the split
+	log  *slog.Logger
+
+	mu      sync.Mutex
+	done    bool     // tried: split (user set) or found nothing to split
+	sandbox string   // the sandbox's cgroup directory, once split
+	user    *os.File // <sandbox>/user, for CLONE_INTO_CGROUP
+	limit   int64    // the sandbox's pids.max the user limit was derived from
+}
+
+// userCgroupFD returns the descriptor of the user cgroup new user processes start in,
+// splitting the sandbox's cgroup first if that has not been tried; -1 when there is
+// none. A failed split is logged once and leaves processes where the agent is.
+func (s *taskSplit) userCgroupFD() int {
+	if s.root == "" {
+		return -1
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.done {
+		s.done = true
+		if err := s.split(); err != nil {
+			s.log.Warn("user processes share the agent's task limit", "err", err)
+		}
+	}
+	if s.user == nil {
+		return -1
+	}
+	return int(s.user.Fd())
+}
+
+// errNoLimit: the agent's cgroup has no pids limit to split.
+var errNoLimit = errors.New("no pids limit")
+
+// split moves the agent into <cgroup>/agent and makes <cgroup>/user with its limit.
+func (s *taskSplit) split() error {
+	own, err := ownCgroup()
+	if err != nil {
+		return err
+	}
+	dir := filepath.Join(s.root, own)
+	if path.Base(own) == agentCgroupName { // split before (a restored agent)
+		dir = filepath.Dir(dir)
+	}
+	limit, err := readPidsMax(dir)
+	if errors.Is(err, errNoLimit) || errors.Is(err, fs.ErrNotExist) {
+		s.log.Debug("no task limit to share", "cgroup", dir)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	for _, name := range []string{agentCgroupName, userCgroupName} {
+		if err := os.Mkdir(filepath.Join(dir, name), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+			return err
+		}
+	}
+	if err := writeControl(filepath.Join(dir, agentCgroupName, "cgroup.procs"), strconv.Itoa(os.Getpid())); err != nil {
+		return err
+	}
+	if err := writeControl(filepath.Join(dir, "cgroup.subtree_control"), "+pids"); err != nil {
+		return err
+	}
+	if err := writeControl(filepath.Join(dir, userCgroupName, "pids.max"), strconv.FormatInt(limit-agentTasks(limit), 10)); err != nil {
+		return err
+	}
+	user, err := os.Open(filepath.Join(dir, userCgroupName))
+	if err != nil {
+		return err
+	}
+	s.sandbox, s.user, s.limit = dir, user, limit
+	s.log.Info("user processes limited apart from the agent", "cgroup", dir, "limit", limit, "agent_tasks", agentTasks(limit))
+	return nil
+}
+
+// refresh sets the user limit again when the sandbox's limit changed (a restore with
+// another limit), and lets a sandbox that had none be split at the next start.
+func (s *taskSplit) refresh() {
+	if s.root == "" {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.user == nil {
+		s.done = false
+		return
+	}
+	limit, err := readPidsMax(s.sandbox)
+	if err != nil || limit == s.limit {
+		return
+	}
+	if err := writeControl(filepath.Join(s.sandbox, userCgroupName, "pids.max"), strconv.FormatInt(limit-agentTasks(limit), 10)); err != nil {
+		s.log.Warn("set the user processes' task limit", "err", err)
+		return
+	}
+	s.limit = limit
+}
+
+// ownCgroup is the agent's cgroup v2 path (from /proc/self/cgroup).
+func ownCgroup() (string, error) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", err
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if p, ok := strings.CutPrefix(sc.Text(), "0::"); ok {
+			return p, nil
+		}
+	}
+	return "", errors.New("no cgroup v2 entry in /proc/self/cgroup")
+}
+
+// readPidsMax reads dir/pids.max; errNoLimit for "max".
+func readPidsMax(dir string) (int64, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "pids.max"))
+	if err != nil {
+		return 0, err
+	}
+	v := strings.TrimSpace(string(b))
+	if v == "max" {
+		return 0, errNoLimit
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("pids.max %q", v)
+	}
+	return n, nil
+}
+
+func writeControl(file, value string) error {
+	if err := os.WriteFile(file, []byte(value), 0); err != nil {
+		return fmt.Errorf("write %s: %w", file, err)
+	}
+	return nil
+}
