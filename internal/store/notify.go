@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -49,8 +50,13 @@ func (s *Store) Notify(ctx context.Context, channel, payload string) error {
 }
 
 // Listen delivers notifications on the given channels to fn until ctx ends, reconnecting
-// after failures. fn must not block for long. After every (re)connect fn is called once
-// per channel with an empty payload, so callers can resync state they may have missed.
+// after failures. fn must not block for long. After every (re)connect, once the
+// connection listens on every channel, fn is called once per channel with an empty
+// payload, so callers can resync state they may have missed: a notification sent
+// after that call reaches fn. (pgxlisten calls its backlog handler after each
+// channel's LISTEN, before the next channel's; a caller that took the first channel's
+// call for "listening" and acted on it could miss a notification on a channel not yet
+// listened to: the event streams' TestEventStream did, once in CI.)
 func (s *Store) Listen(ctx context.Context, log *slog.Logger, fn func(channel, payload string), channels ...string) error {
 	l := &pgxlisten.Listener{
 		Connect: func(ctx context.Context) (*pgx.Conn, error) { return s.Connect(ctx) },
@@ -61,21 +67,45 @@ func (s *Store) Listen(ctx context.Context, log *slog.Logger, fn func(channel, p
 		},
 		ReconnectDelay: time.Second,
 	}
+	h := &listenHandler{fn: fn, channels: channels}
 	for _, ch := range channels {
-		l.Handle(ch, listenHandler(fn))
+		l.Handle(ch, h)
 	}
 	return l.Listen(ctx)
 }
 
-type listenHandler func(channel, payload string)
+// listenHandler hands notifications to fn, and the resync calls once a connection
+// listens on all channels.
+type listenHandler struct {
+	fn       func(channel, payload string)
+	channels []string
 
-func (h listenHandler) HandleNotification(_ context.Context, n *pgconn.Notification, _ *pgx.Conn) error {
-	h(n.Channel, n.Payload)
+	// The listener connects, LISTENs and calls HandleBacklog from one goroutine, one
+	// connection at a time; the mutex only documents that nothing else touches these.
+	mu       sync.Mutex
+	conn     *pgx.Conn // the connection the backlog calls are counted for
+	listened int       // channels listened to on conn
+}
+
+func (h *listenHandler) HandleNotification(_ context.Context, n *pgconn.Notification, _ *pgx.Conn) error {
+	h.fn(n.Channel, n.Payload)
 	return nil
 }
 
-// HandleBacklog runs after (re)connecting: tell the caller to resync.
-func (h listenHandler) HandleBacklog(_ context.Context, channel string, _ *pgx.Conn) error {
-	h(channel, "")
+// HandleBacklog runs after each channel's LISTEN of a (re)connect; after the last one
+// it tells the caller to resync, once per channel.
+func (h *listenHandler) HandleBacklog(_ context.Context, _ string, conn *pgx.Conn) error {
+	h.mu.Lock()
+	if conn != h.conn {
+		h.conn, h.listened = conn, 0
+	}
+	h.listened++
+	all := h.listened == len(h.channels)
+	h.mu.Unlock()
+	if all {
+		for _, ch := range h.channels {
+			h.fn(ch, "")
+		}
+	}
 	return nil
 }

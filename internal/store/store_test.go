@@ -1224,6 +1224,42 @@ func TestPools(t *testing.T) {
 	}
 }
 
+// TestListenResyncMeansListening: the empty-payload calls come once the connection
+// listens on every channel, so a notification sent from the first of them, on any
+// channel, arrives. (Before, the first channel's call came before the next channel's
+// LISTEN, and the notification on a later channel was lost.)
+func TestListenResyncMeansListening(t *testing.T) {
+	st, ctx := open(t)
+	channels := []string{store.NodeChannel("a"), store.NodeChannel("b"), store.NodeChannel("c")}
+	got := make(chan string, 16)
+	lctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var once sync.Once
+	go st.Listen(lctx, slog.New(slog.DiscardHandler), func(c, p string) {
+		if p == "" {
+			// Notify every channel from the first resync call, before Listen goes on.
+			once.Do(func() {
+				for _, ch := range channels {
+					if err := st.Notify(ctx, ch, "after "+c); err != nil {
+						t.Error(err)
+					}
+				}
+			})
+			return
+		}
+		got <- c
+	}, channels...)
+	seen := map[string]bool{}
+	for len(seen) < len(channels) {
+		select {
+		case c := <-got:
+			seen[c] = true
+		case <-time.After(10 * time.Second):
+			t.Fatalf("notifications sent at the first resync call reached only %v of %v", seen, channels)
+		}
+	}
+}
+
 func TestListenNotify(t *testing.T) {
 	st, ctx := open(t)
 	type note struct{ channel, payload string }

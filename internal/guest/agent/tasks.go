@@ -20,14 +20,14 @@ import (
 // node asks the agent for anything. The agent shares that limit with every user
 // process, and a Go program that cannot start a thread dies: a fork bomb that took
 // every task ended the agent (exit 2), which is PID 1, and with it the sandbox, its
-// memory and its processes. So before it starts the first user process the agent splits
-// the cgroup (cgroup v2): itself into <cgroup>/agent, user processes into <cgroup>/user,
-// whose pids.max leaves agentTasks(limit) of the limit to the agent. User processes
-// start inside it (clone3 with CLONE_INTO_CGROUP), so no process exists for a moment
-// outside it. After a resume the agent sets the user limit again from the sandbox's
-// (a clone may be restored with another limit). Where the agent's cgroup has no pids
-// limit (VMs, whose guest kernel has its own limits, or a runsc without a pids
-// controller inside) nothing changes.
+// memory and its processes. So the agent splits the cgroup (cgroup v2) at its first
+// identity (refresh), before any user process: itself into <cgroup>/agent, user
+// processes into <cgroup>/user, whose pids.max leaves agentTasks(limit) of the limit
+// to the agent. User processes start inside it (clone3 with CLONE_INTO_CGROUP), so no
+// process exists for a moment outside it. After a resume the agent sets the user limit
+// again from the sandbox's (a clone may be restored with another limit). Where the
+// agent's cgroup has no pids limit (VMs, whose guest kernel has its own limits, or a
+// runsc without a pids controller inside) nothing changes.
 //
 // Sandbox root can leave the user cgroup (or remove the limit); that only exposes its
 // own sandbox's agent, which root can stop anyway. The split protects the sandbox from
@@ -59,8 +59,9 @@ type taskSplit struct {
 }
 
 // userCgroupFD returns the descriptor of the user cgroup new user processes start in,
-// splitting the sandbox's cgroup first if that has not been tried; -1 when there is
-// none. A failed split is logged once and leaves processes where the agent is.
+// splitting the sandbox's cgroup first if that has not been tried (refresh normally
+// has); -1 when there is none. A failed split is logged once and leaves processes
+// where the agent is.
 func (s *taskSplit) userCgroupFD() int {
 	if s.root == "" {
 		return -1
@@ -123,8 +124,12 @@ func (s *taskSplit) split() error {
 	return nil
 }
 
-// refresh sets the user limit again when the sandbox's limit changed (a restore with
-// another limit), and lets a sandbox that had none be split at the next start.
+// refresh runs with every new identity. The first one comes after the runtime has set
+// the sandbox's task limit (it does so before Create or Restore returns), so refresh
+// splits the cgroup then, before any command asks for a process: the split stays off
+// the first command's path (a warm-pool member is split when it is made, not when it
+// is claimed). Later, it sets the user limit again when the sandbox's changed (a
+// restore with another limit), and tries again where there was none to split.
 func (s *taskSplit) refresh() {
 	if s.root == "" {
 		return
@@ -132,7 +137,10 @@ func (s *taskSplit) refresh() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.user == nil {
-		s.done = false
+		if err := s.split(); err != nil && !s.done {
+			s.log.Warn("user processes share the agent's task limit", "err", err)
+		}
+		s.done = true
 		return
 	}
 	limit, err := readPidsMax(s.sandbox)
