@@ -421,19 +421,7 @@ func TestWakeKeepsPidsLimit(t *testing.T) {
 	if err := rt.Destroy(ctx, spec.ID); err != nil {
 		t.Fatal(err)
 	}
-	if err := rt.Restore(ctx, spec, dir); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
-			t.Error(err)
-		}
-	})
-	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	dc := agentClient(t, rt, spec.ID)
-	waitHealthy(t, dc)
+	dc := restoreResumed(t, rt, spec, dir)
 	if got := strings.TrimSpace(string(get(t, dc, "/read?path=/sys/fs/cgroup/"+spec.ID+"/pids.max"))); got != "120" {
 		t.Errorf("pids.max inside the woken sandbox = %s, want 120", got)
 	}
@@ -624,7 +612,22 @@ func TestHostMemoryLimit(t *testing.T) {
 	check("after a boot", c)
 	quiesce(t, c, spec)
 	dir := suspendInstance(t, rt, spec.ID)
-	if err := rt.Restore(ctx, spec, dir); err != nil {
+	c = restoreResumed(t, rt, spec, dir)
+	file := check("after a restore", c)
+	if err := os.WriteFile(file, []byte(strconv.Itoa(spec.MemoryMB<<20)), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Adopt(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	check("after Adopt", c)
+}
+
+// restoreResumed restores spec from the checkpoint in dir (destroyed at the test's
+// end), tells its test agent to resume and returns a client once the agent answers.
+func restoreResumed(t *testing.T, rt *Runtime, spec runtime.Spec, dir string) *http.Client {
+	t.Helper()
+	if err := rt.Restore(context.Background(), spec, dir); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -635,16 +638,9 @@ func TestHostMemoryLimit(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	c = agentClient(t, rt, spec.ID)
+	c := agentClient(t, rt, spec.ID)
 	waitHealthy(t, c)
-	file := check("after a restore", c)
-	if err := os.WriteFile(file, []byte(strconv.Itoa(spec.MemoryMB<<20)), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Adopt(ctx, spec); err != nil {
-		t.Fatal(err)
-	}
-	check("after Adopt", c)
+	return c
 }
 
 // suspendInstance checkpoints a quiesced instance into a new directory, which it
