@@ -119,6 +119,24 @@ func forkBomb(t *testing.T, su *suite, mib int) {
 	})
 }
 
+// attackTaskCgroupRemoved: sandbox root takes the user processes' cgroup away (moves
+// itself out and removes it); the next command still starts, in a user cgroup the
+// agent made again, so the agent keeps its share of the sandbox's tasks.
+func attackTaskCgroupRemoved(t *testing.T, su *suite) {
+	sb := su.create(t, api.CreateSandboxRequest{})
+	out := su.mustSh(t, sb.ID, `cg=/sys/fs/cgroup$(sed 's/^0:://;s,/user$,,' /proc/self/cgroup)
+echo $$ > $cg/agent/cgroup.procs || exit 1
+for i in $(seq 100); do rmdir $cg/user 2>/dev/null && break; sleep 0.05; done
+test -e $cg/user && echo still there || echo removed`)
+	if out != "removed\n" {
+		t.Fatalf("sandbox root could not remove the user cgroup: %q", out)
+	}
+	got := su.mustSh(t, sb.ID, `sed 's/^0:://' /proc/self/cgroup`)
+	if !strings.HasSuffix(got, "/user\n") {
+		t.Errorf("after the user cgroup was removed, a command runs in %q, not in a new user cgroup", got)
+	}
+}
+
 // attackMemoryHog: a process allocates and touches 2 GiB in a 256 MiB sandbox; the host
 // cgroup holds the sandbox to its limit (memory used by the host for it never passes
 // it), and the sandbox runs and answers afterwards (gVisor sandboxes past their memory

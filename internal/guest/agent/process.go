@@ -144,9 +144,11 @@ func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *fol
 		return nil, nil, err
 	}
 	sys := &syscall.SysProcAttr{Setsid: true, Credential: cred}
-	if fd := a.tasks.userCgroupFD(); fd >= 0 {
-		sys.UseCgroupFD, sys.CgroupFD = true, fd // tasks.go
+	intoCgroup := func() {
+		fd := a.tasks.userCgroupFD() // tasks.go
+		sys.UseCgroupFD, sys.CgroupFD = fd >= 0, max(fd, 0)
 	}
+	intoCgroup()
 	var files []*os.File
 	var outputs []*os.File
 	if spec.PTY != nil {
@@ -230,6 +232,10 @@ func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *fol
 	p.openOutputs = len(outputs)
 	pid, err := a.reaper.spawn(func() (int, error) {
 		proc, err := os.StartProcess(path, argv, attr)
+		if err != nil && sys.UseCgroupFD && a.tasks.lost() {
+			intoCgroup()
+			proc, err = os.StartProcess(path, argv, attr)
+		}
 		if err != nil {
 			return 0, err
 		}

@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // Under gVisor the runtime limits the tasks (processes and threads) of the sandbox's
@@ -78,6 +80,31 @@ func (s *taskSplit) userCgroupFD() int {
 		return -1
 	}
 	return int(s.user.Fd())
+}
+
+// lost reports whether the user cgroup new processes start in is gone (sandbox root
+// can remove it, or move it away) and, if so, forgets it, so that the next start
+// splits again: a start that failed is retried then. A cgroup that is still there
+// means the start failed for its own reasons.
+func (s *taskSplit) lost() bool {
+	if s.root == "" {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.user == nil {
+		return false
+	}
+	var held, named unix.Stat_t
+	if unix.Fstat(int(s.user.Fd()), &held) == nil &&
+		unix.Stat(filepath.Join(s.sandbox, userCgroupName), &named) == nil &&
+		held.Dev == named.Dev && held.Ino == named.Ino {
+		return false
+	}
+	s.log.Warn("the user processes' cgroup is gone; making it again", "cgroup", s.sandbox)
+	s.user.Close()
+	s.user, s.sandbox, s.done = nil, "", false
+	return true
 }
 
 // errNoLimit: the agent's cgroup has no pids limit to split.
