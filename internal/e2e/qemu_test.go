@@ -24,7 +24,8 @@ func requireQEMU(t *testing.T) {
 }
 
 // TestQEMUNode runs a whole node on the qemu runtime (TCG on hosts without hardware
-// KVM): create from base (ext4 image reflinked per sandbox), exec, files, suspend and
+// KVM): create from base (ext4 image reflinked per sandbox), exec, a fork bomb held to
+// the guest's user task limit, files, suspend and
 // wake with a process and a file intact, clone with distinct entropy, delete leaving
 // nothing; and the node reports its runtime and accelerator.
 func TestQEMUNode(t *testing.T) {
@@ -51,6 +52,19 @@ func TestQEMUNode(t *testing.T) {
 	o, _, code := s.exec(t, sb.ID, "python3", "-c", "print(6*7)")
 	if code != 0 || o != "42\n" {
 		t.Fatalf("exec: %d %q", code, o)
+	}
+	// A fork bomb meets the user processes' task limit inside the guest (the agent's
+	// split, internal/guest/agent/tasks.go) instead of filling its memory: before, a
+	// 512 MiB guest spent minutes in its OOM killer with the agent unable to answer.
+	t0 := time.Now()
+	if _, _, code := s.exec(t, sb.ID, "timeout", "60", "bash", "-c",
+		`end=$((SECONDS+10)); b() { while [ $SECONDS -lt $end ]; do b & done; }; b 2>/dev/null; wait`); code != 0 {
+		t.Fatalf("fork bomb: exit %d after %v", code, time.Since(t0))
+	}
+	o, _, code = s.exec(t, sb.ID, "sh", "-c", "cat /proc/self/cgroup /sys/fs/cgroup/user/pids.max /sys/fs/cgroup/user/pids.events")
+	t.Logf("fork bomb over in %v; then: %q", time.Since(t0).Round(time.Millisecond), o)
+	if f := strings.Fields(o); code != 0 || len(f) != 4 || f[0] != "0::/user" || f[2] != "max" || f[3] == "0" {
+		t.Errorf("the bomb did not run into the user processes' limit in the guest: %d %q", code, o)
 	}
 	if _, err := s.C.WriteFile(c, sb.ID, "/root/kept.txt", strings.NewReader("kept"), client.FileOptions{}); err != nil {
 		t.Fatal(err)

@@ -27,9 +27,10 @@ import (
 // processes into <cgroup>/user, whose pids.max leaves agentTasks(limit) of the limit
 // to the agent. User processes start inside it (clone3 with CLONE_INTO_CGROUP), so no
 // process exists for a moment outside it. After a resume the agent sets the user limit
-// again from the sandbox's (a clone may be restored with another limit). Where the
-// agent's cgroup has no pids limit (VMs, whose guest kernel has its own limits, or a
-// runsc without a pids controller inside) nothing changes.
+// again from the sandbox's (a clone may be restored with another limit). In a VM's
+// guest, where the agent is init in the root cgroup and nothing limits tasks, user
+// processes get a limit of their own (splitRoot). Under a runsc without a pids
+// controller inside nothing changes.
 //
 // Sandbox root can leave the user cgroup (or remove the limit); that only exposes its
 // own sandbox's agent, which root can stop anyway. The split protects the sandbox from
@@ -42,6 +43,8 @@ const (
 	// maxAgentTasks is the most tasks the split keeps for the agent: it runs about 8
 	// threads idle, a few more per busy connection.
 	maxAgentTasks = 64
+	// minUserTasks is the least a VM guest's user processes get (splitRoot).
+	minUserTasks = 256
 )
 
 // agentTasks is how many of a limit of limit tasks the agent keeps for itself: a
@@ -116,6 +119,9 @@ func (s *taskSplit) split() error {
 	if err != nil {
 		return err
 	}
+	if own == "/" {
+		return s.splitRoot()
+	}
 	dir := filepath.Join(s.root, own)
 	if path.Base(own) == agentCgroupName { // split before (a restored agent)
 		dir = filepath.Dir(dir)
@@ -151,6 +157,55 @@ func (s *taskSplit) split() error {
 	return nil
 }
 
+// splitRoot is the split of a VM's guest, where the agent is init in the root cgroup
+// and nothing limits the guest's tasks: a fork bomb filled a 512 MiB QEMU guest's memory
+// and the guest spent minutes in its OOM killer, the agent unable to answer. User
+// processes go into <root>/user with one task per MiB of the guest's memory, at least
+// 256 (as a gVisor sandbox's default); the agent stays in the root cgroup, which no
+// limit covers.
+func (s *taskSplit) splitRoot() error {
+	mib, err := memTotalMiB()
+	if err != nil {
+		return err
+	}
+	limit := max(mib, minUserTasks)
+	if err := os.Mkdir(filepath.Join(s.root, userCgroupName), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+		return err
+	}
+	if err := writeControl(filepath.Join(s.root, "cgroup.subtree_control"), "+pids"); err != nil {
+		return err
+	}
+	if err := writeControl(filepath.Join(s.root, userCgroupName, "pids.max"), strconv.FormatInt(limit, 10)); err != nil {
+		return err
+	}
+	user, err := os.Open(filepath.Join(s.root, userCgroupName))
+	if err != nil {
+		return err
+	}
+	s.sandbox, s.user, s.limit = s.root, user, 0
+	s.log.Info("user processes limited", "cgroup", s.root, "limit", limit)
+	return nil
+}
+
+// memTotalMiB reads MemTotal from /proc/meminfo, in MiB.
+func memTotalMiB() (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if rest, ok := strings.CutPrefix(line, "MemTotal:"); ok {
+			f := strings.Fields(rest)
+			if len(f) > 0 {
+				if kb, err := strconv.ParseInt(f[0], 10, 64); err == nil {
+					return kb >> 10, nil
+				}
+			}
+		}
+	}
+	return 0, errors.New("no MemTotal in /proc/meminfo")
+}
+
 // refresh runs with every new identity. The first one comes after the runtime has set
 // the sandbox's task limit (it does so before Create or Restore returns), so refresh
 // splits the cgroup then, before any command asks for a process: the split stays off
@@ -169,6 +224,9 @@ func (s *taskSplit) refresh() {
 		}
 		s.done = true
 		return
+	}
+	if s.sandbox == s.root {
+		return // a VM guest's limit follows its memory, which a restore keeps
 	}
 	limit, err := readPidsMax(s.sandbox)
 	if err != nil || limit == s.limit {
