@@ -177,7 +177,7 @@ func New(cfg Config) (*Agent, error) {
 		bootID:  hex.EncodeToString(id[:]),
 		procs:   make(map[int]*process),
 		quiesce: make(chan struct{}, 1),
-		tasks:   taskSplit{root: cfg.CgroupRoot, log: cfg.Logger},
+		tasks:   taskSplit{root: cfg.CgroupRoot, log: cfg.Logger, self: ownCgroup, memTotal: memTotalMiB},
 	}
 	a.touch()
 	a.handler = a.routes()

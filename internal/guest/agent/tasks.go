@@ -55,6 +55,9 @@ func agentTasks(limit int64) int64 { return min(maxAgentTasks, limit/4) }
 type taskSplit struct {
 	root string // the cgroup2 mount; "" disables the split
 	log  *slog.Logger
+	// self and memTotal default to ownCgroup and memTotalMiB (tests replace them).
+	self     func() (string, error)
+	memTotal func() (int64, error)
 
 	mu      sync.Mutex
 	done    bool     // tried: split (user set) or found nothing to split
@@ -115,7 +118,7 @@ var errNoLimit = errors.New("no pids limit")
 
 // split moves the agent into <cgroup>/agent and makes <cgroup>/user with its limit.
 func (s *taskSplit) split() error {
-	own, err := ownCgroup()
+	own, err := s.self()
 	if err != nil {
 		return err
 	}
@@ -164,7 +167,7 @@ func (s *taskSplit) split() error {
 // 256 (as a gVisor sandbox's default); the agent stays in the root cgroup, which no
 // limit covers.
 func (s *taskSplit) splitRoot() error {
-	mib, err := memTotalMiB()
+	mib, err := s.memTotal()
 	if err != nil {
 		return err
 	}
