@@ -623,6 +623,22 @@ func TestHostMemoryLimit(t *testing.T) {
 	check("after Adopt", c)
 }
 
+// TestRestoreAboveGuestSize: a sandbox may use more host memory than its guest size
+// while it runs (hostMemoryLimit leaves room for the Sentry), and its checkpoint
+// restores: the restore loads the guest's memory under the raised limit, not under the
+// guest size the bundle carries for the Sentry's MemTotal.
+func TestRestoreAboveGuestSize(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t)) // 256 MiB: host limit 416 MiB
+	c := startSandbox(t, rt, spec)
+	post(t, c, "/hold?mib=300")
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, rt, spec.ID)
+	c = restoreResumed(t, rt, spec, dir)
+	get(t, c, "/v1/health")
+}
+
 // restoreResumed restores spec from the checkpoint in dir (destroyed at the test's
 // end), tells its test agent to resume and returns a client once the agent answers.
 func restoreResumed(t *testing.T, rt *Runtime, spec runtime.Spec, dir string) *http.Client {

@@ -117,9 +117,13 @@ type Runtime struct {
 	lists singleflight.Group
 	// cpuFiles is each running instance's host cgroup CPU counter file (CPUTime).
 	cpuFiles sync.Map
-	// cgroupMounts are the host's cgroup hierarchies (cgroupRoots), read once.
-	cgroupOnce   sync.Once
-	cgroupMounts []string
+	// cgroupMounts are the host's cgroup hierarchies (cgroupRoots), read once;
+	// memoryMount is the one with the memory controller ("" if none), whose limit file
+	// is memoryLimitFile.
+	cgroupOnce      sync.Once
+	cgroupMounts    []string
+	memoryMount     string
+	memoryLimitFile string
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -347,7 +351,10 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 	if err := writeBundle(spec.StateDir, oci); err != nil {
 		return mountPoints, err
 	}
-	if err := r.run(ctx, spec, sub...); err != nil {
+	stopRaise := r.raiseMemoryAtStart(ctx, spec)
+	err = r.run(ctx, spec, sub...)
+	stopRaise()
+	if err != nil {
 		return mountPoints, err
 	}
 	r.statuses.startedClean(spec.ID)

@@ -1,12 +1,14 @@
 package gvisor
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spacedev/space/internal/cgroupstat"
 	"github.com/spacedev/space/internal/runtime"
@@ -46,13 +48,18 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 	return writeCgroupFile(file, strconv.FormatInt(quota, 10))
 }
 
-// The memory limit comes after runsc too, for every start. runsc tells the Sentry the
-// guest's total memory (MemTotal inside) from the host cgroup's limit as it finds it at
-// start, so the bundle carries the guest's size, and start raises the limit to
-// hostMemoryLimit (the guest plus what the Sentry spends on its tasks, bundle.go) once
-// runsc has returned. Until then the limit is the lower one: nothing the guest does in
-// those milliseconds could have been allowed and is not. Adopt raises it again for a
-// node that stopped in between.
+// The memory limit is raised during the start. runsc tells the Sentry the guest's total
+// memory (MemTotal inside, the sandbox process's --total-memory) from the host cgroup's
+// limit as it finds it when it builds that process's arguments, so the bundle carries
+// the guest's size. Once the sandbox process exists its arguments are fixed, and the
+// runtime raises the limit to hostMemoryLimit (the guest plus what the Sentry spends on
+// its tasks, bundle.go) at once, while `runsc restore` is still loading the guest's
+// memory: a sandbox that ran above its guest size (which the raised limit allows) was
+// OOM-killed during its restore when the raise came only after runsc returned
+// (TestRestoreAboveGuestSize). start writes the limit again once runsc has returned,
+// and Adopt for a node that stopped in between. On a cgroup v1 host runsc joins the
+// cgroup itself to start the gofer before it computes the sandbox's arguments, so the
+// sign is the sandbox process (argv[0] runsc-sandbox) in the cgroup, not any process.
 
 // applyMemoryLimit sets the host cgroup's memory limit of the instance (found from the
 // sandbox process pid) to hostMemoryLimit(spec). Without a memory size, or with runsc's
@@ -67,6 +74,62 @@ func (r *Runtime) applyMemoryLimit(spec runtime.Spec, pid int) error {
 		return fmt.Errorf("find the sandbox's host memory cgroup: %w", err)
 	}
 	return writeCgroupFile(file, strconv.FormatInt(limit, 10))
+}
+
+// raiseMemoryAtStart watches the instance's host memory cgroup while runsc starts it
+// and raises the limit as soon as the sandbox process is in it (see above). The
+// returned function stops the watch; it returns once the watch has.
+func (r *Runtime) raiseMemoryAtStart(ctx context.Context, spec runtime.Spec) (stop func()) {
+	limit := hostMemoryLimit(spec)
+	r.cgroupRoots()
+	if limit <= 0 || r.memoryMount == "" || r.ignoresCgroups() {
+		return func() {}
+	}
+	dir := filepath.Join(r.memoryMount, r.cgroupsPath(spec.ID))
+	file := filepath.Join(dir, r.memoryLimitFile)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			if !sandboxProcessIn(dir) {
+				continue
+			}
+			if err := writeCgroupFile(file, strconv.FormatInt(limit, 10)); err != nil {
+				r.log.WarnContext(ctx, "raise the sandbox's memory limit at start", "id", spec.ID, "err", err)
+			}
+			return
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// sandboxProcessIn reports whether the cgroup dir holds runsc's sandbox process.
+func sandboxProcessIn(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if err != nil {
+		return false
+	}
+	for _, pid := range strings.Fields(string(b)) {
+		cmdline, err := os.ReadFile(filepath.Join("/proc", pid, "cmdline"))
+		if err != nil {
+			continue
+		}
+		if argv0, _, _ := strings.Cut(string(cmdline), "\x00"); argv0 == "runsc-sandbox" {
+			return true
+		}
+	}
+	return false
 }
 
 // ignoresCgroups tells whether runsc runs with --ignore-cgroups (ExtraFlags): it then

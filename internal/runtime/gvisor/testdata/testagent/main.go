@@ -20,6 +20,12 @@ import (
 	"unsafe"
 )
 
+// held is the memory POST /hold keeps.
+var (
+	heldMu sync.Mutex
+	held   [][]byte
+)
+
 func main() {
 	if len(os.Args) > 2 && os.Args[1] == "bomb" {
 		// Join the cgroup first (the way space-agent starts user processes), then bomb.
@@ -97,6 +103,23 @@ func run() error {
 			return
 		}
 		w.Write(b)
+	})
+	// POST /hold?mib=N allocates N MiB, writes every page and keeps it (guest memory a
+	// checkpoint saves and a restore loads).
+	mux.HandleFunc("POST /hold", func(w http.ResponseWriter, r *http.Request) {
+		mib, err := strconv.Atoi(r.URL.Query().Get("mib"))
+		if err != nil || mib <= 0 {
+			http.Error(w, "mib", http.StatusBadRequest)
+			return
+		}
+		b := make([]byte, mib<<20)
+		for i := 0; i < len(b); i += 4096 {
+			b[i] = 1
+		}
+		heldMu.Lock()
+		held = append(held, b)
+		heldMu.Unlock()
+		w.WriteHeader(http.StatusNoContent)
 	})
 	// GET /read?path=P returns the file P (inside the sandbox).
 	mux.HandleFunc("GET /read", func(w http.ResponseWriter, r *http.Request) {
