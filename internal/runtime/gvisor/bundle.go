@@ -194,9 +194,11 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 // have threads of their own. Measured with bash fork bombs on a 2-core host (1-CPU
 // sandboxes, 2026-12-06): 2048 tasks inside peaked at 5,210 host tasks, 1024 at 3,855
 // (3.5–3.75 a task once the Sentry's own are taken off), so the factor is 5 (it was 4,
-// which left a 1 GiB sandbox 11 % below its host limit). A Sentry with more CPUs may run
-// more systrap worker threads per stub (up to its GOMAXPROCS); that was not measured
-// here.
+// which left a 1 GiB sandbox 11 % below its host limit). More CPUs do not raise the
+// ratio: a stub runs at most as many sysmsg threads as its address space has guest
+// threads (and no more than the Sentry's GOMAXPROCS; systrap's kickSysmsgThread), so
+// a guest task costs at most one, plus the stubs' own threads and the pooled stubs of
+// exited processes that a bomb's churn keeps around.
 //
 // A Spec without a pids limit gets one task inside per MiB of memory, at least 256 and
 // at most 2048 (2048 without a memory size): every task also costs host memory outside
