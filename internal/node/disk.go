@@ -95,13 +95,13 @@ func (n *Node) createDisk(ctx context.Context, id, digest string) (string, error
 
 // limitDisk bounds what a sandbox may write: its root filesystem to its disk limit
 // (disk_mb; on VM runtimes the disk image's size does that), and its whole volume to the
-// disk limit plus room for a suspend snapshot of its memory plus a margin for the
-// runtime's own files. Stores without quotas enforce nothing (logged once).
+// disk limit plus room for a suspend snapshot of its memory (checkpointRoom) plus a
+// margin for the runtime's own files. Stores without quotas enforce nothing (logged once).
 func (n *Node) limitDisk(ctx context.Context, sb *store.Sandbox) error {
 	if sb.Spec.DiskMB <= 0 {
 		return nil
 	}
-	bytes := (int64(sb.Spec.DiskMB) + int64(sb.Spec.MemoryMB) + diskMarginMB) << 20
+	bytes := int64(sb.Spec.DiskMB)<<20 + n.checkpointRoom(sb) + diskMarginMB<<20
 	err := n.disk.SetSandboxLimit(ctx, sb.ID, bytes)
 	if err == nil {
 		// The sandbox's own writes stop at disk_mb; the volume's limit above leaves room
@@ -115,6 +115,16 @@ func (n *Node) limitDisk(ctx context.Context, sb *store.Sandbox) error {
 		return nil
 	}
 	return err
+}
+
+// checkpointRoom is the room a checkpoint of the sandbox's memory may take: its memory
+// size, or the runtime's bound when its instances may hold more (runtime.MemoryBounder).
+func (n *Node) checkpointRoom(sb *store.Sandbox) int64 {
+	room := int64(sb.Spec.MemoryMB) << 20
+	if b, ok := n.rt.(runtime.MemoryBounder); ok {
+		room = max(room, b.MemoryBound(n.spec(sb, "", nil)))
+	}
+	return room
 }
 
 // diskMarginMB is what the runtime may write beside the sandbox's own data.

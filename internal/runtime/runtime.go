@@ -191,6 +191,16 @@ type LiveCheckpointer interface {
 	CheckpointPaused(ctx context.Context, id, dir string) error
 }
 
+// MemoryBounder is implemented by runtimes whose instances may hold more memory than
+// Spec.MemoryMB (gVisor: the host cgroup leaves room for what the Sentry spends on the
+// guest's tasks, and the guest, which nothing else bounds, may use it). A checkpoint of
+// such an instance can be as large as the bound: the node keeps that much room for
+// checkpoints in the sandbox's disk quota.
+type MemoryBounder interface {
+	// MemoryBound is the most memory, in bytes, an instance of spec may hold.
+	MemoryBound(spec Spec) int64
+}
+
 // CPUTimer is implemented by runtimes that can read the CPU time an instance has used
 // from the host (its cgroup's counter) without waking anything inside it. The node's
 // resource samples read it every round and ask the agent only when the sandbox did

@@ -294,6 +294,16 @@ func TestLifecycleVerbs(t *testing.T) {
 	}
 }
 
+// A runtime whose instances may hold more than their memory size (gVisor) gets that
+// much room for checkpoints in the sandbox's disk limit.
+func TestDiskLimitKeepsRoomForMemoryBound(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{MemoryOverheadMB: 160})
+	sb := s.Create(api.CreateSandboxRequest{DiskMB: 2048, MemoryMB: 256})
+	if got, want := s.Disk.Limit(sb.ID), int64(2048+256+160+64)<<20; got != want {
+		t.Fatalf("limit %d MiB, want %d MiB", got>>20, want>>20)
+	}
+}
+
 // Disk: every sandbox gets a limit (its disk plus room for a snapshot of its memory),
 // and a node whose free disk is at the reserve refuses creates and wakes with 507.
 func TestDiskLimitAndReserve(t *testing.T) {

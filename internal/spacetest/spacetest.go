@@ -57,6 +57,9 @@ type Options struct {
 	// HostCPU makes the fake runtime read instances' CPU time (runtime.CPUTimer), as
 	// gVisor does from the sandbox's cgroup.
 	HostCPU bool
+	// MemoryOverheadMB is what the fake runtime's instances may hold beyond their
+	// memory size (runtime.MemoryBounder, as gVisor's).
+	MemoryOverheadMB int
 }
 
 // Space is a running in-process space.
@@ -117,7 +120,7 @@ func Start(t testing.TB, opts Options) *Space {
 	if s.Signer, err = token.NewSigner(key); err != nil {
 		t.Fatal(err)
 	}
-	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU}); err != nil {
+	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU, MemoryOverheadMB: opts.MemoryOverheadMB}); err != nil {
 		t.Fatal(err)
 	}
 	if s.Disk, err = fake.NewDisk(s.DataDir + "/store"); err != nil {

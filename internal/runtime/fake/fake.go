@@ -46,6 +46,9 @@ type Config struct {
 	// agent's and its processes' (reaped ones included). Without it CPUTime fails, as
 	// on a runtime that cannot tell, and the node asks the agents.
 	CPUTime bool
+	// MemoryOverheadMB is what an instance may hold beyond its MemoryMB
+	// (runtime.MemoryBounder).
+	MemoryOverheadMB int
 }
 
 // Runtime runs agents as host processes.
@@ -61,6 +64,7 @@ var (
 	_ runtime.Snapshotter      = (*Runtime)(nil)
 	_ runtime.LiveCheckpointer = (*Runtime)(nil)
 	_ runtime.CPUTimer         = (*Runtime)(nil)
+	_ runtime.MemoryBounder    = (*Runtime)(nil)
 )
 
 // New prepares the runtime's directory.
@@ -444,6 +448,12 @@ func (r *Runtime) PID(id string) int {
 		return 0
 	}
 	return rec.PID
+}
+
+// MemoryBound is MemoryMB plus Config.MemoryOverheadMB (runtime.MemoryBounder; with
+// none, the node keeps MemoryMB for checkpoints, as for runtimes without a bound).
+func (r *Runtime) MemoryBound(spec runtime.Spec) int64 {
+	return int64(spec.MemoryMB+r.cfg.MemoryOverheadMB) << 20
 }
 
 // CPUTime is the CPU time of the instance's agent and of its descendants, living and

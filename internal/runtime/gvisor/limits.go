@@ -61,6 +61,10 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 // cgroup itself to start the gofer before it computes the sandbox's arguments, so the
 // sign is the sandbox process (argv[0] runsc-sandbox) in the cgroup, not any process.
 
+// MemoryBound is the host memory limit of spec's instances (runtime.MemoryBounder):
+// the guest may use what the Sentry does not.
+func (r *Runtime) MemoryBound(spec runtime.Spec) int64 { return hostMemoryLimit(spec) }
+
 // applyMemoryLimit sets the host cgroup's memory limit of the instance (found from the
 // sandbox process pid) to hostMemoryLimit(spec). Without a memory size, or with runsc's
 // --ignore-cgroups, there is nothing to set.
