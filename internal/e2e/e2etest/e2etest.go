@@ -29,6 +29,7 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/runtime/instances"
 	"github.com/spacedev/space/internal/template/templatetest"
 	"github.com/spacedev/space/internal/testenv"
 )
@@ -289,6 +290,33 @@ func (s *Server) RunscIDs() []string {
 	return ids
 }
 
+// killVMs kills the QEMU processes that hold files under the server's data dir and
+// waits (up to 10 s) until they are gone.
+func (s *Server) killVMs() {
+	vms := instances.Scan(func(argv []string) bool {
+		return len(argv) > 0 && strings.HasPrefix(filepath.Base(argv[0]), "qemu-system-")
+	})
+	var killed []int
+	for _, pid := range vms {
+		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+		for _, fd := range fds {
+			if target, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name())); err == nil && strings.HasPrefix(target, s.DataDir+"/") {
+				if syscall.Kill(pid, syscall.SIGKILL) == nil {
+					killed = append(killed, pid)
+				}
+				break
+			}
+		}
+	}
+	for end := time.Now().Add(10 * time.Second); len(killed) > 0 && time.Now().Before(end); {
+		killed = slices.DeleteFunc(killed, func(pid int) bool {
+			p, err := instances.ReadProc(pid)
+			return err != nil || !p.Live()
+		})
+		time.Sleep(50 * time.Millisecond) // poll interval
+	}
+}
+
 func (s *Server) cleanup() {
 	s.Stop()
 	// The gVisor runtime's Destroy also removes what it mounts for a sandbox (run dir,
@@ -307,6 +335,10 @@ func (s *Server) cleanup() {
 	}
 	// runsc pins an empty network namespace for its gofers in its root dir (a mount).
 	_ = gvisor.UnpinNullNetNS(s.RunscRoot())
+	// A stopped server leaves its sandboxes running (a restart adopts them); a test
+	// that failed before deleting its QEMU sandboxes leaves their VMs, which hold the
+	// store busy. Kill those holding files of this server's data dir.
+	s.killVMs()
 	if s.opts.Embedded {
 		// A killed server may leave its PostgreSQL running: stop it.
 		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
