@@ -44,13 +44,6 @@ func CPULimitFile(pid int, base string) (string, error) {
 	return controllerFile(pid, base, "cpu", "cpu.cfs_quota_us", "cpu.max")
 }
 
-// MemoryLimitFile finds the file that holds the memory limit of pid's cgroup, whose
-// last path element must be base: memory.limit_in_bytes of its memory cgroup (v1) or
-// memory.max (v2). It only finds the file; the caller writes it.
-func MemoryLimitFile(pid int, base string) (string, error) {
-	return controllerFile(pid, base, "memory", "memory.limit_in_bytes", "memory.max")
-}
-
 // controllerFile finds a file of pid's cgroup: v1File in the v1 hierarchy of controller
 // (mounted alone or as the usual cpu and cpuacct pair), or v2File in the unified one.
 func controllerFile(pid int, base, controller, v1File, v2File string) (string, error) {
@@ -92,6 +85,26 @@ func Mounts() ([]*procfs.MountInfo, error) {
 	return slices.DeleteFunc(mounts, func(m *procfs.MountInfo) bool {
 		return m.FSType != "cgroup" && m.FSType != "cgroup2"
 	}), nil
+}
+
+// V1Mount returns the cgroup v1 hierarchy among mounts that holds controller, or nil.
+func V1Mount(mounts []*procfs.MountInfo, controller string) *procfs.MountInfo {
+	for _, m := range mounts {
+		if _, ok := m.SuperOptions[controller]; ok && m.FSType == "cgroup" {
+			return m
+		}
+	}
+	return nil
+}
+
+// V2Controllers lists the controllers a cgroup v2 hierarchy mounted at mountPoint
+// offers (its root's cgroup.controllers); none when it cannot be read.
+func V2Controllers(mountPoint string) []string {
+	data, err := os.ReadFile(filepath.Join(mountPoint, "cgroup.controllers"))
+	if err != nil {
+		return nil
+	}
+	return strings.Fields(string(data))
 }
 
 // ReadCPU reads a counter file CPUFile found: cpuacct.usage (nanoseconds) or cpu.stat

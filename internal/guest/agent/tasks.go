@@ -137,27 +137,43 @@ func (s *taskSplit) split() error {
 	if err != nil {
 		return err
 	}
-	for _, name := range []string{agentCgroupName, userCgroupName} {
-		if err := os.Mkdir(filepath.Join(dir, name), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
-			return err
-		}
+	if err := os.Mkdir(filepath.Join(dir, agentCgroupName), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+		return err
 	}
 	if err := writeControl(filepath.Join(dir, agentCgroupName, "cgroup.procs"), strconv.Itoa(os.Getpid())); err != nil {
+		return err
+	}
+	if err := s.makeUserCgroup(dir, limit-agentTasks(limit)); err != nil {
+		return err
+	}
+	s.limit = limit
+	s.log.Info("user processes limited apart from the agent", "cgroup", dir, "limit", limit, "agent_tasks", agentTasks(limit))
+	return nil
+}
+
+// makeUserCgroup makes <dir>/user with a pids limit of tasks and opens it for starts.
+// Processes other than the agent's must be out of dir first (cgroup v2 hands
+// controllers down only from a cgroup without processes, the root excepted).
+func (s *taskSplit) makeUserCgroup(dir string, tasks int64) error {
+	if err := os.Mkdir(filepath.Join(dir, userCgroupName), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
 		return err
 	}
 	if err := writeControl(filepath.Join(dir, "cgroup.subtree_control"), "+pids"); err != nil {
 		return err
 	}
-	if err := writeControl(filepath.Join(dir, userCgroupName, "pids.max"), strconv.FormatInt(limit-agentTasks(limit), 10)); err != nil {
+	if err := writeUserMax(dir, tasks); err != nil {
 		return err
 	}
 	user, err := os.Open(filepath.Join(dir, userCgroupName))
 	if err != nil {
 		return err
 	}
-	s.sandbox, s.user, s.limit = dir, user, limit
-	s.log.Info("user processes limited apart from the agent", "cgroup", dir, "limit", limit, "agent_tasks", agentTasks(limit))
+	s.sandbox, s.user = dir, user
 	return nil
+}
+
+func writeUserMax(dir string, tasks int64) error {
+	return writeControl(filepath.Join(dir, userCgroupName, "pids.max"), strconv.FormatInt(tasks, 10))
 }
 
 // splitRoot is the split of a VM's guest, where the agent is init in the root cgroup
@@ -172,20 +188,10 @@ func (s *taskSplit) splitRoot() error {
 		return err
 	}
 	limit := max(mib, minUserTasks)
-	if err := os.Mkdir(filepath.Join(s.root, userCgroupName), 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+	if err := s.makeUserCgroup(s.root, limit); err != nil {
 		return err
 	}
-	if err := writeControl(filepath.Join(s.root, "cgroup.subtree_control"), "+pids"); err != nil {
-		return err
-	}
-	if err := writeControl(filepath.Join(s.root, userCgroupName, "pids.max"), strconv.FormatInt(limit, 10)); err != nil {
-		return err
-	}
-	user, err := os.Open(filepath.Join(s.root, userCgroupName))
-	if err != nil {
-		return err
-	}
-	s.sandbox, s.user, s.limit = s.root, user, 0
+	s.limit = 0 // none to follow (refresh)
 	s.log.Info("user processes limited", "cgroup", s.root, "limit", limit)
 	return nil
 }
@@ -235,7 +241,7 @@ func (s *taskSplit) refresh() {
 	if err != nil || limit == s.limit {
 		return
 	}
-	if err := writeControl(filepath.Join(s.sandbox, userCgroupName, "pids.max"), strconv.FormatInt(limit-agentTasks(limit), 10)); err != nil {
+	if err := writeUserMax(s.sandbox, limit-agentTasks(limit)); err != nil {
 		s.log.Warn("set the user processes' task limit", "err", err)
 		return
 	}

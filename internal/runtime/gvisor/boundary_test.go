@@ -591,13 +591,9 @@ func TestHostMemoryLimit(t *testing.T) {
 	}
 	check := func(when string, c *http.Client) string {
 		t.Helper()
-		pid, err := readPidFile(spec.StateDir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		file, err := cgroupstat.MemoryLimitFile(pid, spec.ID)
-		if err != nil {
-			t.Fatal(err)
+		dir, file := rt.memoryLimitFile(spec.ID)
+		if file == "" || !sandboxProcessIn(dir) {
+			t.Fatalf("%s: the sandbox process is not in the memory cgroup %q", when, dir)
 		}
 		if got := readTrim(t, file); got != want {
 			t.Errorf("%s: %s = %s, want %s", when, file, got, want)

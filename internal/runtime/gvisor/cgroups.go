@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"syscall"
 
 	"github.com/spacedev/space/internal/cgroupstat"
@@ -52,20 +51,12 @@ func (r *Runtime) cgroupRoots() []string {
 		}
 		for _, m := range mounts {
 			r.cgroupMounts = append(r.cgroupMounts, m.MountPoint)
-			if _, ok := m.SuperOptions["memory"]; ok && m.FSType == "cgroup" {
-				r.memoryMount, r.memoryLimitFile = m.MountPoint, "memory.limit_in_bytes" // v1: the controller's own hierarchy
+			if m.FSType == "cgroup2" && r.memoryMount == "" && slices.Contains(cgroupstat.V2Controllers(m.MountPoint), "memory") {
+				r.memoryMount, r.memoryLimitFileName = m.MountPoint, "memory.max"
 			}
 		}
-		if r.memoryMount != "" {
-			return
-		}
-		for _, m := range mounts {
-			if m.FSType != "cgroup2" {
-				continue
-			}
-			if b, err := os.ReadFile(filepath.Join(m.MountPoint, "cgroup.controllers")); err == nil && slices.Contains(strings.Fields(string(b)), "memory") {
-				r.memoryMount, r.memoryLimitFile = m.MountPoint, "memory.max"
-			}
+		if m := cgroupstat.V1Mount(mounts, "memory"); m != nil {
+			r.memoryMount, r.memoryLimitFileName = m.MountPoint, "memory.limit_in_bytes"
 		}
 	})
 	return r.cgroupMounts

@@ -119,11 +119,11 @@ type Runtime struct {
 	cpuFiles sync.Map
 	// cgroupMounts are the host's cgroup hierarchies (cgroupRoots), read once;
 	// memoryMount is the one with the memory controller ("" if none), whose limit file
-	// is memoryLimitFile.
-	cgroupOnce      sync.Once
-	cgroupMounts    []string
-	memoryMount     string
-	memoryLimitFile string
+	// is memoryLimitFileName.
+	cgroupOnce          sync.Once
+	cgroupMounts        []string
+	memoryMount         string
+	memoryLimitFileName string
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -353,22 +353,22 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, p
 	}
 	stopRaise := r.raiseMemoryAtStart(ctx, spec)
 	err = r.run(ctx, spec, sub...)
-	stopRaise()
+	raised := stopRaise()
 	if err != nil {
 		return mountPoints, err
 	}
 	r.statuses.startedClean(spec.ID)
-	if cpuLater || hostMemoryLimit(spec) > 0 {
+	if !raised {
+		if err := r.setMemoryLimit(spec); err != nil {
+			return mountPoints, err
+		}
+	}
+	if cpuLater {
 		pid, err := readPidFile(spec.StateDir)
 		if err != nil {
 			return mountPoints, fmt.Errorf("sandbox process: %w", err)
 		}
-		if cpuLater {
-			if err := r.applyCPULimit(spec, pid); err != nil {
-				return mountPoints, err
-			}
-		}
-		if err := r.applyMemoryLimit(spec, pid); err != nil {
+		if err := r.applyCPULimit(spec, pid); err != nil {
 			return mountPoints, err
 		}
 	}
@@ -742,7 +742,7 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	if err := r.applyCPULimit(spec, st.PID); err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
-	if err := r.applyMemoryLimit(spec, st.PID); err != nil {
+	if err := r.setMemoryLimit(spec); err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 	}
 	return nil

@@ -56,8 +56,8 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 // its tasks, bundle.go) at once, while `runsc restore` is still loading the guest's
 // memory: a sandbox that ran above its guest size (which the raised limit allows) was
 // OOM-killed during its restore when the raise came only after runsc returned
-// (TestRestoreAboveGuestSize). start writes the limit again once runsc has returned,
-// and Adopt for a node that stopped in between. On a cgroup v1 host runsc joins the
+// (TestRestoreAboveGuestSize). start sets the limit once runsc has returned if the
+// watch did not, and Adopt for a node that stopped in between. On a cgroup v1 host runsc joins the
 // cgroup itself to start the gofer before it computes the sandbox's arguments, so the
 // sign is the sandbox process (argv[0] runsc-sandbox) in the cgroup, not any process.
 
@@ -65,34 +65,41 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 // the guest may use what the Sentry does not.
 func (r *Runtime) MemoryBound(spec runtime.Spec) int64 { return hostMemoryLimit(spec) }
 
-// applyMemoryLimit sets the host cgroup's memory limit of the instance (found from the
-// sandbox process pid) to hostMemoryLimit(spec). Without a memory size, or with runsc's
-// --ignore-cgroups, there is nothing to set.
-func (r *Runtime) applyMemoryLimit(spec runtime.Spec, pid int) error {
-	limit := hostMemoryLimit(spec)
-	if limit <= 0 || r.ignoresCgroups() {
-		return nil
+// memoryLimitFile is the instance's limit file in the host's memory hierarchy, with the
+// cgroup directory holding it; "" when the host has no memory hierarchy or runsc makes
+// no cgroups (--ignore-cgroups).
+func (r *Runtime) memoryLimitFile(id string) (dir, file string) {
+	r.cgroupRoots()
+	if r.memoryMount == "" || r.ignoresCgroups() {
+		return "", ""
 	}
-	file, err := cgroupstat.MemoryLimitFile(pid, spec.ID)
-	if err != nil {
-		return fmt.Errorf("find the sandbox's host memory cgroup: %w", err)
+	dir = filepath.Join(r.memoryMount, r.cgroupsPath(id))
+	return dir, filepath.Join(dir, r.memoryLimitFileName)
+}
+
+// setMemoryLimit sets the instance's host memory limit to hostMemoryLimit(spec);
+// without a memory size, or a cgroup to set it on, there is nothing to do.
+func (r *Runtime) setMemoryLimit(spec runtime.Spec) error {
+	_, file := r.memoryLimitFile(spec.ID)
+	if limit := hostMemoryLimit(spec); limit > 0 && file != "" {
+		return writeCgroupFile(file, strconv.FormatInt(limit, 10))
 	}
-	return writeCgroupFile(file, strconv.FormatInt(limit, 10))
+	return nil
 }
 
 // raiseMemoryAtStart watches the instance's host memory cgroup while runsc starts it
 // and raises the limit as soon as the sandbox process is in it (see above). The
-// returned function stops the watch; it returns once the watch has.
-func (r *Runtime) raiseMemoryAtStart(ctx context.Context, spec runtime.Spec) (stop func()) {
+// returned function stops the watch; it returns once the watch has, and whether it
+// raised the limit (start sets it itself otherwise).
+func (r *Runtime) raiseMemoryAtStart(ctx context.Context, spec runtime.Spec) (stop func() (raised bool)) {
 	limit := hostMemoryLimit(spec)
-	r.cgroupRoots()
-	if limit <= 0 || r.memoryMount == "" || r.ignoresCgroups() {
-		return func() {}
+	dir, file := r.memoryLimitFile(spec.ID)
+	if limit <= 0 || file == "" {
+		return func() bool { return false }
 	}
-	dir := filepath.Join(r.memoryMount, r.cgroupsPath(spec.ID))
-	file := filepath.Join(dir, r.memoryLimitFile)
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
+	var raised bool
 	go func() {
 		defer close(done)
 		tick := time.NewTicker(time.Millisecond)
@@ -108,13 +115,16 @@ func (r *Runtime) raiseMemoryAtStart(ctx context.Context, spec runtime.Spec) (st
 			}
 			if err := writeCgroupFile(file, strconv.FormatInt(limit, 10)); err != nil {
 				r.log.WarnContext(ctx, "raise the sandbox's memory limit at start", "id", spec.ID, "err", err)
+				return
 			}
+			raised = true
 			return
 		}
 	}()
-	return func() {
+	return func() bool {
 		cancel()
 		<-done
+		return raised
 	}
 }
 

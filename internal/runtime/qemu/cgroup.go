@@ -75,14 +75,7 @@ func newCgroups(parent string) (*cgroups, error) {
 		return nil, fmt.Errorf("cgroups: %w", err)
 	}
 	for _, m := range mounts {
-		if m.FSType != "cgroup2" {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join(m.MountPoint, "cgroup.controllers"))
-		if err != nil {
-			continue
-		}
-		if have := strings.Fields(string(data)); !containsAll(have, limitControllers) {
+		if m.FSType != "cgroup2" || !containsAll(cgroupstat.V2Controllers(m.MountPoint), limitControllers) {
 			continue // a hybrid host: the controllers live in v1 hierarchies
 		}
 		dir, err := prepareV2Parent(m.MountPoint, parent)
@@ -105,7 +98,7 @@ func newCgroups(parent string) (*cgroups, error) {
 	}
 	cg := &cgroups{}
 	for _, c := range limitControllers {
-		m := v1Mount(mounts, c)
+		m := cgroupstat.V1Mount(mounts, c)
 		if m == nil {
 			return nil, fmt.Errorf("cgroups: no cgroup v2 hierarchy with %s and no cgroup v1 hierarchy for %s", strings.Join(limitControllers, ", "), c)
 		}
@@ -133,19 +126,6 @@ func newCgroups(parent string) (*cgroups, error) {
 		cg.hierarchies = append(cg.hierarchies, cgroupHierarchy{parent: dir, controllers: []string{c}})
 	}
 	return cg, nil
-}
-
-// v1Mount returns the cgroup v1 mount holding controller c, or nil.
-func v1Mount(mounts []*procfs.MountInfo, c string) *procfs.MountInfo {
-	for _, m := range mounts {
-		if m.FSType != "cgroup" {
-			continue
-		}
-		if _, ok := m.SuperOptions[c]; ok {
-			return m
-		}
-	}
-	return nil
 }
 
 func containsAll(have, want []string) bool {
