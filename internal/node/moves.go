@@ -245,7 +245,7 @@ func (n *Node) materializeFrom(ctx context.Context, sb *store.Sandbox) error {
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		return err
 	}
-	if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
+	if err := n.disk.CheckSpace(n.checkpointRoom(sb)); err != nil {
 		return err
 	}
 	snap, err := n.cfg.Artifacts.PullSnapshot(ctx, "", sb.SnapshotDigest)

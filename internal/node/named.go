@@ -86,7 +86,7 @@ func (n *Node) takeSnapshots(ctx context.Context, src *store.Sandbox) {
 		return
 	}
 	// Each snapshot holds a memory image: it must fit above the reserve.
-	if err := n.disk.CheckSpace(int64(len(todo)) * int64(src.Spec.MemoryMB) << 20); err != nil {
+	if err := n.disk.CheckSpace(int64(len(todo)) * n.checkpointRoom(src)); err != nil {
 		n.failSnapshots(ctx, todo, err)
 		return
 	}
@@ -401,7 +401,7 @@ func (n *Node) startFromSnapshot(ctx context.Context, sb *store.Sandbox) (string
 		}
 		cp, disk = pulled.Checkpoint, pulled.Disk
 	}
-	if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
+	if err := n.disk.CheckSpace(n.checkpointRoom(sb)); err != nil {
 		return "", err
 	}
 	root, err := n.createDiskFrom(ctx, sb.ID, disk)

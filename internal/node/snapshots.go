@@ -356,7 +356,7 @@ func (n *Node) checkpointSourceLive(ctx context.Context, snap runtime.Snapshotte
 
 // prepareClone gives one clone its disk and memory image (both O(1) copies).
 func (n *Node) prepareClone(ctx context.Context, c *store.Sandbox, memDir, disk string) error {
-	if err := n.disk.CheckSpace(int64(c.Spec.MemoryMB) << 20); err != nil {
+	if err := n.disk.CheckSpace(n.checkpointRoom(c)); err != nil {
 		return err
 	}
 	if _, err := n.createDiskFrom(ctx, c.ID, disk); err != nil {

@@ -356,7 +356,7 @@ func (n *Node) suspend(ctx context.Context, sb *store.Sandbox) error {
 	}()
 	return n.transition(ctx, sb, lifecycle.TSuspend, sb.StatusReason, func() (outcome, error) {
 		// The snapshot holds the sandbox's memory: it must fit above the reserve.
-		if err := n.disk.CheckSpace(int64(sb.Spec.MemoryMB) << 20); err != nil {
+		if err := n.disk.CheckSpace(n.checkpointRoom(sb)); err != nil {
 			return outcome{state: sb.State}, err
 		}
 		dir, err := n.disk.CheckpointDir(sb.ID)

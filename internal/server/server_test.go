@@ -304,6 +304,32 @@ func TestDiskLimitKeepsRoomForMemoryBound(t *testing.T) {
 	}
 }
 
+// A suspend needs free room for a checkpoint as large as the runtime's memory bound,
+// not only the memory size: with room for the size alone it is refused with 507 and
+// the sandbox runs on; with room for the bound it suspends.
+func TestSuspendNeedsRoomForMemoryBound(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{MemoryOverheadMB: 160})
+	sb := s.Create(api.CreateSandboxRequest{MemoryMB: 256})
+	c := ctx(t)
+	s.Disk.SetFree(300 << 20) // above 256 MiB, under 256 + 160
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.WaitOp(op.ID, api.OpFailed); !strings.Contains(got.Error, "MiB free") {
+		t.Fatalf("suspend with room for the memory size only: %+v", got)
+	}
+	if got, _ := s.C.GetSandbox(c, sb.ID); got.State != api.StateRunning {
+		t.Fatalf("after the refused suspend: %+v", got)
+	}
+	s.Disk.SetFree(-1)
+	op, err = s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+}
+
 // Disk: every sandbox gets a limit (its disk plus room for a snapshot of its memory),
 // and a node whose free disk is at the reserve refuses creates and wakes with 507.
 func TestDiskLimitAndReserve(t *testing.T) {

@@ -28,6 +28,7 @@ type Disk struct {
 	rootfsLimits map[string]int64
 	limits       map[string]int64
 	full         string
+	free         int64 // SetFree; negative: no bound
 }
 
 // NewDisk returns a directory store under root, with the releases recorded there.
@@ -37,7 +38,7 @@ func NewDisk(root string) (*Disk, error) {
 			return nil, err
 		}
 	}
-	d := &Disk{root: root, rels: map[string]storage.Release{}}
+	d := &Disk{root: root, rels: map[string]storage.Release{}, free: -1}
 	recs, _ := filepath.Glob(filepath.Join(root, "templates", "*", releaseFile))
 	for _, p := range recs {
 		var rel storage.Release
@@ -349,12 +350,24 @@ func (d *Disk) SetFull(reason string) {
 	d.full = reason
 }
 
-// CheckSpace fails when SetFull made the store "full".
-func (d *Disk) CheckSpace(int64) error {
+// SetFree makes CheckSpace fail for needs above free bytes (a negative free lets every
+// need pass again).
+func (d *Disk) SetFree(free int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.free = free
+}
+
+// CheckSpace fails when SetFull made the store "full", or when need is above what
+// SetFree set.
+func (d *Disk) CheckSpace(need int64) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.full != "" {
 		return fault.New(fault.InsufficientStorage, "%s", d.full)
+	}
+	if d.free >= 0 && need > d.free {
+		return fault.New(fault.InsufficientStorage, "need %d MiB, %d MiB free above the reserve (test)", need>>20, d.free>>20)
 	}
 	return nil
 }
