@@ -137,20 +137,20 @@ test -e $cg/user && echo still there || echo removed`)
 	}
 }
 
-// attackMemoryHog: a process allocates and touches 2 GiB in a 256 MiB sandbox; the host
-// cgroup holds the sandbox to its limit (memory used by the host for it never passes
-// it), and the sandbox runs and answers afterwards (gVisor sandboxes past their memory
-// limit are killed whole and booted again from their disk by the node).
+// attackMemoryHog: a process allocates and touches 2 GiB in a 256 MiB sandbox. Near the
+// sandbox's host memory limit the node has the agent end it (node/memwatch.go), as a
+// Linux guest's OOM killer would: the command ends by SIGKILL with an error that says
+// the memory was full, the host cgroup never passes its limit, and the sandbox keeps
+// its other processes and its files in memory (it was not ended whole and booted
+// again: gVisor has no OOM killer inside, and the host's may end the whole Sentry).
 func attackMemoryHog(t *testing.T, su *suite) {
 	sb := su.create(t, api.CreateSandboxRequest{MemoryMB: 256})
 	limitFile := hostCgroupFile(sb.ID, "memory", "memory.limit_in_bytes", "memory.max")
 	limit := readInt64(t, limitFile)
-	// The host's OOM killer may end the whole instance while the hog runs (the limit
-	// holds; docs/security.md): then the command's stream breaks instead of ending
-	// with an exit code, and the sandbox is checked to answer again below.
+	marker := strings.TrimSpace(su.mustSh(t, sb.ID, `sleep 100000 >/dev/null 2>&1 & echo kept > /dev/shm/kept; echo $!`))
 	var buf bytes.Buffer
 	w := &lockedBuffer{b: &buf}
-	code, err := su.s.C.Exec(e2etest.Ctx(t, 2*time.Minute), sb.ID, api.CreateSessionRequest{Command: `timeout 30 python3 -c '
+	exit, err := su.s.C.ExecExit(e2etest.Ctx(t, 2*time.Minute), sb.ID, api.CreateSessionRequest{Command: `timeout 30 python3 -c '
 import time
 held = []
 for i in range(128):
@@ -161,10 +161,15 @@ print("allocated", len(held) * 16, "MiB")
 '`}, client.Output{Stdout: w, Stderr: w})
 	out := w.String()
 	if err != nil {
-		code = -1
-		t.Logf("hog: the command ended without an exit code (its instance ended): %v", err)
+		t.Errorf("hog: the command ended without an exit (its instance ended?): %v", err)
+	} else {
+		t.Logf("hog: exit %+v: %s", *exit, strings.TrimSpace(out))
+		// timeout(1) runs python in its own child: the agent ends python, and timeout
+		// reports it with 137; the exit's error names the process ended.
+		if code := client.ExitCode(exit); code != 137 || !strings.Contains(exit.Error, "out of memory") {
+			t.Errorf("hog: exit code %d, error %q; want 137 and an out-of-memory error", code, exit.Error)
+		}
 	}
-	t.Logf("hog: exit %d: %s", code, strings.TrimSpace(out))
 	peakFile := hostCgroupFile(sb.ID, "memory", "memory.max_usage_in_bytes", "memory.peak")
 	var peak int64 = -1
 	if b, err := os.ReadFile(peakFile); err == nil { // gone if the instance was killed
@@ -172,16 +177,26 @@ print("allocated", len(held) * 16, "MiB")
 	}
 	sb2 := su.waitAnswers(t, sb.ID, 2*time.Minute)
 	t.Logf("host memory limit %d MiB, peak %d MiB; afterwards: %q", limit>>20, peak>>20, sb2.Error)
-	su.figure("  memory hog", fmt.Sprintf("limit %d MiB, host peak %d MiB, sandbox error %q", limit>>20, peak>>20, sb2.Error))
-	if code == 0 && strings.Contains(out, "allocated 2048") {
+	su.figure("  memory hog", fmt.Sprintf("limit %d MiB, host peak %d MiB, exit %q", limit>>20, peak>>20, exitText(exit)))
+	if strings.Contains(out, "allocated 2048") {
 		t.Errorf("a 256 MiB sandbox allocated 2 GiB")
 	}
 	if limit <= 0 || limit > 512<<20 {
 		t.Errorf("host memory limit of a 256 MiB sandbox: %d", limit)
 	}
-	if peak > limit+1<<20 { // the kernel's charge may pass the limit by a few pages
-		t.Errorf("host memory peak %d above the limit %d", peak, limit)
+	if peak < 0 || peak > limit+1<<20 { // the kernel's charge may pass the limit by a few pages
+		t.Errorf("host memory peak %d above the limit %d (or the instance was ended)", peak, limit)
 	}
+	if got, code := su.sh(t, sb.ID, `cat /dev/shm/kept && kill -0 `+marker+` && echo alive`); code != 0 || got != "kept\nalive\n" {
+		t.Errorf("after the hog the sandbox lost its memory or processes (ended whole?): exit %d, %q", code, got)
+	}
+}
+
+func exitText(x *api.ExitEvent) string {
+	if x == nil {
+		return "none"
+	}
+	return fmt.Sprintf("%d %s", client.ExitCode(x), x.Error)
 }
 
 // allocated returns the bytes the host file system holds for path.

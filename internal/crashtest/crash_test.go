@@ -67,17 +67,6 @@ func newServer(t testing.TB, embedded bool) *server {
 
 func freeAddr(t testing.TB) string { return testenv.FreeAddr(t) }
 
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
 // start launches space serve and waits until it is healthy.
 func (s *server) start() {
 	s.t.Helper()
@@ -91,7 +80,7 @@ func (s *server) start() {
 	cmd := exec.Command(s.bin, args...)
 	cmd.Env = append(os.Environ(), "SPACE_CRASH_LOG="+s.crashLog, "SPACE_CRASH_ARM="+s.armFile,
 		"SPACE_CRASH_PGPID="+filepath.Join(s.dataDir, "postgres", "data", "postmaster.pid"))
-	out := &lockedBuffer{}
+	out := &testenv.Buffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
 		cmd.Stderr = os.Stderr
@@ -115,7 +104,7 @@ func (s *server) start() {
 		select {
 		case <-done:
 			ss, _ := exec.Command("ss", "-ltnp").CombinedOutput()
-			s.t.Fatalf("space serve exited during start-up:\n%s\n%s", out.b.String(), ss)
+			s.t.Fatalf("space serve exited during start-up:\n%s\n%s", out.String(), ss)
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {

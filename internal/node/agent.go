@@ -113,6 +113,7 @@ func (n *Node) dropAgent(id string) {
 	delete(n.polled, id)
 	delete(n.idleOf, id)
 	delete(n.looked, id)
+	n.stopMemoryWatchLocked(id)
 	n.mu.Unlock()
 	if c != nil {
 		c.CloseIdleConnections()
@@ -126,6 +127,7 @@ func (n *Node) setReady(id string, ready bool) {
 		n.ready[id] = true
 	} else {
 		delete(n.ready, id)
+		n.stopMemoryWatchLocked(id)
 	}
 }
 

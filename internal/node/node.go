@@ -161,6 +161,8 @@ type Node struct {
 	// looked is each running sandbox's host CPU reading and last agent answer, for
 	// runtimes that read CPU time on the host (samples.go).
 	looked map[string]hostLook
+	// memWatches are the memory watches of the sandboxes served (memwatch.go).
+	memWatches map[string]*memWatch
 	// sampledBy counts resource samples by where they came from (samples.go).
 	sampledBy sampleCounts
 
@@ -217,7 +219,7 @@ func New(cfg Config) (*Node, error) {
 	}
 	return &Node{
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
-		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, gated: map[string]*agentclient.Client{},
+		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, memWatches: map[string]*memWatch{}, gated: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, looked: map[string]hostLook{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),
@@ -549,7 +551,7 @@ func (n *Node) recover(ctx context.Context) error {
 			n.log.Warn("could not adopt sandbox; its worker will recover it", "sandbox", sb.ID, "err", err)
 			continue
 		}
-		n.setReady(sb.ID, true)
+		n.serving(sb)
 		n.log.Info("adopted sandbox", "sandbox", sb.ID)
 	}
 	instances, err := n.rt.List(ctx)

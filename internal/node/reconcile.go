@@ -53,7 +53,7 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 		a := lifecycle.Plan(facts)
 		if a.Step == lifecycle.Nothing {
 			if sb.State == api.StateRunning && facts.Instance == lifecycle.InstanceRunning {
-				n.setReady(sb.ID, true)
+				n.serving(sb)
 				n.noteIdleTimeout(sb.ID, sb.IdleTimeout)
 				n.pollAgentActivity(ctx, sb.ID)
 			}

@@ -345,7 +345,7 @@ func (n *Node) checkpointSourceLive(ctx context.Context, snap runtime.Snapshotte
 	if err := n.resumeAgent(ctx, src); err != nil {
 		return failed(fmt.Errorf("resume the source's agent: %w", err))
 	}
-	n.setReady(src.ID, true)
+	n.serving(src)
 	if wasPaused {
 		_ = n.pauseInstance(ctx, src.ID)
 	}

@@ -249,7 +249,7 @@ func (n *Node) boot(ctx context.Context, sb *store.Sandbox, root string) error {
 	if err := n.runTemplateStart(ctx, sb); err != nil {
 		return err
 	}
-	n.setReady(sb.ID, true)
+	n.serving(sb)
 	return nil
 }
 
@@ -334,7 +334,7 @@ func (n *Node) resume(ctx context.Context, sb *store.Sandbox) error {
 			gen = id.Generation
 			n.marks.mark(sb.ID, "identity")
 		}
-		n.setReady(sb.ID, true)
+		n.serving(sb)
 		return outcome{state: api.StateRunning, identityGen: gen}, nil
 	})
 }
@@ -423,7 +423,7 @@ func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir
 	_ = n.disk.RemoveAll(ctx, dir)
 	if st, err := n.rt.Status(ctx, sb.ID); err == nil && st == runtime.StatusRunning {
 		if err := n.resumeAgent(ctx, sb); err == nil {
-			n.setReady(sb.ID, true)
+			n.serving(sb)
 			return outcome{state: api.StateRunning}, cause
 		}
 	}
@@ -518,7 +518,7 @@ func (n *Node) restoreFrom(ctx context.Context, snap runtime.Snapshotter, sb *st
 		_ = n.rt.Destroy(ctx, sb.ID)
 		return err
 	}
-	n.setReady(sb.ID, true)
+	n.serving(sb)
 	return nil
 }
 
@@ -648,7 +648,7 @@ func (n *Node) reviveInstance(ctx context.Context, sb *store.Sandbox, target str
 	if target == api.StatePaused {
 		return n.park(ctx, sb)
 	}
-	n.setReady(sb.ID, true)
+	n.serving(sb)
 	return nil
 }
 

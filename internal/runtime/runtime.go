@@ -201,6 +201,18 @@ type MemoryBounder interface {
 	MemoryBound(spec Spec) int64
 }
 
+// MemoryWatcher is implemented by runtimes whose host ends an instance whole when it
+// passes its memory limit, with no OOM killer of its own inside (gVisor): the node
+// watches the instance and, when its memory nears the limit, asks the agent to end the
+// process holding the most, as a guest kernel would.
+type MemoryWatcher interface {
+	// WatchMemory calls near(usage, limit) each time the instance's host memory rises
+	// near its limit (both in bytes), one call at a time, until ctx is done or the
+	// instance is gone (nil). It fails with ErrUnsupported when it cannot watch this
+	// instance (no memory limit, or no cgroup of its own).
+	WatchMemory(ctx context.Context, spec Spec, near func(usage, limit int64)) error
+}
+
 // CPUTimer is implemented by runtimes that can read the CPU time an instance has used
 // from the host (its cgroup's counter) without waking anything inside it. The node's
 // resource samples read it every round and ask the agent only when the sandbox did

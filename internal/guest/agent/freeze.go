@@ -113,9 +113,11 @@ func stopAll() []int {
 }
 
 type procInfo struct {
-	pid    int
-	state  byte
-	kernel bool
+	pid, ppid, pgrp, session int
+	state                    byte
+	kernel                   bool
+	comm                     string
+	rss                      int64 // resident memory, bytes
 }
 
 // pfKthread is PF_KTHREAD in /proc/<pid>/stat's flags.
@@ -141,16 +143,21 @@ func processes() []procInfo {
 		// pid (comm) state ppid pgrp session tty tpgid flags ...: comm may hold spaces.
 		s := string(data)
 		i := strings.LastIndexByte(s, ')')
-		if i < 0 || i+2 >= len(s) {
+		j := strings.IndexByte(s, '(')
+		if i < 0 || j < 0 || j > i || i+2 >= len(s) {
 			continue
 		}
 		f := strings.Fields(s[i+2:])
-		if len(f) < 7 {
+		if len(f) < 22 {
 			continue
 		}
 		flags, _ := strconv.ParseUint(f[6], 10, 64)
 		ppid, _ := strconv.Atoi(f[1])
-		out = append(out, procInfo{pid: pid, state: f[0][0], kernel: flags&pfKthread != 0 || pid == 2 || ppid == 2})
+		pgrp, _ := strconv.Atoi(f[2])
+		session, _ := strconv.Atoi(f[3])
+		rss, _ := strconv.ParseInt(f[21], 10, 64)
+		out = append(out, procInfo{pid: pid, ppid: ppid, pgrp: pgrp, session: session, state: f[0][0],
+			kernel: flags&pfKthread != 0 || pid == 2 || ppid == 2, comm: s[j+1 : i], rss: rss * int64(os.Getpagesize())})
 	}
 	return out
 }

@@ -114,6 +114,7 @@ func (a *Agent) routes() http.Handler {
 	mux.HandleFunc("POST /v1/processes/{pid}/signal", a.handle(a.handleSignal))
 	mux.HandleFunc("POST /v1/processes/{pid}/resize", a.handle(a.handleResize))
 	mux.HandleFunc("POST /v1/exec", a.handle(a.handleExec))
+	mux.HandleFunc("POST /v1/memory/reclaim", a.handle(a.handleReclaim))
 	mux.HandleFunc("GET /v1/files/content", a.handle(a.handleReadFile))
 	mux.HandleFunc("PUT /v1/files/content", a.handle(a.handleWriteFile))
 	mux.HandleFunc("GET /v1/files/stat", a.handle(a.handleStat))

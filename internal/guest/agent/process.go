@@ -62,6 +62,7 @@ type process struct {
 	graceOver   bool
 	done        bool
 	timedOut    bool
+	oomNote     string   // why it may end: the agent killed it, or a process of its group, out of memory (memory.go)
 	gate        *os.File // write end of the gate pipe until started
 	stdin       *os.File // pipe write end, or the PTY master
 	stdinClosed bool
@@ -633,6 +634,9 @@ func (p *process) checkDoneLocked() {
 	p.done = true
 	p.state = wire.StateExited
 	p.exit.TimedOut = p.timedOut
+	if p.oomNote != "" && p.exit.Error == "" && (p.exit.Signal != "" || (p.exit.ExitCode != nil && *p.exit.ExitCode != 0)) {
+		p.exit.Error = p.oomNote
+	}
 	if p.stdin != nil && p.stdin != p.ptm && !p.stdinClosed {
 		p.stdin.Close()
 	}

@@ -339,6 +339,27 @@ func (c *Client) Quiesce(ctx context.Context, keepTransport bool) error {
 	return err
 }
 
+// ReclaimMemory asks the agent to end the process holding the most memory, as an OOM
+// killer would (the node calls it when the sandbox nears its host memory limit). It
+// returns false when the agent found no process to end.
+func (c *Client) ReclaimMemory(ctx context.Context) (wire.Reclaimed, bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, CallTimeout)
+	defer cancel()
+	resp, err := c.request(ctx, http.MethodPost, "/v1/memory/reclaim", nil, nil, "", http.StatusOK, http.StatusNoContent)
+	if err != nil {
+		return wire.Reclaimed{}, false, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusNoContent {
+		return wire.Reclaimed{}, false, nil
+	}
+	var v wire.Reclaimed
+	if err := decodeBounded(resp.Body, MaxSmallReply, &v, "POST /v1/memory/reclaim"); err != nil {
+		return wire.Reclaimed{}, false, err
+	}
+	return v, true, nil
+}
+
 // StartProcess creates a process (running at once unless spec.Gated).
 func (c *Client) StartProcess(ctx context.Context, spec wire.ProcessSpec) (wire.ProcessInfo, error) {
 	var pi wire.ProcessInfo

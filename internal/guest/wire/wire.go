@@ -258,10 +258,21 @@ type Exit struct {
 	ExitCode *int   `json:"exit_code,omitempty"`
 	Signal   string `json:"signal,omitempty"`
 	// Error explains an exit the program itself did not choose: the program could not
-	// be executed (exit code 127 not found, 126 other exec errors).
+	// be executed (exit code 127 not found, 126 other exec errors), or the sandbox ran
+	// out of memory and the agent killed the process, or one of its process group or
+	// session that it then ended for (POST /v1/memory/reclaim).
 	Error string `json:"error,omitempty"`
 	// TimedOut is set when the agent killed the process because TimeoutMs passed.
 	TimedOut bool `json:"timed_out,omitempty"`
+}
+
+// Reclaimed is the answer of POST /v1/memory/reclaim (204 when there was no process
+// to end): the process the agent killed to give the sandbox's memory back.
+type Reclaimed struct {
+	PID  int    `json:"pid"`
+	Name string `json:"name"`
+	// RSS is the resident memory it held, in bytes.
+	RSS int64 `json:"rss_bytes"`
 }
 
 // Start is the payload of a start frame.

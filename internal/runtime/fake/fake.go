@@ -57,6 +57,8 @@ type Runtime struct {
 	mu  sync.Mutex
 	// statuses counts the Status calls per instance (StatusCalls).
 	statuses sync.Map
+	// pressure holds each watched instance's channel for PressMemory.
+	pressure sync.Map
 }
 
 var (
@@ -65,6 +67,7 @@ var (
 	_ runtime.LiveCheckpointer = (*Runtime)(nil)
 	_ runtime.CPUTimer         = (*Runtime)(nil)
 	_ runtime.MemoryBounder    = (*Runtime)(nil)
+	_ runtime.MemoryWatcher    = (*Runtime)(nil)
 )
 
 // New prepares the runtime's directory.
@@ -454,6 +457,37 @@ func (r *Runtime) PID(id string) int {
 // none, the node keeps MemoryMB for checkpoints, as for runtimes without a bound).
 func (r *Runtime) MemoryBound(spec runtime.Spec) int64 {
 	return int64(spec.MemoryMB+r.cfg.MemoryOverheadMB) << 20
+}
+
+// WatchMemory reports a rise near the limit each time PressMemory names the instance
+// (runtime.MemoryWatcher), with a usage of 0 and the MemoryBound as limit.
+func (r *Runtime) WatchMemory(ctx context.Context, spec runtime.Spec, near func(usage, limit int64)) error {
+	ch := make(chan struct{}, 1)
+	if _, loaded := r.pressure.LoadOrStore(spec.ID, ch); loaded {
+		return fmt.Errorf("fake runtime: %s is watched already", spec.ID)
+	}
+	defer r.pressure.Delete(spec.ID)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-ch:
+			near(0, r.MemoryBound(spec))
+		}
+	}
+}
+
+// PressMemory tells the instance's memory watch that its memory nears the limit, and
+// reports whether one watches it.
+func (r *Runtime) PressMemory(id string) bool {
+	v, ok := r.pressure.Load(id)
+	if ok {
+		select {
+		case v.(chan struct{}) <- struct{}{}:
+		default:
+		}
+	}
+	return ok
 }
 
 // CPUTime is the CPU time of the instance's agent and of its descendants, living and

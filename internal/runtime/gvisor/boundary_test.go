@@ -760,3 +760,61 @@ func TestUnpinNullNetNS(t *testing.T) {
 		t.Fatalf("%d null-netns mounts left", n)
 	}
 }
+
+// TestWatchMemory: the watch reports a sandbox whose guest holds memory up to the
+// pressure threshold, before the host limit (so the sandbox still runs), and ends with
+// the instance.
+func TestWatchMemory(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t)) // 256 MiB: threshold 368 MiB, host limit 416 MiB
+	if rt.ignoresCgroups() {
+		t.Skip("no host cgroups for sandboxes")
+	}
+	c := startSandbox(t, rt, spec)
+	type report struct{ usage, limit int64 }
+	reports := make(chan report, 16)
+	done := make(chan error, 1)
+	go func() {
+		done <- rt.WatchMemory(context.Background(), spec, func(usage, limit int64) { reports <- report{usage, limit} })
+	}()
+	threshold := pressureThreshold(spec)
+	var got report
+	held := 0
+	for got.limit == 0 && held < 400 {
+		post(t, c, "/hold?mib=16")
+		held += 16
+		select {
+		case got = <-reports:
+		case err := <-done:
+			t.Fatalf("the watch ended: %v", err)
+		default:
+		}
+	}
+	if got.limit == 0 {
+		select { // the watch's goroutine may report a moment after the charge
+		case got = <-reports:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the guest holds %d MiB and no rise was reported (threshold %d MiB)", held, threshold>>20)
+		}
+	}
+	t.Logf("reported at %d MiB of %d MiB with %d MiB held in the guest", got.usage>>20, got.limit>>20, held)
+	if got.usage < threshold || got.limit != hostMemoryLimit(spec) {
+		t.Fatalf("reported %d of %d, want at least %d of %d", got.usage, got.limit, threshold, hostMemoryLimit(spec))
+	}
+	get(t, c, "/v1/health") // near the limit, not over it: the sandbox runs
+	if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the watch of a destroyed instance: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the watch did not end with its instance")
+	}
+	if err := rt.WatchMemory(context.Background(), runtime.Spec{ID: spec.ID}, func(int64, int64) {}); !errors.Is(err, runtime.ErrUnsupported) {
+		t.Fatalf("a watch without a memory size: %v, want ErrUnsupported", err)
+	}
+}

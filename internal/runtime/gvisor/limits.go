@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/cgroupstat"
+	"github.com/spacedev/space/internal/cgroupwatch"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -64,6 +65,41 @@ func (r *Runtime) applyCPULimit(spec runtime.Spec, pid int) error {
 // MemoryBound is the host memory limit of spec's instances (runtime.MemoryBounder):
 // the guest may use what the Sentry does not.
 func (r *Runtime) MemoryBound(spec runtime.Spec) int64 { return hostMemoryLimit(spec) }
+
+// Near the memory limit. gVisor has no OOM killer inside the sandbox: the host's ends
+// the Sentry, and with it every process and all the guest's memory. WatchMemory tells
+// the node when the instance's host memory rises to pressureThreshold, so that the
+// agent ends the largest process first (internal/guest/agent/memory.go). The margin
+// under the limit is what a program may allocate while the node and the agent react
+// (a few ms: an eventfd, one agent call, a scan of /proc): a quarter of what the
+// limit holds beyond the guest's size, at least 48 MiB (1.5 GB/s for 30 ms; Python
+// filled a 256 MiB sandbox at 0.7 GB/s), and never more than half of it, so that the
+// guest keeps the size it was given and most of the allowance for its tasks.
+
+// minPressureMargin is the least room left under the host limit when the node is told.
+const minPressureMargin = 48 << 20
+
+// pressureThreshold is the host memory at which WatchMemory reports an instance of
+// spec (0 without a memory limit).
+func pressureThreshold(spec runtime.Spec) int64 {
+	limit := hostMemoryLimit(spec)
+	if limit <= 0 {
+		return 0
+	}
+	headroom := limit - int64(spec.MemoryMB)<<20
+	return limit - min(headroom/2, max(minPressureMargin, headroom/4))
+}
+
+// WatchMemory reports each rise of the instance's host memory to pressureThreshold
+// (runtime.MemoryWatcher), through its host cgroup (cgroupwatch).
+func (r *Runtime) WatchMemory(ctx context.Context, spec runtime.Spec, near func(usage, limit int64)) error {
+	limit, threshold := hostMemoryLimit(spec), pressureThreshold(spec)
+	dir, _ := r.memoryLimitFile(spec.ID)
+	if threshold <= 0 || dir == "" {
+		return runtime.ErrUnsupported
+	}
+	return cgroupwatch.Memory(ctx, dir, threshold, func(usage int64) { near(usage, limit) })
+}
 
 // memoryLimitFile is the instance's limit file in the host's memory hierarchy, with the
 // cgroup directory holding it; "" when the host has no memory hierarchy or runsc makes

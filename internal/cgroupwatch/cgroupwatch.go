@@ -1,0 +1,208 @@
+// Package cgroupwatch tells when the memory charged to a host cgroup rises above a
+// threshold, without polling: on cgroup v1 through a memory threshold
+// (cgroup.event_control with an eventfd on memory.usage_in_bytes), on cgroup v2 through
+// memory.high and the "high" count of memory.events (inotify). The gVisor runtime uses
+// it to learn that a sandbox nears its host memory limit while there is still time to
+// end one of its processes instead of the host's OOM killer ending the whole sandbox
+// (docs/runtimes.md, "Memory").
+//
+// It is hand-rolled because the kernel interface is two small files per version and
+// the libraries that wrap cgroups (containerd's cgroups, runc's libcontainer) bring a
+// manager for every controller to use these few lines of them.
+package cgroupwatch
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrNoMemoryController is returned for a directory that is not a memory cgroup.
+var ErrNoMemoryController = errors.New("cgroupwatch: not a memory cgroup")
+
+// Memory calls above each time the memory charged to the cgroup dir rises above
+// threshold bytes, and returns when ctx is done (nil) or the cgroup is removed (nil),
+// or when it cannot watch (an error, before any call). above runs on Memory's
+// goroutine, one call at a time, with the usage it was told of; rises that happen
+// while it runs are coalesced into at most one more call. On cgroup v1 a rise is a
+// crossing from below: usage that stays above the threshold is reported once until it
+// falls back under it. On v2 usage above the threshold that keeps growing is reported
+// again at most once a second (v2Quiet).
+//
+// On cgroup v2 the threshold is set as the cgroup's memory.high, which also makes the
+// kernel reclaim and slow the cgroup's allocations above it (memory a sandbox's
+// processes hold in shared memory cannot be reclaimed without swap, so in practice it
+// slows them); Memory sets memory.high back to "max" when it returns.
+func Memory(ctx context.Context, dir string, threshold int64, above func(usage int64)) error {
+	if threshold <= 0 {
+		return fmt.Errorf("cgroupwatch: threshold %d", threshold)
+	}
+	switch {
+	case exists(filepath.Join(dir, "memory.usage_in_bytes")):
+		return watchV1(ctx, dir, threshold, above)
+	case exists(filepath.Join(dir, "memory.events")):
+		return watchV2(ctx, dir, threshold, above)
+	}
+	return fmt.Errorf("%w: %s", ErrNoMemoryController, dir)
+}
+
+// watchV1 registers a memory threshold: the kernel signals the eventfd whenever
+// memory.usage_in_bytes crosses it, in either direction, and when the cgroup is removed.
+func watchV1(ctx context.Context, dir string, threshold int64, above func(int64)) error {
+	usage, err := os.Open(filepath.Join(dir, "memory.usage_in_bytes"))
+	if err != nil {
+		return err
+	}
+	defer usage.Close()
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return fmt.Errorf("cgroupwatch: eventfd: %w", err)
+	}
+	// A non-blocking descriptor goes to the runtime's poller: a Read waits without a
+	// thread, and Close ends it.
+	events := os.NewFile(uintptr(efd), "eventfd")
+	defer events.Close()
+	reg := fmt.Sprintf("%d %d %d", efd, usage.Fd(), threshold)
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.event_control"), []byte(reg), 0); err != nil {
+		return fmt.Errorf("cgroupwatch: register a memory threshold on %s: %w", dir, err)
+	}
+	stop := closeOnDone(ctx, events)
+	defer stop()
+	var buf [8]byte
+	for {
+		if _, err := io.ReadFull(events, buf[:]); err != nil {
+			return quiet(ctx, err)
+		}
+		n, err := readInt(usage)
+		if err != nil { // the cgroup is gone (the kernel signals its removal too)
+			return nil
+		}
+		if n >= threshold {
+			above(n)
+		}
+	}
+}
+
+// watchV2 sets memory.high and waits for memory.events to change (the kernel notifies
+// a modification of it through inotify); a higher "high" count is a rise above it.
+func watchV2(ctx context.Context, dir string, threshold int64, above func(int64)) error {
+	ifd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
+	if err != nil {
+		return fmt.Errorf("cgroupwatch: inotify: %w", err)
+	}
+	notes := os.NewFile(uintptr(ifd), "inotify")
+	defer notes.Close()
+	eventsFile := filepath.Join(dir, "memory.events")
+	if _, err := unix.InotifyAddWatch(ifd, eventsFile, unix.IN_MODIFY); err != nil {
+		return fmt.Errorf("cgroupwatch: watch %s: %w", eventsFile, err)
+	}
+	high := filepath.Join(dir, "memory.high")
+	if err := os.WriteFile(high, []byte(strconv.FormatInt(threshold, 10)), 0); err != nil {
+		return fmt.Errorf("cgroupwatch: set %s: %w", high, err)
+	}
+	defer os.WriteFile(high, []byte("max"), 0) // gone with the cgroup: nothing to undo
+	seen, err := highCount(eventsFile)
+	if err != nil {
+		return err
+	}
+	var last time.Time
+	stop := closeOnDone(ctx, notes)
+	defer stop()
+	buf := make([]byte, 4096)
+	for {
+		if _, err := notes.Read(buf); err != nil {
+			return quiet(ctx, err)
+		}
+		n, err := highCount(eventsFile)
+		if err != nil { // the cgroup is gone
+			return nil
+		}
+		if n <= seen || time.Since(last) < v2Quiet {
+			continue
+		}
+		seen = n
+		current, err := readFileInt(filepath.Join(dir, "memory.current"))
+		if err != nil {
+			return nil
+		}
+		if current < threshold {
+			continue
+		}
+		above(current)
+		last = time.Now()
+	}
+}
+
+// v2Quiet is the least time between two reports on cgroup v2. The kernel counts every
+// charge above memory.high, not only a crossing, so usage that stays above it (memory
+// the report's reaction did not free) keeps counting; one report a second, while the
+// usage is above the threshold, stands for the crossings v1 reports.
+const v2Quiet = time.Second
+
+// highCount reads the "high" line of a memory.events file.
+func highCount(file string) (int64, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "high "); ok {
+			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("cgroupwatch: no high count in %s", file)
+}
+
+// closeOnDone closes f when ctx is done; the returned function stops that and waits.
+func closeOnDone(ctx context.Context, f *os.File) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		select {
+		case <-ctx.Done():
+			f.Close()
+		case <-done:
+		}
+	})
+	return func() { close(done); wg.Wait() }
+}
+
+// quiet turns the read error of a watch that ctx ended into nil.
+func quiet(ctx context.Context, err error) error {
+	if ctx.Err() != nil || errors.Is(err, os.ErrClosed) {
+		return nil
+	}
+	return fmt.Errorf("cgroupwatch: %w", err)
+}
+
+func readInt(f *os.File) (int64, error) {
+	var buf [32]byte
+	n, err := f.ReadAt(buf[:], 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return 0, err
+	}
+	return strconv.ParseInt(string(bytes.TrimSpace(buf[:n])), 10, 64)
+}
+
+func readFileInt(file string) (int64, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(string(bytes.TrimSpace(b)), 10, 64)
+}
+
+func exists(f string) bool {
+	_, err := os.Stat(f)
+	return err == nil
+}

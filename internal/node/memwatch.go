@@ -1,0 +1,83 @@
+package node
+
+import (
+	"context"
+	"errors"
+
+	"github.com/spacedev/space/internal/runtime"
+	"github.com/spacedev/space/internal/store"
+)
+
+// Out of memory. On a runtime whose host ends an instance whole at its memory limit
+// (runtime.MemoryWatcher: gVisor, which has no OOM killer inside), the node watches
+// each sandbox it serves and, when the sandbox's memory nears the limit, asks its agent
+// to end the process holding the most (POST /v1/memory/reclaim), as a guest kernel's
+// OOM killer would: the sandbox and its other processes stay. A watch runs while the
+// sandbox is served (ready): it starts with serving and stops when the node stops
+// serving the sandbox (a pause, a checkpoint, a stop), so a checkpoint's own memory use
+// never ends a process. Should the memory still reach the limit (a program faster
+// than the reaction, or memory no process holds: files in a tmpfs), the host's OOM
+// killer ends the instance as before and the node recovers the sandbox from its disk.
+
+// memWatch is one sandbox's watch; cancel ends it.
+type memWatch struct{ cancel context.CancelFunc }
+
+// serving marks sb served (ready for the data plane) and watches its memory.
+func (n *Node) serving(sb *store.Sandbox) {
+	n.setReady(sb.ID, true)
+	n.watchMemory(sb)
+}
+
+// watchMemory starts sb's memory watch unless one runs or the runtime has none.
+func (n *Node) watchMemory(sb *store.Sandbox) {
+	w, ok := n.rt.(runtime.MemoryWatcher)
+	if !ok || n.work == nil {
+		return
+	}
+	n.mu.Lock()
+	if n.memWatches[sb.ID] != nil || !n.ready[sb.ID] {
+		n.mu.Unlock()
+		return
+	}
+	ctx, cancel := context.WithCancel(n.work)
+	mw := &memWatch{cancel: cancel}
+	n.memWatches[sb.ID] = mw
+	n.mu.Unlock()
+	spec, id := n.spec(sb, "", nil), sb.ID
+	go func() {
+		defer cancel()
+		err := w.WatchMemory(ctx, spec, func(usage, limit int64) { n.relieveMemory(ctx, id, usage, limit) })
+		if err != nil && !errors.Is(err, runtime.ErrUnsupported) && ctx.Err() == nil {
+			n.log.Warn("cannot watch the sandbox's memory: the host ends it whole at its limit", "sandbox", id, "err", err)
+		}
+		n.mu.Lock()
+		if n.memWatches[id] == mw {
+			delete(n.memWatches, id)
+		}
+		n.mu.Unlock()
+	}()
+}
+
+// stopMemoryWatchLocked ends sandbox id's memory watch. n.mu is held.
+func (n *Node) stopMemoryWatchLocked(id string) {
+	if mw := n.memWatches[id]; mw != nil {
+		mw.cancel()
+		delete(n.memWatches, id)
+	}
+}
+
+// relieveMemory asks the agent of sandbox id to end its largest process.
+func (n *Node) relieveMemory(ctx context.Context, id string, usage, limit int64) {
+	v, ended, err := n.agent(id).ReclaimMemory(ctx)
+	switch {
+	case err != nil:
+		n.log.Warn("sandbox near its memory limit; its agent did not end a process", "sandbox", id,
+			"usage_mib", usage>>20, "limit_mib", limit>>20, "err", err)
+	case !ended:
+		n.log.Warn("sandbox near its memory limit; its agent found no process to end", "sandbox", id,
+			"usage_mib", usage>>20, "limit_mib", limit>>20)
+	default:
+		n.log.Warn("sandbox near its memory limit: its agent ended the largest process", "sandbox", id,
+			"usage_mib", usage>>20, "limit_mib", limit>>20, "pid", v.PID, "name", v.Name, "rss_mib", v.RSS>>20)
+	}
+}
