@@ -44,17 +44,16 @@ func (n *Node) watchMemory(sb *store.Sandbox) {
 	n.memWatches[sb.ID] = mw
 	n.mu.Unlock()
 	spec, id := n.spec(sb, "", nil), sb.ID
+	// The entry stays when the watch ends by itself (its instance gone, or nothing to
+	// watch): every new instance is served again after the node stopped serving the old
+	// one, which ends the entry, and the reconcile loop's calls to serving do not start
+	// a watch again meanwhile.
 	go func() {
 		defer cancel()
 		err := w.WatchMemory(ctx, spec, func(usage, limit int64) { n.relieveMemory(ctx, id, usage, limit) })
 		if err != nil && !errors.Is(err, runtime.ErrUnsupported) && ctx.Err() == nil {
 			n.log.Warn("cannot watch the sandbox's memory: the host ends it whole at its limit", "sandbox", id, "err", err)
 		}
-		n.mu.Lock()
-		if n.memWatches[id] == mw {
-			delete(n.memWatches, id)
-		}
-		n.mu.Unlock()
 	}()
 }
 

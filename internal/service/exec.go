@@ -3,6 +3,8 @@ package service
 import (
 	"context"
 	"encoding/base64"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -69,14 +71,11 @@ func (f *fastPath) notify(channel, payload string) {
 	}
 	switch {
 	case payload == "":
-		// (Re)connected: anything may have changed while no one listened.
+		// (Re)connected: anything may have changed while no one listened. A key revoked
+		// meanwhile is not told of: the service checks the keys of the open streams
+		// (recheckStreams), and cuts those that lost their key.
 		f.live = true
 		clear(f.targets)
-		if channel == store.ChannelKeys {
-			for x := range f.streams {
-				x.cancel() // the client re-attaches through a session, checked afresh
-			}
-		}
 	case channel == store.ChannelKeys:
 		for x := range f.streams {
 			if x.key == payload {
@@ -92,6 +91,43 @@ func (f *fastPath) notify(channel, payload string) {
 		}
 	default: // ChannelSandboxes
 		delete(f.targets, payload)
+	}
+}
+
+// streamKeys returns the open streams by the key that authorized them.
+func (f *fastPath) streamKeys() map[string][]*Execution {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	byKey := map[string][]*Execution{}
+	for x := range f.streams {
+		byKey[x.key] = append(byKey[x.key], x)
+	}
+	return byKey
+}
+
+// recheckStreams cuts the open exec streams whose API key was revoked or deleted (all
+// of them when the database cannot tell), after the listener (re)connected: a
+// revocation notified while it did not listen is not seen otherwise. A stream cut so
+// ends as a revocation's does (the client re-attaches through a session, checked
+// afresh); the others go on. Cutting every stream instead made the first command
+// after a restart fail with a 500 when the listener connected while it started.
+func (s *Service) recheckStreams(ctx context.Context) {
+	byKey := s.fast.streamKeys()
+	if len(byKey) == 0 {
+		return
+	}
+	keys := slices.Collect(maps.Keys(byKey))
+	revoked, err := s.st.RevokedKeys(ctx, keys)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Warn("check the keys of open exec streams; cutting them", "err", err)
+		}
+		revoked = keys
+	}
+	for _, k := range revoked {
+		for _, x := range byKey[k] {
+			x.cancel()
+		}
 	}
 }
 

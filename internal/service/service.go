@@ -154,6 +154,9 @@ func (s *Service) Run(ctx context.Context) error {
 			return
 		}
 		s.fast.notify(channel, payload)
+		if channel == store.ChannelKeys && payload == "" {
+			go s.recheckStreams(ctx)
+		}
 	}, store.ChannelOperations, store.ChannelSandboxes, store.ChannelTokens, store.ChannelKeys)
 }
 
