@@ -169,7 +169,7 @@ that have none of their own (-1: unlimited).`,
 	f.IntVar(&c.defaultDisk, "default-disk", service.DefaultDiskMB, "disk limit (MiB) of a sandbox that asks for none")
 	f.IntVar(&c.maxDisk, "max-disk", service.DefaultMaxDiskMB, "largest disk limit (MiB) a sandbox may ask for")
 	f.StringVar(&c.diskReserve, "disk-reserve", "10%", "free disk the node keeps: creates, wakes and snapshots that would go below it are refused (507); a percentage or a fraction")
-	f.IntVar(&c.pidsLimit, "pids-limit", 0, "host tasks each sandbox may have (0: the runtime's default: gVisor 5 per task inside plus 256, with one task inside per MiB of memory, 256 to 2048, so 10496 from 2 GiB; QEMU 64 VMM threads)")
+	f.IntVar(&c.pidsLimit, "pids-limit", 0, "host tasks each sandbox may have (0: the runtime's default: gVisor 6 per task inside plus 256, with one task inside per MiB of memory, 256 to 2048, so 12544 from 2 GiB; QEMU 64 VMM threads)")
 	f.StringVar(&c.mirror, "debian-mirror", "", "Debian mirror URL for template builds (default: debootstrap's own)")
 	f.Var(&c.sources, "template-sources", "template sources this node may read: comma-separated registry:HOST[/PREFIX] and dir:/ABS/PATH (default: only Debian suites and existing templates)")
 	f.Int64Var(&c.storeSize, "store-size", storage.DefaultImageSize, "size in bytes of the sparse btrfs image made when the data dir is not on btrfs")

@@ -191,21 +191,23 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 // platform a stub process with a system call thread and up to GOMAXPROCS sysmsg threads
 // (the Sentry pools them for reuse after the guest process exits), a guest thread
 // blocked in a host system call holds a Sentry thread, and the Sentry and the gofer
-// have threads of their own. Measured with bash fork bombs on a 2-core host (1-CPU
-// sandboxes, 2026-12-06): 2048 tasks inside peaked at 5,210 host tasks, 1024 at 3,855
-// (3.5–3.75 a task once the Sentry's own are taken off), so the factor is 5 (it was 4,
-// which left a 1 GiB sandbox 11 % below its host limit). More CPUs do not raise the
-// ratio: a stub runs at most as many sysmsg threads as its address space has guest
-// threads (and no more than the Sentry's GOMAXPROCS; systrap's kickSysmsgThread), so
-// a guest task costs at most one, plus the stubs' own threads and the pooled stubs of
-// exited processes that a bomb's churn keeps around.
+// have threads of their own. Measured with bash fork bombs on a 2-core host
+// (2026-12-06): with 1-CPU sandboxes 2048 tasks inside peaked at 4,213–5,210 host
+// tasks and 1024 at 3,192–3,855; with 2-CPU sandboxes 2048 peaked at 6,746–9,075 (up to
+// 4.3 a task) and 1024 at 2,948–3,749. A stub runs at most as many sysmsg threads as its
+// address space has guest threads (systrap's kickSysmsgThread), so a single-threaded
+// guest process costs at most three host tasks in its own subprocess; what grows with
+// the CPUs is the pool of subprocesses released by exited processes and not yet reused
+// (unbounded in gVisor): a bomb that churns faster keeps more of them. The factor is 6
+// (two subprocesses of three tasks a guest task; it was 5, which a 2-CPU bomb brought
+// within 14 %, and 4 before that).
 //
 // A Spec without a pids limit gets one task inside per MiB of memory, at least 256 and
 // at most 2048 (2048 without a memory size): every task also costs host memory outside
 // the guest's (hostMemoryLimit), and that cost has to stay in proportion to the
 // sandbox's size.
 const (
-	hostPidsFactor = 5
+	hostPidsFactor = 6
 	hostPidsSlack  = 256
 	// DefaultPidsLimit is the host limit of a sandbox whose Spec names none and has 2 GiB
 	// of memory or more (or no size): 2048 tasks inside.

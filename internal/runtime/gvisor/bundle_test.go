@@ -79,12 +79,12 @@ func TestResources(t *testing.T) {
 }
 
 func TestPidsLimits(t *testing.T) {
-	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1536: 256, 1537: 256, 1535: 255} {
+	for host, guest := range map[int]int64{0: 2048, DefaultPidsLimit: 2048, MinPidsLimit: 16, 1792: 256, 1793: 256, 1791: 255} {
 		if got := guestPidsLimit(runtime.Spec{PidsLimit: host}); got != guest {
 			t.Errorf("PidsLimit %d: %d tasks inside, want %d", host, got, guest)
 		}
 	}
-	if DefaultPidsLimit != 10496 {
+	if DefaultPidsLimit != 12544 {
 		t.Errorf("DefaultPidsLimit = %d", DefaultPidsLimit)
 	}
 	if err := validateSpec(runtime.Spec{ID: "x", RootFS: "/", StateDir: t.TempDir(), AgentPath: "/bin/sh", PidsLimit: MinPidsLimit - 1}); err == nil {
@@ -101,11 +101,11 @@ func TestMemoryLimits(t *testing.T) {
 		hostMemMiB int64 // 0: none
 	}{
 		{0, 0, 2048, DefaultPidsLimit, 0},
-		{128, 0, 256, 1536, 128 + 32 + 128},
-		{256, 0, 256, 1536, 256 + 32 + 128},
-		{1024, 0, 1024, 5376, 1024 + 32 + 512},
+		{128, 0, 256, 1792, 128 + 32 + 128},
+		{256, 0, 256, 1792, 256 + 32 + 128},
+		{1024, 0, 1024, 6400, 1024 + 32 + 512},
 		{4096, 0, 2048, DefaultPidsLimit, 4096 + 32 + 1024},
-		{4096, 1536, 256, 1536, 4096 + 32 + 128},
+		{4096, 1792, 256, 1792, 4096 + 32 + 128},
 	} {
 		spec := runtime.Spec{MemoryMB: tc.mem, PidsLimit: tc.pids}
 		if got := guestPidsLimit(spec); got != tc.tasks {
