@@ -8,7 +8,7 @@ import (
 	"github.com/spacedev/space/internal/store"
 )
 
-// Out of memory. On a runtime whose host ends an instance whole at its memory limit
+// Out of memory. On a runtime whose host may end an instance whole at its memory limit
 // (runtime.MemoryWatcher: gVisor, which has no OOM killer inside), the node watches
 // each sandbox it serves and, when the sandbox's memory nears the limit, asks its agent
 // to end the process holding the most (POST /v1/memory/reclaim), as a guest kernel's

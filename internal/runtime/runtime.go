@@ -201,8 +201,8 @@ type MemoryBounder interface {
 	MemoryBound(spec Spec) int64
 }
 
-// MemoryWatcher is implemented by runtimes whose host ends an instance whole when it
-// passes its memory limit, with no OOM killer of its own inside (gVisor): the node
+// MemoryWatcher is implemented by runtimes with no OOM killer inside, whose host's may
+// end an instance whole when it passes its memory limit (gVisor): the node
 // watches the instance and, when its memory nears the limit, asks the agent to end the
 // process holding the most, as a guest kernel would.
 type MemoryWatcher interface {

@@ -12,13 +12,15 @@ import (
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
-// Out of memory. gVisor has no OOM killer of its own: a guest that allocates past what
-// its host cgroup allows is ended whole by the host's, with every process and all its
-// memory (gVisor issue 2533). So the node watches the sandbox's host memory and, when it
-// nears the limit, asks the agent (POST /v1/memory/reclaim) to do what a Linux guest's
-// OOM killer would: end the user process holding the most memory, with SIGKILL. The
-// sandbox, its other processes and its files stay. In a VM the guest kernel's OOM
-// killer does this, and nothing calls the agent.
+// Out of memory. gVisor has no OOM killer of its own (gVisor issue 2533): a guest that
+// allocates past what its host cgroup allows meets the host's, which ends a host
+// process of the sandbox: the systrap stub of a large guest process, which ends that
+// process, or the Sentry, which ends the whole sandbox with every process and all its
+// memory (with huge pages for shared memory it did). So the node watches the sandbox's
+// host memory and, when it nears the limit, asks the agent (POST /v1/memory/reclaim) to
+// do what a Linux guest's OOM killer would: end the user process holding the most
+// memory, with SIGKILL. The sandbox, its other processes and its files stay. In a VM the
+// guest kernel's OOM killer does this, and nothing calls the agent.
 //
 // The candidates are every process of the sandbox but the agent (as PID 1), or, when
 // the agent is not PID 1 (tests, the fake runtime), its descendants only. A process
