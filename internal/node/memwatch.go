@@ -76,6 +76,7 @@ func (n *Node) relieveMemory(ctx context.Context, id string, usage, limit int64)
 		n.log.Warn("sandbox near its memory limit; its agent found no process to end", "sandbox", id,
 			"usage_mib", usage>>20, "limit_mib", limit>>20)
 	default:
+		n.oomKills.Add(1)
 		n.log.Warn("sandbox near its memory limit: its agent ended the largest process", "sandbox", id,
 			"usage_mib", usage>>20, "limit_mib", limit>>20, "pid", v.PID, "name", v.Name, "rss_mib", v.RSS>>20)
 	}

@@ -84,6 +84,9 @@ func (n *Node) RegisterMetrics(reg prometheus.Registerer) {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "space_node_epoch", ConstLabels: labels,
 			Help: "The node's registration epoch (it grows at each start and each fencing)."},
 			func() float64 { return float64(n.currentEpoch()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "space_node_oom_kills_total", ConstLabels: labels,
+			Help: "Processes that sandboxes' agents ended because their sandbox neared its host memory limit (runtimes without an OOM killer inside: gVisor)."},
+			func() float64 { return float64(n.oomKills.Load()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "space_node_sandboxes_ready", ConstLabels: labels,
 			Help: "Sandboxes on this node whose agent answers."},
 			func() float64 {

@@ -161,8 +161,10 @@ type Node struct {
 	// looked is each running sandbox's host CPU reading and last agent answer, for
 	// runtimes that read CPU time on the host (samples.go).
 	looked map[string]hostLook
-	// memWatches are the memory watches of the sandboxes served (memwatch.go).
+	// memWatches are the memory watches of the sandboxes served (memwatch.go);
+	// oomKills counts the processes their agents ended.
 	memWatches map[string]*memWatch
+	oomKills   atomic.Int64
 	// sampledBy counts resource samples by where they came from (samples.go).
 	sampledBy sampleCounts
 

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/spacetest"
@@ -17,6 +19,8 @@ import (
 // watch stops while the sandbox is not served: none runs once it is suspended.
 func TestOutOfMemoryEndsLargestProcess(t *testing.T) {
 	s := spacetest.Start(t, spacetest.Options{})
+	reg := prometheus.NewRegistry()
+	s.Node.RegisterMetrics(reg)
 	sb := s.Create(api.CreateSandboxRequest{MemoryMB: 256})
 	c := ctx(t)
 	var out testenv.Buffer
@@ -45,6 +49,9 @@ func TestOutOfMemoryEndsLargestProcess(t *testing.T) {
 	if code := client.ExitCode(r.exit); code != 137 {
 		t.Fatalf("exit code %d, want 137", code)
 	}
+	if n := oomKills(t, reg); n != 1 {
+		t.Fatalf("space_node_oom_kills_total %v, want 1", n)
+	}
 	got, err := s.C.GetSandbox(c, sb.ID)
 	if err != nil || got.State != api.StateRunning {
 		t.Fatalf("sandbox after the reclaim: %+v %v", got, err)
@@ -55,4 +62,20 @@ func TestOutOfMemoryEndsLargestProcess(t *testing.T) {
 	}
 	s.WaitOp(op.ID, api.OpSucceeded)
 	s.Eventually(10*time.Second, "the watch of the suspended sandbox to stop", func() bool { return !s.Runtime.PressMemory(sb.ID) })
+}
+
+// oomKills reads space_node_oom_kills_total from reg.
+func oomKills(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "space_node_oom_kills_total" && len(mf.GetMetric()) == 1 {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatal("no space_node_oom_kills_total")
+	return 0
 }
