@@ -19,9 +19,6 @@ import (
 // than the reaction, or memory no process holds: files in a tmpfs), the host's OOM
 // killer ends the instance as before and the node recovers the sandbox from its disk.
 
-// memWatch is one sandbox's watch; cancel ends it.
-type memWatch struct{ cancel context.CancelFunc }
-
 // serving marks sb served (ready for the data plane) and watches its memory.
 func (n *Node) serving(sb *store.Sandbox) {
 	n.setReady(sb.ID, true)
@@ -40,8 +37,7 @@ func (n *Node) watchMemory(sb *store.Sandbox) {
 		return
 	}
 	ctx, cancel := context.WithCancel(n.work)
-	mw := &memWatch{cancel: cancel}
-	n.memWatches[sb.ID] = mw
+	n.memWatches[sb.ID] = cancel
 	n.mu.Unlock()
 	spec, id := n.spec(sb, "", nil), sb.ID
 	// The entry stays when the watch ends by itself (its instance gone, or nothing to
@@ -52,15 +48,15 @@ func (n *Node) watchMemory(sb *store.Sandbox) {
 		defer cancel()
 		err := w.WatchMemory(ctx, spec, func(usage, limit int64) { n.relieveMemory(ctx, id, usage, limit) })
 		if err != nil && !errors.Is(err, runtime.ErrUnsupported) && ctx.Err() == nil {
-			n.log.Warn("cannot watch the sandbox's memory: the host ends it whole at its limit", "sandbox", id, "err", err)
+			n.log.Warn("cannot watch the sandbox's memory: at its limit the host's OOM killer acts alone", "sandbox", id, "err", err)
 		}
 	}()
 }
 
 // stopMemoryWatchLocked ends sandbox id's memory watch. n.mu is held.
 func (n *Node) stopMemoryWatchLocked(id string) {
-	if mw := n.memWatches[id]; mw != nil {
-		mw.cancel()
+	if cancel := n.memWatches[id]; cancel != nil {
+		cancel()
 		delete(n.memWatches, id)
 	}
 }

@@ -161,9 +161,9 @@ type Node struct {
 	// looked is each running sandbox's host CPU reading and last agent answer, for
 	// runtimes that read CPU time on the host (samples.go).
 	looked map[string]hostLook
-	// memWatches are the memory watches of the sandboxes served (memwatch.go);
+	// memWatches end the memory watches of the sandboxes served (memwatch.go);
 	// oomKills counts the processes their agents ended.
-	memWatches map[string]*memWatch
+	memWatches map[string]context.CancelFunc
 	oomKills   atomic.Int64
 	// sampledBy counts resource samples by where they came from (samples.go).
 	sampledBy sampleCounts
@@ -221,7 +221,7 @@ func New(cfg Config) (*Node, error) {
 	}
 	return &Node{
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
-		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, memWatches: map[string]*memWatch{}, gated: map[string]*agentclient.Client{},
+		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, memWatches: map[string]context.CancelFunc{}, gated: map[string]*agentclient.Client{},
 		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, looked: map[string]hostLook{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),

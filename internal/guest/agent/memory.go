@@ -62,34 +62,38 @@ func (a *Agent) reclaim() (wire.Reclaimed, bool) {
 
 // pickVictim returns the candidate (see above) with the most resident memory.
 func pickVictim(procs []procInfo, self int) (procInfo, bool) {
-	candidate := func(p procInfo) bool { return !p.kernel && p.state != 'Z' && p.state != 'X' }
+	var mine map[int]bool // nil: every process is a candidate (the agent is PID 1)
 	if self != 1 {
-		parent := make(map[int]int, len(procs))
-		for _, p := range procs {
-			parent[p.pid] = p.ppid
-		}
-		all := candidate
-		candidate = func(p procInfo) bool {
-			if !all(p) {
-				return false
-			}
-			for pid, hops := p.ppid, 0; pid > 1 && hops < len(procs); pid, hops = parent[pid], hops+1 {
-				if pid == self {
-					return true
-				}
-			}
-			return false
-		}
+		mine = descendants(procs, self)
 	}
 	var best procInfo
 	found := false
 	for _, p := range procs {
-		if !candidate(p) || p.rss <= 0 || (found && p.rss <= best.rss) || unkillable(p.pid) {
+		if p.kernel || p.state == 'Z' || p.state == 'X' || (mine != nil && !mine[p.pid]) ||
+			p.rss <= 0 || (found && p.rss <= best.rss) || unkillable(p.pid) {
 			continue
 		}
 		best, found = p, true
 	}
 	return best, found
+}
+
+// descendants returns the pids of procs that descend from pid.
+func descendants(procs []procInfo, pid int) map[int]bool {
+	children := map[int][]int{}
+	for _, p := range procs {
+		children[p.ppid] = append(children[p.ppid], p.pid)
+	}
+	out := map[int]bool{}
+	for next := children[pid]; len(next) > 0; {
+		c := next[len(next)-1]
+		next = next[:len(next)-1]
+		if !out[c] {
+			out[c] = true
+			next = append(next, children[c]...)
+		}
+	}
+	return out
 }
 
 // unkillable reports whether the process opted out of the OOM killer
