@@ -75,15 +75,26 @@ func (gs *gates) forget(id string) {
 	}
 }
 
-// enter passes the gate, waiting while it is closed (up to gateWaitTimeout).
-func (g *gate) enter(ctx context.Context) error {
+// enter passes the gate for f, waiting while it is closed (up to gateWaitTimeout).
+// With now, f is under way from the instant it passes, in the same critical section
+// that saw the gate open: a pause that closes the gate a moment later waits for it.
+// (Counted later, when its body was sent, a request could pass, a pause drain and
+// quiesce the agent, and the request reach the agent as it froze: a process it
+// started then ran through the checkpoint.)
+func (g *gate) enter(ctx context.Context, f *flight, now bool) error {
 	deadline := time.NewTimer(gateWaitTimeout)
 	defer deadline.Stop()
 	for {
-		opened := g.openedChan()
-		if opened == nil {
+		g.mu.Lock()
+		if g.holds == 0 {
+			if now {
+				f.countLocked()
+			}
+			g.mu.Unlock()
 			return nil
 		}
+		opened := g.opened
+		g.mu.Unlock()
 		select {
 		case <-opened:
 		case <-ctx.Done():
@@ -105,24 +116,31 @@ func (g *gate) openedChan() <-chan struct{} {
 	return g.opened
 }
 
-// flight is one request past the gate. It is under way (counted in inflight) from
-// when its body is all sent until its answer begins: a request still streaming its
-// body (stdin, an upload) is not waited for by a pause — it may stream for as long as
-// its client likes.
+// flight is one request past the gate. It is under way (counted in inflight) until
+// its answer begins. A request without a body, with one in memory (replayable: the
+// data plane's JSON) or with a short declared one (shortBody: a relayed envd call) is
+// under way from when it passes the gate; one whose body streams
+// (stdin, an upload) only from when that body is all sent: a pause does not wait for
+// a client that may stream for as long as it likes.
 type flight struct {
 	g       *gate
 	once    sync.Once
 	counted bool // set under once
 }
 
-// sent marks the request's body as all sent.
-func (f *flight) sent() {
+// countLocked puts the flight under way; g.mu is held.
+func (f *flight) countLocked() {
 	f.once.Do(func() {
-		f.g.mu.Lock()
 		f.g.inflight++
-		f.g.mu.Unlock()
 		f.counted = true
 	})
+}
+
+// sent marks the request's body as all sent.
+func (f *flight) sent() {
+	f.g.mu.Lock()
+	defer f.g.mu.Unlock()
+	f.countLocked()
 }
 
 // answered ends the flight (its answer began, or it failed).
@@ -212,18 +230,23 @@ type gatedTransport struct {
 	inner http.RoundTripper
 }
 
+// shortBody is the largest declared body that counts as sent at once (see flight): an
+// envd call relayed for an E2B SDK declares its few hundred bytes. A client that
+// declares a short body and then withholds it holds a pause for drainTimeout at most.
+const shortBody = 64 << 10
+
 func (t *gatedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	if err := t.g.enter(req.Context()); err != nil {
+	f := &flight{g: t.g}
+	inMemory := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil ||
+		(req.ContentLength > 0 && req.ContentLength <= shortBody)
+	if err := t.g.enter(req.Context(), f, inMemory); err != nil {
 		if req.Body != nil {
 			_ = req.Body.Close()
 		}
 		return nil, err
 	}
-	f := &flight{g: t.g}
 	defer f.answered()
-	if req.Body == nil || req.Body == http.NoBody {
-		f.sent()
-	} else {
+	if !inMemory {
 		left := req.ContentLength
 		if left <= 0 {
 			left = -1

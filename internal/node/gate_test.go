@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -26,11 +27,10 @@ func closedWithin(ch <-chan struct{}, d time.Duration) bool {
 // underWay passes g as a request does and marks its body sent; the returned func ends
 // its flight.
 func underWay(ctx context.Context, g *gate) (func(), error) {
-	if err := g.enter(ctx); err != nil {
+	f := &flight{g: g}
+	if err := g.enter(ctx, f, true); err != nil {
 		return nil, err
 	}
-	f := &flight{g: g}
-	f.sent()
 	return f.answered, nil
 }
 
@@ -158,6 +158,68 @@ func TestGatedTransportCountsUntilHeaders(t *testing.T) {
 	pauseWaitsFor(t, &g, held, answer)
 	if resp := <-got; resp != nil {
 		_ = resp.Body.Close()
+	}
+}
+
+// stallingTransport stands for a transport that has not yet sent the request (a
+// connection being dialled): it tells entered, then waits for go_ before it reads the
+// body and answers.
+type stallingTransport struct {
+	entered chan struct{}
+	go_     chan struct{}
+}
+
+func (t *stallingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	close(t.entered)
+	<-t.go_
+	if req.Body != nil {
+		_, _ = io.Copy(io.Discard, req.Body)
+		_ = req.Body.Close()
+	}
+	return &http.Response{StatusCode: http.StatusNoContent, Body: http.NoBody, Request: req}, nil
+}
+
+// TestGatedTransportCountsFromThePass: a request whose body is in memory (the data
+// plane's JSON: a process start) is under way from when it passes the gate, not only
+// once its body is sent. Counted late, a pause could drain in between and quiesce the
+// agent while the start was still on its way to it, and the process it started ran
+// through the checkpoint (gVisor then failed to save the listener the process's fork
+// held).
+func TestGatedTransportCountsFromThePass(t *testing.T) {
+	const spec = `{"argv":["true"]}`
+	for name, body := range map[string]func() (io.Reader, int64){
+		"in memory": func() (io.Reader, int64) { return strings.NewReader(spec), -1 },
+		// A relayed envd call: a short body of declared length that is not replayable.
+		"short": func() (io.Reader, int64) { return io.NopCloser(strings.NewReader(spec)), int64(len(spec)) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			var g gate
+			st := &stallingTransport{entered: make(chan struct{}), go_: make(chan struct{})}
+			hc := &http.Client{Transport: &gatedTransport{g: &g, inner: st}}
+			got := make(chan error, 1)
+			go func() {
+				r, n := body()
+				req, err := http.NewRequest(http.MethodPost, "http://agent/v1/exec", r)
+				if err != nil {
+					got <- err
+					return
+				}
+				if n >= 0 {
+					req.ContentLength = n
+				}
+				resp, err := hc.Do(req)
+				if err == nil {
+					_ = resp.Body.Close()
+				}
+				got <- err
+			}()
+			<-st.entered // past the gate, its body not sent yet
+			held := make(chan func(), 1)
+			pauseWaitsFor(t, &g, held, st.go_)
+			if err := <-got; err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }
 

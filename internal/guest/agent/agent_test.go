@@ -1024,6 +1024,38 @@ func TestHeartbeat(t *testing.T) {
 	}
 }
 
+// TestNoStartWhileFrozen: while user code is frozen for a checkpoint the agent starts
+// nothing (a process started then would run through the checkpoint, and its fork held
+// the listener gVisor cannot save); it says so with 503 "quiesced", and starts again
+// once a new identity thaws the sandbox.
+func TestNoStartWhileFrozen(t *testing.T) {
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	if err := e.c.SetIdentity(ctx, wire.Identity{Generation: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.c.Quiesce(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	before, err := e.c.ListProcesses(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"true"}})
+	if err == nil || !strings.Contains(err.Error(), "being checkpointed") {
+		t.Fatalf("start while frozen: %v", err)
+	}
+	if after, err := e.c.ListProcesses(ctx); err != nil || len(after) != len(before) {
+		t.Fatalf("processes after a refused start: %v %v; before: %v", after, err, before)
+	}
+	if err := e.c.SetIdentity(ctx, wire.Identity{Generation: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.c.StartProcess(ctx, wire.ProcessSpec{Argv: []string{"true"}}); err != nil {
+		t.Fatalf("start after the thaw: %v", err)
+	}
+}
+
 func TestQuiesceResume(t *testing.T) {
 	e := startAgent(t, nil)
 	ctx := testCtx(t, 30*time.Second)

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"net/http"
 	"os"
 	"strconv"
 	"strings"
@@ -27,6 +28,12 @@ import (
 // (A cgroup freezer would do the same, but gVisor has none; signals work on every
 // runtime.) When the agent is not PID 1 (tests that run it as a plain process) it stops
 // the process groups of the processes it started.
+
+// errQuiesced refuses a process start while user code is frozen: the request came past
+// the host's gate as the checkpoint began (the host normally holds such requests
+// until it resumes the sandbox). Nothing was started, so the caller may retry.
+var errQuiesced = &apiError{status: http.StatusServiceUnavailable, code: wire.ErrCodeQuiesced,
+	msg: "the sandbox is being checkpointed; nothing was started, try again"}
 
 // Bounds of the freeze scan.
 const (

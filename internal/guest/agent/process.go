@@ -232,6 +232,17 @@ func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *fol
 	// reaper's lock and so before onExit. p is not shared yet, so p.mu is not needed.
 	p.openOutputs = len(outputs)
 	pid, err := a.reaper.spawn(func() (int, error) {
+		// No start while user code is frozen for a checkpoint, and no freeze while a
+		// start is under way (freeze takes freezeMu too). A child between its fork and
+		// its exec still holds the agent's descriptors, the listener among them: frozen
+		// there, it kept gVisor's host-backed socket open, and the checkpoint failed
+		// ("Cannot save endpoint with bound host socket"). os.StartProcess returns only
+		// once the exec has closed them.
+		a.freezeMu.Lock()
+		defer a.freezeMu.Unlock()
+		if a.frozen {
+			return 0, errQuiesced
+		}
 		proc, err := os.StartProcess(path, argv, attr)
 		if err != nil && sys.UseCgroupFD && a.tasks.lost() {
 			intoCgroup()
@@ -247,6 +258,9 @@ func (a *Agent) startProcess(spec wire.ProcessSpec, follow bool) (*process, *fol
 		}
 		return p.pid, nil
 	}, p.onExit)
+	if errors.Is(err, errQuiesced) {
+		return fail(errQuiesced)
+	}
 	if err != nil {
 		return fail(&apiError{status: http.StatusBadRequest, code: wire.ErrCodeExecFailed, msg: err.Error()})
 	}

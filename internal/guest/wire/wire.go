@@ -48,7 +48,8 @@
 //
 // Errors are JSON Error bodies with a meaningful HTTP status: 400 bad path or arguments,
 // 403 permission denied, 404 not found, 409 conflict (exists, not empty, process exited),
-// 507 no space left, 500 anything else. Error.Code is one of the ErrCode constants.
+// 503 a process start while user code is frozen for a checkpoint (quiesced), 507 no
+// space left, 500 anything else. Error.Code is one of the ErrCode constants.
 package wire
 
 import (
@@ -304,6 +305,7 @@ const (
 	ErrCodeStdinUnavailable = "stdin_unavailable"
 	ErrCodeStdinStalled     = "stdin_stalled" // the process read none of it for a while
 	ErrCodePortClosed       = "port_closed"   // nothing listens on the port (GET /v1/ports/{port}/connect)
+	ErrCodeQuiesced         = "quiesced"      // user code is frozen for a checkpoint: nothing was started (503)
 )
 
 // PortUpgrade is the Upgrade protocol token of GET /v1/ports/{port}/connect.
