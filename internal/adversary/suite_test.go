@@ -192,17 +192,15 @@ func (su *suite) attackWindow(t *testing.T, attack func(t *testing.T, su *suite)
 // GET /v1/sandboxes/{id} per round, and the free disk of the store and of the host file
 // system under the data directory.
 type prober struct {
-	su     *suite
-	cancel context.CancelFunc
-	done   chan struct{}
-	mu     sync.Mutex
-	execs  []time.Duration
-	gets   []time.Duration
-	errs   []error
-	// closedConns are probes failed by the known issue of reused connections.
-	closedConns []error
-	tick        chan struct{}
-	minFree     float64
+	su      *suite
+	cancel  context.CancelFunc
+	done    chan struct{}
+	mu      sync.Mutex
+	execs   []time.Duration
+	gets    []time.Duration
+	errs    []error
+	tick    chan struct{}
+	minFree float64
 }
 
 // probeRound is the pause between two rounds: the neighbour's workload is steady, not
@@ -219,11 +217,7 @@ func (su *suite) startProber(t *testing.T) *prober {
 			free := su.freeDisk()
 			p.mu.Lock()
 			p.minFree = min(p.minFree, free)
-			if err != nil && ctx.Err() == nil && strings.Contains(err.Error(), "server closed idle connection") {
-				// Known issue (see TestAdversarial's doc): a relayed POST on a reused
-				// api→node connection that the node's server closed is not retried.
-				p.closedConns = append(p.closedConns, err)
-			} else if err != nil && ctx.Err() == nil {
+			if err != nil && ctx.Err() == nil {
 				p.errs = append(p.errs, err)
 			} else if err == nil {
 				p.execs = append(p.execs, e)
@@ -273,12 +267,6 @@ func (p *prober) stop(t *testing.T) latencies {
 	defer p.mu.Unlock()
 	for _, err := range p.errs {
 		t.Errorf("neighbour probe failed: %v", err)
-	}
-	for _, err := range p.closedConns {
-		t.Logf("known issue: neighbour probe failed on a connection the node's server closed: %v", err)
-	}
-	if len(p.closedConns) > 2 {
-		t.Errorf("%d neighbour probes failed on closed connections", len(p.closedConns))
 	}
 	return latencies{exec: p95(p.execs), get: p95(p.gets), samples: len(p.execs)}
 }

@@ -82,6 +82,7 @@ func NewVia(base string, rt http.RoundTripper, auth func() (string, error)) *Cli
 	if rt == nil {
 		rt = http.DefaultTransport
 	}
+	rt = retryClosedIdle{inner: rt} // connections to the node are shared keep-alives (retry.go)
 	return &Client{hc: &http.Client{Transport: rt}, transport: rt, base: base, auth: auth}
 }
 
