@@ -73,7 +73,8 @@ func New(dial func(ctx context.Context) (net.Conn, error)) *Client {
 		MaxResponseHeaderBytes: 64 << 10,
 		ForceAttemptHTTP2:      false,
 	}
-	return &Client{hc: &http.Client{Transport: t}, transport: t, base: baseURL}
+	rt := retryClosedIdle{inner: t} // pooled connections the agent closed (retry.go)
+	return &Client{hc: &http.Client{Transport: rt}, transport: rt, base: baseURL}
 }
 
 // NewVia returns a client that reaches the agent through an HTTP relay at base (the

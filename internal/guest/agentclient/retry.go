@@ -16,9 +16,11 @@ const closedIdleRetries = 3
 // net/http reports that only when the server's close arrived before the request was
 // registered on the connection, so the server never read the request and sending it
 // again cannot make a command run twice. net/http retries such a request by itself
-// only when its method is idempotent; the api role's calls to a node's agent proxy
-// are POSTs (a process start, a one-request exec), and without this one failed with
-// 503 now and then on a busy node.
+// only when its method is idempotent; a process start and a one-request exec are
+// POSTs, and without this one failed with 503 now and then on a busy server
+// ("sandbox agent unreachable (POST /v1/exec): http: server closed idle connection",
+// a neighbour's probe in the adversary suite's session flood). Both the node's own
+// connections to an agent and the api role's to a node's agent proxy retry so.
 //
 // Only a request whose body can be sent again is retried: none, or one net/http can
 // replay (GetBody: the JSON this package builds in memory). A relayed body streams
