@@ -201,6 +201,54 @@ print("allocated", len(held) * 16, "MiB")
 	}
 }
 
+// attackMemoryFilesFill: a 256 MiB sandbox writes 400 MiB into each of its memory file
+// systems, /tmp and /dev/shm, keeping the first file while it writes the second. Their
+// files are the sandbox's memory: gVisor's default bound, half of the HOST's memory,
+// let them pass the host limit, where the host's OOM killer ended a process of the
+// sandbox (the Sentry: the whole sandbox), and the agent's reclaim, which ends a
+// process, frees nothing a file holds. Each write stops with ENOSPC at half the
+// sandbox's memory, the host's peak stays under the limit, and the sandbox keeps a
+// process started before and can write again once it deletes the files.
+func attackMemoryFilesFill(t *testing.T, su *suite) {
+	const memoryMB = 256
+	sb := su.create(t, api.CreateSandboxRequest{MemoryMB: memoryMB})
+	limit := readInt64(t, hostCgroupFile(sb.ID, "memory", "memory.limit_in_bytes", "memory.max"))
+	marker := strings.TrimSpace(su.mustSh(t, sb.ID, `sleep 100000 >/dev/null 2>&1 & echo $!`))
+	var sizes []string
+	for _, dir := range []string{"/tmp", "/dev/shm"} {
+		out, code := su.sh(t, sb.ID, "dd if=/dev/zero of="+dir+"/fill bs=1M count=400 2>&1; stat -c %s "+dir+"/fill")
+		t.Logf("dd into %s: exit %d: %s", dir, code, strings.TrimSpace(out))
+		if !strings.Contains(out, "No space left on device") {
+			t.Errorf("writing 400 MiB into %s of a %d MiB sandbox: %q, want ENOSPC", dir, memoryMB, out)
+		}
+		f := strings.Fields(out)
+		var written int64
+		if len(f) > 0 {
+			fmt.Sscan(f[len(f)-1], &written)
+		}
+		if written > memoryMB/2<<20 {
+			t.Errorf("%s took %d MiB of a %d MiB sandbox, more than half", dir, written>>20, memoryMB)
+		}
+		sizes = append(sizes, fmt.Sprintf("%s %d MiB", dir, written>>20))
+	}
+	peakFile := hostCgroupFile(sb.ID, "memory", "memory.max_usage_in_bytes", "memory.peak")
+	var peak int64 = -1
+	if b, err := os.ReadFile(peakFile); err == nil { // gone if the instance was killed
+		fmt.Sscan(string(b), &peak)
+	}
+	su.figure("  memory files", fmt.Sprintf("%s; limit %d MiB, host peak %d MiB", strings.Join(sizes, ", "), limit>>20, peak>>20))
+	if peak < 0 || peak > limit+1<<20 {
+		t.Errorf("host memory peak %d above the limit %d (or the instance was ended)", peak, limit)
+	}
+	sb2 := su.waitAnswers(t, sb.ID, 2*time.Minute)
+	if sb2.Error != "" {
+		t.Errorf("the sandbox was lost and booted again: %s", sb2.Error)
+	}
+	if got, code := su.sh(t, sb.ID, `kill -0 `+marker+` && rm /tmp/fill /dev/shm/fill && dd if=/dev/zero of=/tmp/again bs=1M count=64 2>/dev/null && echo wrote`); code != 0 || got != "wrote\n" {
+		t.Errorf("after the fill the sandbox lost a process or cannot write again: exit %d, %q", code, got)
+	}
+}
+
 func exitText(x *api.ExitEvent) string {
 	if x == nil {
 		return "none"

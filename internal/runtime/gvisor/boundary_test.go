@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -492,8 +493,11 @@ func TestCheckpointPaused(t *testing.T) {
 	}
 	waitHealthy(t, c)
 
-	// The metadata of a checkpoint written before the settings were recorded.
-	old, err := json.Marshal(map[string]string{"cgroup": meta.Cgroup})
+	// The metadata of a checkpoint written before the settings were recorded. (Its
+	// memory file systems' size stays: runsc restores only a bundle that names the
+	// mounts as the checkpointed one did, and a checkpoint from before that size was
+	// recorded had none, which a missing tmpfs_mb repeats.)
+	old, err := json.Marshal(map[string]any{"cgroup": meta.Cgroup, "tmpfs_mb": meta.TmpfsMB})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -633,6 +637,44 @@ func TestRestoreAboveGuestSize(t *testing.T) {
 	dir := suspendInstance(t, rt, spec.ID)
 	c = restoreResumed(t, rt, spec, dir)
 	get(t, c, "/v1/health")
+}
+
+// TestMemoryFilesBounded: /tmp and /dev/shm are bounded to half the
+// sandbox's memory each, and a checkpoint keeps that bound: a restore of it with another
+// memory size (a clone of another size) is one runsc accepts (its bundle names the
+// mounts as the checkpointed one did) and keeps the source's bound.
+func TestMemoryFilesBounded(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t)) // 256 MiB
+	c := startSandbox(t, rt, spec)
+	checkSizes := func(c *http.Client, when string) {
+		t.Helper()
+		found := 0
+		for _, line := range strings.Split(string(get(t, c, "/mounts")), "\n") {
+			f := strings.Fields(line)
+			if len(f) < 4 || f[2] != "tmpfs" || (f[1] != "/tmp" && f[1] != "/dev/shm") {
+				continue
+			}
+			found++
+			if !slices.Contains(strings.Split(f[3], ","), "size=131072k") {
+				t.Errorf("%s: %s is not bounded to 128 MiB: %s", when, f[1], line)
+			}
+		}
+		if found != 2 {
+			t.Errorf("%s: %d of /tmp and /dev/shm found as tmpfs:\n%s", when, found, get(t, c, "/mounts"))
+		}
+	}
+	checkSizes(c, "created")
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, rt, spec.ID)
+	if meta, err := readMeta(dir); err != nil || meta.TmpfsMB != 128 {
+		t.Errorf("checkpoint metadata %+v, %v; want tmpfs_mb 128", meta, err)
+	}
+	bigger := spec
+	bigger.MemoryMB = 512
+	c = restoreResumed(t, rt, bigger, dir)
+	checkSizes(c, "restored with 512 MiB")
 }
 
 // restoreResumed restores spec from the checkpoint in dir (destroyed at the test's

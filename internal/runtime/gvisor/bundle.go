@@ -77,6 +77,23 @@ type bundleOptions struct {
 	// UIDBase, when not 0, puts the sandbox in a user namespace mapping its ids
 	// 0…UserNSSize-1 to host ids UIDBase….
 	UIDBase uint32
+	// TmpfsMB, when not 0, bounds each of the sandbox's memory file systems, /tmp and
+	// /dev/shm, to that many MiB (tmpfsMB).
+	TmpfsMB int
+}
+
+// tmpfsMB is the size of each of a sandbox's memory file systems: half its memory, as
+// Linux sizes a tmpfs by default. Their files are the sandbox's memory. gVisor's default
+// is half of the HOST's memory, so a 256 MiB sandbox could write gigabytes into /tmp:
+// past the host memory limit of its cgroup, where the host's OOM killer ends a process
+// of the sandbox's (the Sentry itself, often: the whole sandbox), and ending a user
+// process (memwatch) frees nothing a file holds. Bounded, a write that does not fit
+// fails with ENOSPC, as on a Linux machine of that size. 0 (no memory size): no bound.
+func tmpfsMB(spec runtime.Spec) int {
+	if spec.MemoryMB <= 0 {
+		return 0
+	}
+	return max(spec.MemoryMB/2, 1)
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -150,6 +167,19 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 		// also raise the limit, which only brings it to the host limit (see
 		// hostPidsFactor). Programs also see their limits here.
 		s.Mounts = slices.Insert(s.Mounts, 4, specs.Mount{Destination: cgroupMountDir, Type: "cgroup2", Source: "cgroup2", Options: []string{"nosuid", "noexec", "nodev"}})
+	}
+	if opts.TmpfsMB > 0 {
+		// gVisor makes /dev a file system of its own, which takes no size (and in which
+		// only root may write): /dev/shm, where any user may, gets a tmpfs of its own,
+		// as Docker gives it.
+		size := fmt.Sprintf("size=%dm", opts.TmpfsMB)
+		for i, m := range s.Mounts {
+			if m.Destination == "/tmp" {
+				s.Mounts[i].Options = append(slices.Clone(m.Options), size)
+			}
+		}
+		s.Mounts = append(s.Mounts, specs.Mount{Destination: "/dev/shm", Type: "tmpfs", Source: "shm",
+			Options: []string{"nosuid", "nodev", "mode=1777", size}})
 	}
 	if opts.UIDBase != 0 {
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: opts.UIDBase, Size: UserNSSize}}
