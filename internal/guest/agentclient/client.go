@@ -693,8 +693,13 @@ func WriteResume(runDir string, id wire.Identity) error {
 	return nil
 }
 
+// relayReplayableBody is the largest request body Relay reads before it sends it (see
+// there).
+const relayReplayableBody = 64 << 10
+
 // Relay streams an HTTP request to the agent path (with query) and the agent's answer
-// back to w, both ways without buffering (file contents, envd's Connect streams). An
+// back to w, both ways without buffering (file contents, envd's Connect streams) but
+// for a request body of at most relayReplayableBody declared bytes, read first. An
 // error answer of the agent is turned into an error (nothing written to w yet); a
 // failure after the answer started only ends the stream.
 func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string, query url.Values) error {
@@ -731,6 +736,22 @@ func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string,
 			return DecodeError(resp)
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) { relayErr = err },
+	}
+	// A short body of declared length (an envd unary or server-streaming call, a few
+	// hundred bytes) is read first, so that the transport can send it again on another
+	// connection when the one it took was closed under it (retry.go). A longer or a
+	// streaming one goes through as it comes.
+	if r.ContentLength > 0 && r.ContentLength <= relayReplayableBody {
+		body, err := io.ReadAll(io.LimitReader(r.Body, r.ContentLength))
+		if err == nil && int64(len(body)) != r.ContentLength {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil {
+			return fault.New(fault.Invalid, "read request body: %v", err)
+		}
+		r = r.Clone(r.Context())
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	}
 	// The agent may answer before it has read the whole request body; without full
 	// duplex Go's server closes the body when the answer starts, which cuts the

@@ -23,8 +23,8 @@ const closedIdleRetries = 3
 // connections to an agent and the api role's to a node's agent proxy retry so.
 //
 // Only a request whose body can be sent again is retried: none, or one net/http can
-// replay (GetBody: the JSON this package builds in memory). A relayed body streams
-// from its client once and fails as before.
+// replay (GetBody: the JSON this package builds in memory, a short body Relay read
+// first). A longer relayed body streams from its client once and fails as before.
 type retryClosedIdle struct{ inner http.RoundTripper }
 
 func (t retryClosedIdle) RoundTrip(req *http.Request) (*http.Response, error) {

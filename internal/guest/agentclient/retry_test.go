@@ -39,10 +39,10 @@ func (c *finConn) Close() error {
 
 // closedIdleScenario reproduces net/http's "server closed idle connection" for a POST
 // without a race: the server answers a first request on a keep-alive connection and
-// closes it; the next POST takes that connection from the pool, and only then does
-// net/http learn of the close. It returns the second POST's error and how many POSTs
-// the server read.
-func closedIdleScenario(t *testing.T, wrap func(http.RoundTripper) http.RoundTripper) (error, int64) {
+// closes it; the next POST, which post sends through rt (with ctx) to the server at
+// base, takes that connection from the pool, and only then does net/http learn of the
+// close. It returns post's error and how many POSTs the server read.
+func closedIdleScenario(t *testing.T, wrap func(http.RoundTripper) http.RoundTripper, post func(ctx context.Context, rt http.RoundTripper, base string) error) (error, int64) {
 	t.Helper()
 	var posts atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -100,32 +100,62 @@ func closedIdleScenario(t *testing.T, wrap func(http.RoundTripper) http.RoundTri
 			})
 		}
 	}}
-	ctx := httptrace.WithClientTrace(context.Background(), trace)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/exec", strings.NewReader(`{"argv":["true"]}`))
+	err = post(httptrace.WithClientTrace(context.Background(), trace), hc.Transport, srv.URL)
+	return err, posts.Load()
+}
+
+// postExec is a POST whose body net/http can replay (the JSON the client builds).
+func postExec(ctx context.Context, rt http.RoundTripper, base string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/exec", strings.NewReader(`{"argv":["true"]}`))
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
-	resp, err = hc.Do(req)
+	resp, err := (&http.Client{Transport: rt}).Do(req)
 	if err == nil {
 		_ = resp.Body.Close()
 	}
-	return err, posts.Load()
+	return err
 }
 
 // TestRetryClosedIdle: a POST that went out on a pooled connection the server had
 // closed is sent again on another one, once, and the server reads it once. Without
 // the retry it fails ("server closed idle connection"): the scenario is real.
 func TestRetryClosedIdle(t *testing.T) {
-	err, posts := closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return rt })
+	err, posts := closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return rt }, postExec)
 	if err == nil || !serverClosedIdle(err) {
 		t.Fatalf("without the retry: %v", err)
 	}
 	if posts != 0 {
 		t.Fatalf("the server read %d POSTs of a request on a closed connection", posts)
 	}
-	err, posts = closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return retryClosedIdle{inner: rt} })
+	err, posts = closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return retryClosedIdle{inner: rt} }, postExec)
 	if err != nil {
 		t.Fatalf("with the retry: %v", err)
+	}
+	if posts != 1 {
+		t.Fatalf("the server read %d POSTs, want 1", posts)
+	}
+}
+
+// TestRelayRetriesClosedIdle: Relay reads a short body of declared length first (an
+// envd call relayed for an E2B SDK), so that it too is sent again on another connection;
+// the server reads it once and the client gets the agent's answer.
+func TestRelayRetriesClosedIdle(t *testing.T) {
+	err, posts := closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return rt },
+		func(ctx context.Context, rt http.RoundTripper, base string) error {
+			c := NewVia(base, rt, nil)
+			in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/process.Process/Start", strings.NewReader(`{"process":{"cmd":"true"}}`))
+			w := httptest.NewRecorder()
+			if err := c.Relay(w, in, "/v1/exec", nil); err != nil {
+				return err
+			}
+			if w.Code != http.StatusNoContent {
+				t.Errorf("relayed answer %d", w.Code)
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatalf("relay: %v", err)
 	}
 	if posts != 1 {
 		t.Fatalf("the server read %d POSTs, want 1", posts)
