@@ -14,6 +14,7 @@ package cgroupwatch
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -34,10 +35,9 @@ var ErrNoMemoryController = errors.New("cgroupwatch: not a memory cgroup")
 // threshold bytes, and returns when ctx is done (nil) or the cgroup is removed (nil),
 // or when it cannot watch (an error, before any call). above runs on Memory's
 // goroutine, one call at a time, with the usage it was told of; rises that happen
-// while it runs are coalesced into at most one more call. On cgroup v1 a rise is a
-// crossing from below: usage that stays above the threshold is reported once until it
-// falls back under it. On v2 usage above the threshold that keeps growing is reported
-// again at most once a second (v2Quiet).
+// while it runs are coalesced into at most one more call. A rise is a crossing from
+// below; usage above the threshold that keeps growing is reported again at most once
+// a second (v2Quiet; on cgroup v1 once it grew by v1Growth since the last report).
 //
 // On cgroup v2 the threshold is set as the cgroup's memory.high, which also makes the
 // kernel reclaim and slow the cgroup's allocations above it (memory a sandbox's
@@ -79,19 +79,42 @@ func watchV1(ctx context.Context, dir string, threshold int64, above func(int64)
 	stop := closeOnDone(ctx, events)
 	defer stop()
 	var buf [8]byte
+	// reported is the usage last reported while it stays above the threshold (0: it is
+	// under it). The kernel signals crossings only: while usage stays above, the watch
+	// looks again every v2Quiet and reports it again once it grew by v1Growth since (a
+	// reaction that freed too little, and something goes on allocating), as v2's count
+	// of charges above memory.high does. Nothing polls while usage is under it.
+	var reported int64
 	for {
-		if _, err := io.ReadFull(events, buf[:]); err != nil {
+		deadline := time.Time{}
+		if reported > 0 {
+			deadline = time.Now().Add(v2Quiet)
+		}
+		_ = events.SetReadDeadline(deadline)
+		var crossings uint64
+		if _, err := io.ReadFull(events, buf[:]); err == nil {
+			crossings = binary.NativeEndian.Uint64(buf[:])
+		} else if !errors.Is(err, os.ErrDeadlineExceeded) {
 			return quiet(ctx, err)
 		}
 		n, err := readInt(usage)
 		if err != nil { // the cgroup is gone (the kernel signals its removal too)
 			return nil
 		}
-		if n >= threshold {
+		switch {
+		case n < threshold:
+			reported = 0
+		// Two crossings or more since the last look: it fell under and rose again.
+		case reported == 0 || crossings >= 2 || n >= reported+v1Growth:
 			above(n)
+			reported = n
 		}
 	}
 }
+
+// v1Growth is how much usage that stays above the threshold must grow before cgroup v1
+// reports it again.
+const v1Growth = 4 << 20
 
 // watchV2 sets memory.high and waits for memory.events to change (the kernel notifies
 // a modification of it through inotify); a higher "high" count is a rise above it.

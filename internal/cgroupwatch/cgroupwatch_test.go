@@ -169,6 +169,48 @@ func TestMemoryV1(t *testing.T) {
 	}
 }
 
+// Usage that stays above the threshold is reported again once it grew by v1Growth (a
+// reaction that freed too little while something goes on allocating), and not again
+// while it holds still.
+func TestMemoryV1GrowthAbove(t *testing.T) {
+	dir := v1Cgroup(t)
+	a := startAllocator(t, dir)
+	base, err := readFileInt(filepath.Join(dir, "memory.usage_in_bytes"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	threshold := base + 24<<20
+	rises := make(chan int64, 16)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = Memory(ctx, dir, threshold, func(u int64) { rises <- u }) }()
+	next := func(what string) int64 {
+		t.Helper()
+		select {
+		case u := <-rises:
+			return u
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no report %s", what)
+			return 0
+		}
+	}
+	for held := 0; held < 40; {
+		held = a.more(t)
+	}
+	first := next("of the rise")
+	a.more(t) // 8 MiB more, still above
+	second := next("of the growth above the threshold")
+	if second < first+v1Growth {
+		t.Fatalf("reported %d MiB, then %d MiB: want a growth of %d MiB", first>>20, second>>20, v1Growth>>20)
+	}
+	select {
+	case u := <-rises:
+		t.Fatalf("reported again at %d MiB while the usage held still", u>>20)
+	case <-time.After(2*v2Quiet + v2Quiet/2):
+	}
+	t.Logf("reported at %d MiB, again at %d MiB (threshold %d MiB)", first>>20, second>>20, threshold>>20)
+}
+
 // A watch ends without an error when its context does.
 func TestMemoryV1Cancel(t *testing.T) {
 	dir := v1Cgroup(t)

@@ -15,9 +15,12 @@ import (
 // OOM killer would: the sandbox and its other processes stay. A watch runs while the
 // sandbox is served (ready): it starts with serving and stops when the node stops
 // serving the sandbox (a pause, a checkpoint, a stop), so a checkpoint's own memory use
-// never ends a process. Should the memory still reach the limit (a program faster
-// than the reaction, or memory no process holds: files in a tmpfs), the host's OOM
-// killer ends the instance as before and the node recovers the sandbox from its disk.
+// never ends a process. Usage that stays above the threshold and goes on growing is
+// reported again (at most once a second), and the next largest process goes. Should
+// the memory still reach the limit (a program faster than the reaction, or memory no
+// process holds: files in /tmp and /dev/shm, which the runtime bounds to half the
+// memory each), the host's OOM killer ends the instance as before and the node
+// recovers the sandbox from its disk.
 
 // serving marks sb served (ready for the data plane) and watches its memory.
 func (n *Node) serving(sb *store.Sandbox) {
