@@ -107,7 +107,12 @@ func watchV1(ctx context.Context, dir string, threshold int64, above func(int64)
 		// Two crossings or more since the last look: it fell under and rose again.
 		case reported == 0 || crossings >= 2 || n >= reported+v1Growth:
 			above(n)
+			// Growth is counted from after the reaction: what the process ended was still
+			// allocating meanwhile, and its memory may take a moment to be given back.
 			reported = n
+			if m, err := readInt(usage); err == nil {
+				reported = max(n, m)
+			}
 		}
 	}
 }
@@ -163,6 +168,11 @@ func watchV2(ctx context.Context, dir string, threshold int64, above func(int64)
 		}
 		above(current)
 		last = time.Now()
+		// Charges during the reaction (the process it ended was still allocating) are
+		// not a rise after it.
+		if n, err := highCount(eventsFile); err == nil {
+			seen = max(seen, n)
+		}
 	}
 }
 
