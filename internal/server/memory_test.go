@@ -49,6 +49,9 @@ func TestOutOfMemoryEndsLargestProcess(t *testing.T) {
 	if code := client.ExitCode(r.exit); code != 137 {
 		t.Fatalf("exit code %d, want 137", code)
 	}
+	// The node counts the kill once the agent's answer is back, which may come after the
+	// exit reached the client.
+	s.Eventually(10*time.Second, "space_node_oom_kills_total to count the kill", func() bool { return oomKills(t, reg) == 1 })
 	if n := oomKills(t, reg); n != 1 {
 		t.Fatalf("space_node_oom_kills_total %v, want 1", n)
 	}
