@@ -119,9 +119,9 @@ func (g *gate) openedChan() <-chan struct{} {
 // flight is one request past the gate. It is under way (counted in inflight) until
 // its answer begins. A request without a body, with one in memory (replayable: the
 // data plane's JSON) or with a short declared one (shortBody: a relayed envd call) is
-// under way from when it passes the gate; one whose body streams
-// (stdin, an upload) only from when that body is all sent: a pause does not wait for
-// a client that may stream for as long as it likes.
+// under way from when it passes the gate; one whose body streams (stdin, an upload)
+// only from when that body is all sent: a pause does not wait for a client that may
+// stream for as long as it likes.
 type flight struct {
 	g       *gate
 	once    sync.Once
