@@ -206,6 +206,8 @@ func rpcError(err error) error {
 		c = connect.CodeFailedPrecondition
 	case wire.ErrCodeStdinStalled:
 		c = connect.CodeDeadlineExceeded
+	case wire.ErrCodeQuiesced:
+		c = connect.CodeUnavailable // nothing was started: the SDK may try again
 	}
 	return connect.NewError(c, err)
 }
