@@ -599,3 +599,47 @@ func TestStartPaths(t *testing.T) {
 		t.Fatalf("exec in a snapshot-started sandbox: %d %q", code, out)
 	}
 }
+
+// TestSuspendRefusedForDiskSocket: a program listening on a unix socket bound on the
+// sandbox's disk holds a host socket gVisor cannot checkpoint. The suspend is refused
+// before anything is frozen for long, with an error that names the socket and its
+// program, and the sandbox runs on with its processes and memory (before, runsc's
+// failed checkpoint took the instance down and the sandbox lost its memory). A clone
+// is refused the same way. Once the program is gone the sandbox suspends.
+func TestSuspendRefusedForDiskSocket(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	out, _, code := s.exec(t, sb.ID, "bash", "-c", `echo kept > /dev/shm/kept; `+
+		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
+		`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
+	pid := strings.TrimSpace(out)
+	if code != 0 || pid == "" {
+		t.Fatalf("start the listener: %d %q", code, out)
+	}
+	c := ctx(t, 3*time.Minute)
+	op, err := s.C.LifecycleAndWait(c, sb.ID, api.OpSuspend)
+	if err == nil || op == nil || !strings.Contains(op.Error, "/root/app.sock") || !strings.Contains(op.Error, "python3") {
+		t.Fatalf("suspend with a socket on the disk: %+v %v", op, err)
+	}
+	t.Logf("refused: %s", op.Error)
+	clones, err := s.C.Clone(c, sb.ID, api.CloneRequest{Count: 1})
+	if err != nil || len(clones) != 1 {
+		t.Fatalf("clone: %v %v", clones, err)
+	}
+	if cop, err := s.C.WaitOperation(c, clones[0].Operation.ID); err != nil || cop.State != api.OpFailed || !strings.Contains(cop.Error, "/root/app.sock") {
+		t.Errorf("clone with a socket on the disk: %+v %v", cop, err)
+	}
+	waitFor(t, time.Minute, "the sandbox to run on", func() bool { return s.state(t, sb.ID).State == api.StateRunning })
+	if got, _, code := s.exec(t, sb.ID, "bash", "-c", "cat /dev/shm/kept && kill -0 "+pid+" && echo alive"); code != 0 || got != "kept\nalive\n" {
+		t.Fatalf("after the refused suspend the sandbox lost its memory or processes: %d %q\n%s", code, got, s.Log())
+	}
+	st := s.state(t, sb.ID)
+	t.Logf("after the refusals: state %s, desired %s, error %q; %d refusals in the log", st.State, st.DesiredState, st.Error, strings.Count(s.Log(), "quiesce refused"))
+	if _, _, code := s.exec(t, sb.ID, "bash", "-c", "kill "+pid+"; while kill -0 "+pid+" 2>/dev/null; do sleep 0.05; done"); code != 0 {
+		t.Fatal("end the listener")
+	}
+	s.verb(t, sb.ID, api.OpSuspend)
+	if st := s.state(t, sb.ID); st.State != api.StateSuspended {
+		t.Fatalf("after the listener ended: %s", st.State)
+	}
+}

@@ -11,6 +11,8 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/crash"
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/lifecycle"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/store"
@@ -421,6 +423,13 @@ func (n *Node) checkpoint(ctx context.Context, snap runtime.Snapshotter, id, dir
 // is intact, its memory is lost).
 func (n *Node) afterFailedCheckpoint(ctx context.Context, sb *store.Sandbox, dir string, cause error) (outcome, error) {
 	_ = n.disk.RemoveAll(ctx, dir)
+	if agentclient.CodeOf(cause) == wire.ErrCodeCannotCheckpoint {
+		// The agent refused the quiesce (a socket gVisor cannot save, sockets.go in
+		// package agent): it froze nothing in the end and kept its transport and its
+		// identity; the sandbox runs on as it was.
+		n.serving(sb)
+		return outcome{state: api.StateRunning}, cause
+	}
 	if st, err := n.rt.Status(ctx, sb.ID); err == nil && st == runtime.StatusRunning {
 		if err := n.resumeAgent(ctx, sb); err == nil {
 			n.serving(sb)

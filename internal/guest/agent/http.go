@@ -138,13 +138,30 @@ func (a *Agent) routes() http.Handler {
 // handleQuiesce prepares a checkpoint: user processes are frozen until the next
 // identity. ?transport=keep leaves the listener up (VM transports, which survive a
 // restore); otherwise the agent closes it and waits for the resume file (gVisor, which
-// cannot checkpoint a host socket).
+// cannot checkpoint a host socket), unless the sandbox holds such a socket of its own
+// (sockets.go): then the quiesce is refused with 409 cannot_checkpoint and its
+// processes run on.
 func (a *Agent) handleQuiesce(w http.ResponseWriter, r *http.Request) {
+	keep := r.URL.Query().Get("transport") == "keep"
 	a.freeze()
+	if !keep {
+		// Checked once user code is frozen, so that nothing binds another meanwhile.
+		own := ""
+		if ls, err := parseListen(a.cfg.Listen); err == nil && ls.network == "unix" {
+			own = ls.address
+		}
+		if socks := unsavableSockets(own); len(socks) > 0 {
+			a.thaw()
+			err := errUnsavable(socks)
+			a.log.Warn("quiesce refused", "err", err)
+			a.writeError(w, r, err)
+			return
+		}
+	}
 	a.tunnels.closeAll() // connections to frozen programs: a checkpoint cannot keep them
 	w.WriteHeader(http.StatusNoContent)
 	_ = http.NewResponseController(w).Flush()
-	if r.URL.Query().Get("transport") == "keep" {
+	if keep {
 		return
 	}
 	select {

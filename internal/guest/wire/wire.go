@@ -303,9 +303,10 @@ const (
 	ErrCodeNotPTY           = "not_a_pty"
 	ErrCodeProcessNotFound  = "process_not_found"
 	ErrCodeStdinUnavailable = "stdin_unavailable"
-	ErrCodeStdinStalled     = "stdin_stalled" // the process read none of it for a while
-	ErrCodePortClosed       = "port_closed"   // nothing listens on the port (GET /v1/ports/{port}/connect)
-	ErrCodeQuiesced         = "quiesced"      // user code is frozen for a checkpoint: nothing was started (503)
+	ErrCodeStdinStalled     = "stdin_stalled"     // the process read none of it for a while
+	ErrCodePortClosed       = "port_closed"       // nothing listens on the port (GET /v1/ports/{port}/connect)
+	ErrCodeQuiesced         = "quiesced"          // user code is frozen for a checkpoint: nothing was started (503)
+	ErrCodeCannotCheckpoint = "cannot_checkpoint" // a quiesce refused: the sandbox holds what its checkpoint cannot save (409)
 )
 
 // PortUpgrade is the Upgrade protocol token of GET /v1/ports/{port}/connect.

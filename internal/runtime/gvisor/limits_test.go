@@ -47,3 +47,18 @@ func TestPressureThreshold(t *testing.T) {
 		}
 	}
 }
+
+// TestTrimStateDump: a checkpoint's encoding error keeps its first line and the path
+// of the object gVisor could not save, not the dumps that follow.
+func TestTrimStateDump(t *testing.T) {
+	msg := "checkpoint failed: checkpointing container \"x\": encoding error: Cannot save endpoint with bound host socket:\n" +
+		"goroutine 868 [running]:\ngvisor.dev/gvisor/pkg/state.safely.func1()\n\tstate.go:309 +0x19e\n" +
+		"for object transport.connectionedEndpoint{baseEndpoint:transport.baseEndpoint{}, path:\"/root/app.sock\", ops:{}}:\ngoroutine 868 [running]:\n"
+	want := "checkpoint failed: checkpointing container \"x\": encoding error: Cannot save endpoint with bound host socket (path /root/app.sock)"
+	if got := trimStateDump(msg); got != want {
+		t.Errorf("trimStateDump = %q, want %q", got, want)
+	}
+	if got := trimStateDump("plain error"); got != "plain error" {
+		t.Errorf("trimStateDump of a plain error = %q", got)
+	}
+}

@@ -69,10 +69,28 @@ func runscError(args []string, err error, stderr string) error {
 	if i := slices.IndexFunc(args, func(a string) bool { return !strings.HasPrefix(a, "-") }); i >= 0 {
 		sub = args[i]
 	}
-	if msg := strings.TrimSpace(stderr); msg != "" {
+	if msg := trimStateDump(strings.TrimSpace(stderr)); msg != "" {
 		return fmt.Errorf("runsc %s: %w: %s", sub, err, msg)
 	}
 	return fmt.Errorf("runsc %s: %w", sub, err)
+}
+
+// trimStateDump shortens a checkpoint's "encoding error": gVisor follows it with the
+// encoder's goroutine dump and a dump of the object it could not save, tens of KiB
+// that ended up in the sandbox's error. It keeps the first line and the object's path
+// when it has one (a unix socket's).
+func trimStateDump(msg string) string {
+	i := strings.Index(msg, "\ngoroutine ")
+	if i < 0 {
+		return msg
+	}
+	head := strings.TrimSuffix(strings.TrimSpace(msg[:i]), ":")
+	if _, rest, ok := strings.Cut(msg, `path:"`); ok {
+		if p, _, ok := strings.Cut(rest, `"`); ok && p != "" {
+			head += " (path " + p + ")"
+		}
+	}
+	return head
 }
 
 // state reports runsc's view of the container, or runtime.ErrNotFound when runsc has no
