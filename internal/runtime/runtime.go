@@ -174,6 +174,8 @@ type Snapshotter interface {
 	// resources (Destroy is still called afterwards to remove leftovers). The node
 	// fsyncs the files when it needs them durable, once: a runtime does not (a clone's
 	// checkpoint is used at once, and a suspend's is synced after it is reported).
+	// A checkpoint that fails leaves the instance as it was where the runtime can
+	// (gVisor, QEMU): the node then has it run on rather than lose its memory.
 	Checkpoint(ctx context.Context, id, dir string) error
 	// Restore starts an instance from a checkpoint in dir. spec.RootFS may be a copy of
 	// the disk the checkpoint was taken with (a clone); spec.ID may differ from the

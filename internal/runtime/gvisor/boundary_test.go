@@ -639,6 +639,28 @@ func TestRestoreAboveGuestSize(t *testing.T) {
 	get(t, c, "/v1/health")
 }
 
+// TestFailedCheckpointKeepsSandbox: a checkpoint that fails leaves the sandbox running
+// as it was (runsc checkpoint -leave-running; the runtime stops the sandbox only once
+// the image is written). Here the test agent's listener is the host socket gVisor
+// cannot save: before, runsc stopped the sandbox anyway and its memory was lost.
+func TestFailedCheckpointKeepsSandbox(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	c := startSandbox(t, rt, spec)
+	err := rt.Checkpoint(context.Background(), spec.ID, t.TempDir())
+	if err == nil || !strings.Contains(err.Error(), "bound host socket") {
+		t.Fatalf("checkpoint of a sandbox holding a host socket: %v", err)
+	}
+	if len(err.Error()) > 1024 {
+		t.Errorf("the error carries gVisor's dumps (%d bytes)", len(err.Error()))
+	}
+	if st, err := rt.Status(context.Background(), spec.ID); err != nil || st != runtime.StatusRunning {
+		t.Fatalf("after the failed checkpoint: %v %v", st, err)
+	}
+	get(t, c, "/v1/health")
+}
+
 // TestMemoryFilesBounded: /tmp and /dev/shm are bounded to half the
 // sandbox's memory each, and a checkpoint keeps that bound: a restore of it with another
 // memory size (a clone of another size) is one runsc accepts (its bundle names the

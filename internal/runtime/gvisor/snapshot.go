@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/instances"
 )
@@ -60,27 +62,53 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 // Checkpoint saves the sandbox's memory and kernel state into dir (runsc checkpoint)
 // and returns once the sandbox has stopped. The node makes the files durable (it
 // fsyncs them when it needs them to outlive the host's boot). The agent must have
-// quiesced first: runsc cannot save a sandbox that holds a bound host socket, and the
-// failed attempt kills it.
+// quiesced first: runsc cannot save a sandbox that holds a bound host socket.
+//
+// It checkpoints with -leave-running and stops the sandbox itself once the image is
+// written: without it, runsc stops the sandbox whatever the outcome, and a checkpoint
+// that failed (a socket gVisor cannot save, an error writing the image) took the
+// sandbox's memory with it. A failed one now leaves the sandbox as it was, and the
+// node has it run on (afterFailedCheckpoint).
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
-	// The sandbox process as last seen running or paused (the node observes a sandbox
-	// before each step), to watch it exit in /proc rather than through runsc state.
-	before, known, _ := r.statuses.get(id)
-	if err := r.checkpoint(ctx, id, dir, false); err != nil {
+	// The sandbox process, to stop it and watch it exit in /proc rather than through
+	// runsc state.
+	before, known, _ := r.statuses.lookup(id)
+	if !known {
+		var err error
+		if before.st, err = r.state(ctx, id); err != nil {
+			return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+		}
+		if p, err := instances.ReadProc(before.st.PID); err == nil && p.Live() {
+			before.start = p.StartTime
+		}
+	}
+	if err := r.checkpoint(ctx, id, dir, true); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
-	// runsc returns once the image is written; the sandbox exits a moment later.
-	var err error
-	if known {
-		err = r.waitExited(ctx, before.PID)
-	} else {
-		err = r.waitStopped(ctx, id)
-	}
-	if err != nil {
-		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
+	// Saved; the sandbox runs on, its user code frozen and its agent waiting for a
+	// resume that does not come. A SIGKILL to its process stops it as runsc's own
+	// stop after a checkpoint does (Destroy removes what is left), without a runsc.
+	if err := r.killSandboxProcess(ctx, id, before); err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: stop the saved sandbox: %w", id, err)
 	}
 	r.statuses.stopped(id)
 	return nil
+}
+
+// killSandboxProcess ends the sandbox process seen as before (if it is still that
+// process) and waits for it to exit; without one it asks runsc.
+func (r *Runtime) killSandboxProcess(ctx context.Context, id string, before cachedState) error {
+	pid := before.st.PID
+	if p, err := instances.ReadProc(pid); pid > 0 && before.start != 0 && err == nil && p.Live() && p.StartTime == before.start {
+		if err := unix.Kill(pid, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+			return err
+		}
+		return r.waitExited(ctx, pid)
+	}
+	if _, err := r.runsc(ctx, "kill", id, "KILL"); err != nil {
+		return err
+	}
+	return r.waitStopped(ctx, id)
 }
 
 // CheckpointPaused saves a paused sandbox's memory and kernel state into dir and
