@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
 )
 
 // Agent gates: the node pauses a sandbox's agent now and then for work of its own (a
@@ -231,9 +232,10 @@ type gatedTransport struct {
 }
 
 // shortBody is the largest declared body that counts as sent at once (see flight): an
-// envd call relayed for an E2B SDK declares its few hundred bytes. A client that
-// declares a short body and then withholds it holds a pause for drainTimeout at most.
-const shortBody = 64 << 10
+// envd call relayed for an E2B SDK declares its few hundred bytes, and the relay reads
+// a body this short before it sends it. A client that declares a short body and then
+// withholds it holds a pause for drainTimeout at most.
+const shortBody = agentclient.ReplayableBody
 
 func (t *gatedTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	f := &flight{g: t.g}

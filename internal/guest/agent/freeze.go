@@ -130,20 +130,30 @@ type procInfo struct {
 // pfKthread is PF_KTHREAD in /proc/<pid>/stat's flags.
 const pfKthread = 0x00200000
 
-// processes lists the processes of the PID namespace other than the caller.
-func processes() []procInfo {
+// pids lists the processes of the PID namespace (/proc's numeric entries).
+func pids() []int {
 	ents, err := os.ReadDir("/proc")
 	if err != nil {
 		return nil
 	}
+	var out []int
+	for _, e := range ents {
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// processes lists the processes of the PID namespace other than the caller.
+func processes() []procInfo {
 	self := os.Getpid()
 	var out []procInfo
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == self {
+	for _, pid := range pids() {
+		if pid == self {
 			continue
 		}
-		data, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 		if err != nil {
 			continue // gone
 		}

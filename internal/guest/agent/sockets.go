@@ -54,15 +54,18 @@ func errUnsavable(socks []unsavableSocket) error {
 func unsavableSockets(own string) []unsavableSocket {
 	mounts := readMounts()
 	var out []unsavableSocket
-	holders := map[uint64]int(nil)
+	var holders map[uint64]int // read at the first socket that needs it
+	holder := func(inode uint64) int {
+		if holders == nil {
+			holders = socketHolders()
+		}
+		return holders[inode]
+	}
 	for _, s := range boundUnixSockets() {
 		path := s.path
 		if !filepath.IsAbs(path) {
 			// Bound by a relative name: where it is depends on its holder's directory.
-			if holders == nil {
-				holders = socketHolders()
-			}
-			cwd, err := os.Readlink(fmt.Sprintf("/proc/%d/cwd", holders[s.inode]))
+			cwd, err := os.Readlink(fmt.Sprintf("/proc/%d/cwd", holder(s.inode)))
 			if err != nil {
 				continue
 			}
@@ -71,10 +74,7 @@ func unsavableSockets(own string) []unsavableSocket {
 		if filepath.Clean(path) == filepath.Clean(own) || fsTypeOf(mounts, path) != goferFS {
 			continue
 		}
-		if holders == nil {
-			holders = socketHolders()
-		}
-		u := unsavableSocket{path: path, pid: holders[s.inode]}
+		u := unsavableSocket{path: path, pid: holder(s.inode)}
 		if u.pid != 0 {
 			if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", u.pid)); err == nil {
 				u.comm = strings.TrimSpace(string(b))
@@ -121,15 +121,7 @@ func boundUnixSockets() []boundSocket {
 // socketHolders maps socket inodes to a process holding them (/proc/<pid>/fd).
 func socketHolders() map[uint64]int {
 	out := map[uint64]int{}
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return out
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
+	for _, pid := range pids() {
 		fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
 		if err != nil {
 			continue

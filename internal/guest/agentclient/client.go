@@ -693,13 +693,14 @@ func WriteResume(runDir string, id wire.Identity) error {
 	return nil
 }
 
-// relayReplayableBody is the largest request body Relay reads before it sends it (see
-// there).
-const relayReplayableBody = 64 << 10
+// ReplayableBody is the largest request body Relay reads before it sends it (see
+// there), so that it can be sent again; the node's agent gate counts a body this short
+// as sent at once.
+const ReplayableBody = 64 << 10
 
 // Relay streams an HTTP request to the agent path (with query) and the agent's answer
 // back to w, both ways without buffering (file contents, envd's Connect streams) but
-// for a request body of at most relayReplayableBody declared bytes, read first. An
+// for a request body of at most ReplayableBody declared bytes, read first. An
 // error answer of the agent is turned into an error (nothing written to w yet); a
 // failure after the answer started only ends the stream.
 func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string, query url.Values) error {
@@ -741,7 +742,7 @@ func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string,
 	// hundred bytes) is read first, so that the transport can send it again on another
 	// connection when the one it took was closed under it (retry.go). A longer or a
 	// streaming one goes through as it comes.
-	if r.ContentLength > 0 && r.ContentLength <= relayReplayableBody {
+	if r.ContentLength > 0 && r.ContentLength <= ReplayableBody {
 		body, err := io.ReadAll(io.LimitReader(r.Body, r.ContentLength))
 		if err == nil && int64(len(body)) != r.ContentLength {
 			err = io.ErrUnexpectedEOF

@@ -72,15 +72,9 @@ func (r *Runtime) Resume(ctx context.Context, id string) error {
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	// The sandbox process, to stop it and watch it exit in /proc rather than through
 	// runsc state.
-	before, known, _ := r.statuses.lookup(id)
-	if !known {
-		var err error
-		if before.st, err = r.state(ctx, id); err != nil {
-			return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-		}
-		if p, err := instances.ReadProc(before.st.PID); err == nil && p.Live() {
-			before.start = p.StartTime
-		}
+	before, _, err := r.sandboxProcess(ctx, id)
+	if err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
 	if err := r.checkpoint(ctx, id, dir, true); err != nil {
 		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
@@ -93,6 +87,24 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 	}
 	r.statuses.stopped(id)
 	return nil
+}
+
+// sandboxProcess returns the instance's state and its sandbox process's start time:
+// from the status cache when it holds them (known), else from runsc and /proc.
+func (r *Runtime) sandboxProcess(ctx context.Context, id string) (cachedState, bool, error) {
+	c, known, _ := r.statuses.lookup(id)
+	if known {
+		return c, true, nil
+	}
+	st, err := r.state(ctx, id)
+	if err != nil {
+		return cachedState{}, false, err
+	}
+	c.st = st
+	if p, err := instances.ReadProc(st.PID); err == nil && p.Live() {
+		c.start = p.StartTime
+	}
+	return c, false, nil
 }
 
 // killSandboxProcess ends the sandbox process seen as before (if it is still that
@@ -116,12 +128,9 @@ func (r *Runtime) killSandboxProcess(ctx context.Context, id string, before cach
 // runsc pause's, so the sandbox runs again only at Resume). A clone source or a named
 // snapshot's source thus needs no restore of its own.
 func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
-	before, known, _ := r.statuses.lookup(id)
-	if !known {
-		var err error
-		if before.st, err = r.state(ctx, id); err != nil {
-			return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
-		}
+	before, known, err := r.sandboxProcess(ctx, id)
+	if err != nil {
+		return fmt.Errorf("gvisor checkpoint %s: %w", id, err)
 	}
 	if observed(before.st) != runtime.StatusPaused {
 		return fmt.Errorf("gvisor checkpoint %s: the sandbox is %s, not paused", id, before.st.Status)
