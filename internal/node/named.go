@@ -130,6 +130,7 @@ func (n *Node) takeSnapshots(ctx context.Context, src *store.Sandbox) {
 	// The disk's size is what the source wrote beyond its template (its volume's
 	// exclusive use, less a suspend snapshot counted as memory already).
 	diskBytes := max(src.DiskExclusiveBytes-memBytes, 0)
+	published := make(map[*store.Snapshot]string, len(todo))
 	for _, sn := range todo {
 		dir, err := n.publishSnapshot(ctx, sn, src, memDir, diskCopy)
 		if err != nil {
@@ -139,7 +140,13 @@ func (n *Node) takeSnapshots(ctx context.Context, src *store.Sandbox) {
 			n.failSnapshots(ctx, []*store.Snapshot{sn}, err)
 			continue
 		}
-		if n.snapshotReady(ctx, sn, dir, diskBytes) {
+		published[sn] = dir
+	}
+	// The capture is gone from the source before any snapshot is reported ready (from
+	// a suspended source nothing was captured there: batch is already empty).
+	_ = n.disk.RemoveAll(context.WithoutCancel(ctx), batch)
+	for _, sn := range todo {
+		if dir, ok := published[sn]; ok && n.snapshotReady(ctx, sn, dir, diskBytes) {
 			n.pushNamedLater(sn.ID, src.TemplateDigest, dir)
 		}
 	}
