@@ -12,6 +12,7 @@ import (
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/runtime/gvisor"
+	"github.com/spacedev/space/internal/store"
 )
 
 var execCommand = exec.Command
@@ -63,12 +64,18 @@ func TestKillRestartAdopts(t *testing.T) {
 		pools, err := s.C.ListPools(ctx(t, time.Minute))
 		return err == nil && len(pools) == 1 && pools[0].Ready == 1
 	})
-	var member string
-	for _, id := range s.RunscIDs() {
-		if id != sb.ID {
-			member = id
-		}
+	// The member is named by the store: runsc also lists the instance that captures the
+	// template's base snapshot in the background, and a kill may find it there.
+	db, err := store.Open(ctx(t, time.Minute), store.Config{URL: s.DBURL, Logger: discard()})
+	if err != nil {
+		t.Fatal(err)
 	}
+	defer db.Close()
+	members, err := db.PoolMembers(ctx(t, time.Minute), store.PoolKey("default", "base:latest", 1, 512))
+	if err != nil || len(members) != 1 {
+		t.Fatalf("pool members: %+v %v", members, err)
+	}
+	member := members[0].ID
 	memberPid := s.runscPid(t, member)
 
 	s.Kill()
