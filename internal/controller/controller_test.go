@@ -36,6 +36,35 @@ func TestTTLAndIdleSuspend(t *testing.T) {
 	})
 }
 
+// TestIdleSuspendAsksAgain: a sandbox whose idle suspend failed (here: no room for
+// its snapshot) runs on with its desired state suspended; once it has been idle for
+// its timeout again the controller asks again, and that suspend works.
+func TestIdleSuspendAsksAgain(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	s.Disk.SetFree(1 << 20) // room for a create, not for a snapshot of the memory
+	sb := s.Create(api.CreateSandboxRequest{IdleTimeout: "1s"})
+	s.Eventually(30*time.Second, "the idle suspend to fail", func() bool {
+		got, err := s.Store.GetSandbox(ctx(t), sb.ID)
+		return err == nil && got.State == api.StateRunning && got.DesiredState == api.StateSuspended &&
+			got.ObservedGeneration >= got.Generation && strings.Contains(got.Error, "free above the reserve")
+	})
+	s.Eventually(30*time.Second, "a second idle suspend to fail", func() bool {
+		ops, err := s.C.SandboxOperations(ctx(t), sb.ID)
+		failed := 0
+		for _, op := range ops {
+			if op.Kind == api.OpSuspend && op.State == api.OpFailed {
+				failed++
+			}
+		}
+		return err == nil && failed >= 2
+	})
+	s.Disk.SetFree(-1)
+	s.Eventually(30*time.Second, "the idle suspender to ask again and the suspend to work", func() bool {
+		got, err := s.C.GetSandbox(ctx(t), sb.ID)
+		return err == nil && got.State == api.StateSuspended && strings.Contains(got.StatusReason, "asking again")
+	})
+}
+
 func TestUnplaceableFailsWithTheReason(t *testing.T) {
 	s := spacetest.Start(t, spacetest.Options{Controller: func(c *controller.Config) { c.PlaceTimeout = 2 * time.Second }})
 	// The API refuses a runtime no live node offers; a sandbox still becomes unplaceable

@@ -12,7 +12,10 @@ import (
 	"github.com/spacedev/space/internal/store"
 )
 
-// idle suspends sandboxes that had no activity for their idle timeout.
+// idle suspends sandboxes that had no activity for their idle timeout. A sandbox whose
+// suspend failed runs on with its desired state suspended (a program held a socket
+// gVisor cannot save, or the store had no room for the snapshot): it is asked again
+// once it has been idle for its timeout since that request, which recorded activity.
 func (c *Controller) idle(ctx context.Context) {
 	list, err := c.st.IdleSandboxes(ctx, time.Now(), 100)
 	if err != nil {
@@ -23,8 +26,13 @@ func (c *Controller) idle(ctx context.Context) {
 	for _, sb := range list {
 		reason := fmt.Sprintf("idle for %s (no API request, attached stream or process output since %s)",
 			sb.IdleTimeout, sb.LastActivityAt.UTC().Format(time.RFC3339))
+		if sb.DesiredState == api.StateSuspended {
+			reason += "; asking again, the last suspend failed"
+		}
 		if err := c.request(ctx, sb.ID, api.StateSuspended, api.OpSuspend, reason, func(cur *store.Sandbox) bool {
-			return cur.State == api.StateRunning && cur.DesiredState == api.StateRunning &&
+			// Check also holds a sandbox whose last request is not settled.
+			return cur.State == api.StateRunning && cur.LastActivityAt.Equal(sb.LastActivityAt) &&
+				(cur.DesiredState == api.StateRunning || cur.DesiredState == api.StateSuspended) &&
 				lifecycle.Check(cur.Lifecycle(), suspend) == nil
 		}); err != nil {
 			c.log.Warn("idle suspend", "sandbox", sb.ID, "err", err)

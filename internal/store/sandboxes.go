@@ -528,10 +528,12 @@ func (s *Store) TouchSandboxes(ctx context.Context, ids []string) error {
 	return err
 }
 
-// IdleSandboxes lists running sandboxes idle for longer than their idle timeout.
+// IdleSandboxes lists running sandboxes idle for longer than their idle timeout: those
+// meant to run, and those whose suspend failed (desired suspended, settled running).
 func (s *Store) IdleSandboxes(ctx context.Context, now time.Time, limit int) ([]*Sandbox, error) {
 	rows, err := s.pool.Query(ctx, `SELECT `+sandboxCols+` FROM sandboxes
-		WHERE state='running' AND desired_state='running' AND deleted_at IS NULL AND pool_key IS NULL
+		WHERE state='running' AND deleted_at IS NULL AND pool_key IS NULL
+		AND (desired_state='running' OR (desired_state='suspended' AND observed_generation >= generation))
 		AND idle_timeout_seconds > 0 AND last_activity_at + make_interval(secs => idle_timeout_seconds) < $1
 		ORDER BY last_activity_at LIMIT $2`, now, limit)
 	if err != nil {
