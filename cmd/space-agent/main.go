@@ -55,6 +55,7 @@ func run() error {
 	}
 	if os.Getpid() == 1 {
 		cfg.CgroupRoot = "/sys/fs/cgroup" // the sandbox's own; user processes get a child
+		cfg.RunTree = "/run"
 	}
 	var err error
 	if cfg.JournalBytes, err = envInt("SPACE_AGENT_JOURNAL_BYTES"); err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/guest/rundirs"
 	"github.com/spacedev/space/internal/store"
 )
 
@@ -597,6 +598,51 @@ func TestStartPaths(t *testing.T) {
 	out, _, code := s.exec(t, b.ID, "python3", "-c", "print(6*7)")
 	if code != 0 || out != "42\n" {
 		t.Fatalf("exec in a snapshot-started sandbox: %d %q", code, out)
+	}
+}
+
+// TestRunIsMemory: /run is a tmpfs (an eighth of the memory) that starts with the
+// template's directories, as a booted Linux machine's: a server's unix socket there (here
+// through Debian's /var/run link) is saved by a suspend and answers after the wake, and
+// a boot starts /run afresh.
+func TestRunIsMemory(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	const server = `import socket
+s = socket.socket(socket.AF_UNIX)
+s.bind("/var/run/app.sock")
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.sendall(b"pong\n")
+    c.close()
+`
+	const ping = `import socket; s = socket.socket(socket.AF_UNIX); s.connect("/run/app.sock"); print(s.recv(16).decode().strip())`
+	out, _, code := s.exec(t, sb.ID, "bash", "-c", `stat -f -c %T /run; stat -c '%a %U' /run/lock; df -m --output=size /run | tail -1; `+
+		`test -e /run/space/`+rundirs.FileName+` && echo manifest left; `+
+		`cat > /root/server.py <<'EOF'
+`+server+`EOF
+nohup python3 /root/server.py >/dev/null 2>&1 &
+for i in $(seq 100); do [ -S /run/app.sock ] && break; sleep 0.05; done; python3 -c '`+ping+`'`)
+	if want := "tmpfs\n1777\nroot\n64\npong\n"; code != 0 || strings.Join(strings.Fields(out), "\n")+"\n" != want {
+		t.Fatalf("/run in a 512 MiB sandbox, and a server on a socket there: %d %q, want %q", code, out, want)
+	}
+	// The socket is the Sentry's: the suspend saves it, and the server answers after the wake.
+	s.verb(t, sb.ID, api.OpSuspend)
+	if st := s.state(t, sb.ID); st.State != api.StateSuspended {
+		t.Fatalf("suspend with a socket in /run: %+v", st)
+	}
+	if out, _, code := s.exec(t, sb.ID, "python3", "-c", ping); code != 0 || out != "pong\n" {
+		t.Fatalf("the server after the wake: %d %q", code, out)
+	}
+	// A boot starts /run afresh, with the template's directories again.
+	if _, _, code := s.exec(t, sb.ID, "touch", "/run/left"); code != 0 {
+		t.Fatal("touch /run/left")
+	}
+	s.verb(t, sb.ID, api.OpStop)
+	s.verb(t, sb.ID, api.OpStart)
+	if out, _, code := s.exec(t, sb.ID, "bash", "-c", "ls -A /run | sort | tr '\n' ' '; stat -c %a /run/lock"); code != 0 || out != "lock mount space 1777\n" {
+		t.Fatalf("/run after a stop and start: %d %q", code, out)
 	}
 }
 

@@ -53,6 +53,10 @@ func TestQEMUNode(t *testing.T) {
 	if code != 0 || o != "42\n" {
 		t.Fatalf("exec: %d %q", code, o)
 	}
+	// /run is the guest's tmpfs with the template's directories in it (package rundirs).
+	if o, _, code := s.exec(t, sb.ID, "stat", "-c", "%a", "/run/lock"); code != 0 || o != "1777\n" {
+		t.Errorf("/run/lock in the guest: %d %q", code, o)
+	}
 	// A fork bomb meets the user processes' task limit inside the guest (the agent's
 	// split, internal/guest/agent/tasks.go) instead of filling its memory: before, a
 	// 512 MiB guest spent minutes in its OOM killer with the agent unable to answer.

@@ -24,6 +24,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacedev/space/internal/guest/rundirs"
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
@@ -69,6 +70,11 @@ type Config struct {
 	// agent's threads (tasks.go). Empty: off. space-agent sets /sys/fs/cgroup when it
 	// runs as PID 1.
 	CgroupRoot string
+	// RunTree is where the agent, as it starts, makes the directories and links that the
+	// host listed in RunDir (rundirs.FileName): the template's /run, over which the
+	// sandbox's /run tmpfs is mounted. Empty: off. space-agent sets /run when it runs as
+	// PID 1.
+	RunTree string
 	// Version is reported by /v1/health.
 	Version string
 	// Reaper collects exited children; exactly one must exist per OS process (see
@@ -193,6 +199,12 @@ func (a *Agent) Handler() http.Handler { return a.handler }
 // connections closed) until the resume file appears; processes keep running.
 func (a *Agent) Run(ctx context.Context) error {
 	defer a.terminateAll()
+	if a.cfg.RunTree != "" {
+		// Before the listener: no user process runs until the tree is there.
+		if err := rundirs.Apply(filepath.Join(a.cfg.RunDir, rundirs.FileName), a.cfg.RunTree); err != nil {
+			a.log.Warn("make the template's /run directories", "err", err)
+		}
+	}
 	janitorDone := make(chan struct{})
 	jctx, stopJanitor := context.WithCancel(ctx)
 	go func() {

@@ -46,7 +46,7 @@ func errUnsavable(socks []unsavableSocket) error {
 	}
 	return &apiError{status: http.StatusConflict, code: wire.ErrCodeCannotCheckpoint,
 		msg: "cannot checkpoint the sandbox: a unix socket is bound on its disk, which gVisor cannot save: " +
-			strings.Join(names, ", ") + "; close it, or bind it in /tmp or /dev/shm, or as an abstract socket"}
+			strings.Join(names, ", ") + "; close it, or bind it in /run, /tmp or /dev/shm, or as an abstract socket"}
 }
 
 // unsavableSockets lists the stream and seqpacket unix sockets bound on a gofer mount,
@@ -71,6 +71,7 @@ func unsavableSockets(own string) []unsavableSocket {
 			}
 			path = filepath.Join(cwd, path)
 		}
+		path = resolveDir(path)
 		if filepath.Clean(path) == filepath.Clean(own) || fsTypeOf(mounts, path) != goferFS {
 			continue
 		}
@@ -178,6 +179,17 @@ func unescapeMount(s string) string {
 		b.WriteByte(s[i])
 	}
 	return b.String()
+}
+
+// resolveDir is path with the links in its directory resolved (a socket bound through
+// Debian's /var/run link is listed there, and is in /run), or path as it is when that
+// fails.
+func resolveDir(path string) string {
+	dir, err := filepath.EvalSymlinks(filepath.Dir(path))
+	if err != nil {
+		return path
+	}
+	return filepath.Join(dir, filepath.Base(path))
 }
 
 // fsTypeOf is the type of the file system path is on: that of the last-mounted entry

@@ -39,6 +39,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/spacedev/space/internal/guest/rundirs"
 	"github.com/spacedev/space/internal/guest/wire"
 )
 
@@ -125,7 +126,7 @@ func Boot(log *slog.Logger) error {
 	if err := waitFor(func() error { _, err := os.Stat(RootDevice); return err }); err != nil {
 		return fmt.Errorf("root disk: %w", err)
 	}
-	if err := switchRoot(); err != nil {
+	if err := switchRoot(log); err != nil {
 		return err
 	}
 	// The serial transport needs its port device; vsock (Firecracker) needs nothing.
@@ -191,7 +192,7 @@ func useConsole(dev string) error {
 // switchRoot mounts the root disk, prepares it and makes it the root, moving /dev,
 // /proc and /sys along (like switch_root, minus deleting the initramfs: its /init stays
 // in use as the agent binary).
-func switchRoot() error {
+func switchRoot(log *slog.Logger) error {
 	if err := mountAt(RootDevice, newRoot, "ext4", unix.MS_NOATIME, ""); err != nil {
 		return err
 	}
@@ -222,6 +223,12 @@ func switchRoot() error {
 			return fmt.Errorf("move %s: %w", d, err)
 		}
 	}
+	// /run is a tmpfs that starts with the disk's directories and links in it (package
+	// rundirs): read them before it hides them.
+	runTree, err := scanRun(newRoot)
+	if err != nil {
+		log.Warn("read /run of the disk", "err", err)
+	}
 	for _, m := range []struct {
 		src, dst, typ string
 		flags         uintptr
@@ -235,6 +242,9 @@ func switchRoot() error {
 		if err := mountAt(m.src, filepath.Join(newRoot, m.dst), m.typ, m.flags, m.data); err != nil {
 			return err
 		}
+	}
+	if err := rundirs.Make(filepath.Join(newRoot, "run"), runTree); err != nil {
+		log.Warn("make /run's directories", "err", err)
 	}
 	if err := os.Chdir(newRoot); err != nil {
 		return fmt.Errorf("switch root: %w", err)
@@ -329,4 +339,14 @@ func consoleFrom(cmdline []string) string {
 		}
 	}
 	return dev
+}
+
+// scanRun lists the directories and links of the root disk's /run (mounted at root).
+func scanRun(root string) ([]rundirs.Entry, error) {
+	r, err := os.OpenRoot(root)
+	if err != nil {
+		return nil, err
+	}
+	defer r.Close()
+	return rundirs.Scan(r, "run", strings.TrimPrefix(wire.RunMountDir, "/run/"))
 }

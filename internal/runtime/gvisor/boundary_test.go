@@ -494,10 +494,10 @@ func TestCheckpointPaused(t *testing.T) {
 	waitHealthy(t, c)
 
 	// The metadata of a checkpoint written before the settings were recorded. (Its
-	// memory file systems' size stays: runsc restores only a bundle that names the
-	// mounts as the checkpointed one did, and a checkpoint from before that size was
-	// recorded had none, which a missing tmpfs_mb repeats.)
-	old, err := json.Marshal(map[string]any{"cgroup": meta.Cgroup, "tmpfs_mb": meta.TmpfsMB})
+	// memory file systems' sizes stay: runsc restores only a bundle that names the
+	// mounts as the checkpointed one did, and a checkpoint from before a size was
+	// recorded had no such mount, which a missing tmpfs_mb or run_mb repeats.)
+	old, err := json.Marshal(map[string]any{"cgroup": meta.Cgroup, "tmpfs_mb": meta.TmpfsMB, "run_mb": meta.RunMB})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -662,7 +662,7 @@ func TestFailedCheckpointKeepsSandbox(t *testing.T) {
 }
 
 // TestMemoryFilesBounded: /tmp and /dev/shm are bounded to half the
-// sandbox's memory each, and a checkpoint keeps that bound: a restore of it with another
+// sandbox's memory each, /run to an eighth, and a checkpoint keeps those bounds: a restore of it with another
 // memory size (a clone of another size) is one runsc accepts (its bundle names the
 // mounts as the checkpointed one did) and keeps the source's bound.
 func TestMemoryFilesBounded(t *testing.T) {
@@ -675,23 +675,27 @@ func TestMemoryFilesBounded(t *testing.T) {
 		found := 0
 		for _, line := range strings.Split(string(get(t, c, "/mounts")), "\n") {
 			f := strings.Fields(line)
-			if len(f) < 4 || f[2] != "tmpfs" || (f[1] != "/tmp" && f[1] != "/dev/shm") {
+			if len(f) < 4 || f[2] != "tmpfs" {
+				continue
+			}
+			want := map[string]string{"/tmp": "size=131072k", "/dev/shm": "size=131072k", "/run": "size=32768k"}[f[1]]
+			if want == "" {
 				continue
 			}
 			found++
-			if !slices.Contains(strings.Split(f[3], ","), "size=131072k") {
-				t.Errorf("%s: %s is not bounded to 128 MiB: %s", when, f[1], line)
+			if !slices.Contains(strings.Split(f[3], ","), want) {
+				t.Errorf("%s: %s is not bounded to %s: %s", when, f[1], want, line)
 			}
 		}
-		if found != 2 {
-			t.Errorf("%s: %d of /tmp and /dev/shm found as tmpfs:\n%s", when, found, get(t, c, "/mounts"))
+		if found != 3 {
+			t.Errorf("%s: %d of /tmp, /dev/shm and /run found as tmpfs:\n%s", when, found, get(t, c, "/mounts"))
 		}
 	}
 	checkSizes(c, "created")
 	quiesce(t, c, spec)
 	dir := suspendInstance(t, rt, spec.ID)
-	if meta, err := readMeta(dir); err != nil || meta.TmpfsMB != 128 {
-		t.Errorf("checkpoint metadata %+v, %v; want tmpfs_mb 128", meta, err)
+	if meta, err := readMeta(dir); err != nil || meta.TmpfsMB != 128 || meta.RunMB != 32 {
+		t.Errorf("checkpoint metadata %+v, %v; want tmpfs_mb 128, run_mb 32", meta, err)
 	}
 	bigger := spec
 	bigger.MemoryMB = 512

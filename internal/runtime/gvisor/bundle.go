@@ -14,6 +14,7 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/spacedev/space/internal/guest/rundirs"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/runtime"
 )
@@ -77,23 +78,38 @@ type bundleOptions struct {
 	// UIDBase, when not 0, puts the sandbox in a user namespace mapping its ids
 	// 0…UserNSSize-1 to host ids UIDBase….
 	UIDBase uint32
-	// TmpfsMB, when not 0, bounds each of the sandbox's memory file systems, /tmp and
-	// /dev/shm, to that many MiB (tmpfsMB).
-	TmpfsMB int
+	// memFS sizes the sandbox's memory file systems.
+	memFS
 }
 
-// tmpfsMB is the size of each of a sandbox's memory file systems: half its memory, as
-// Linux sizes a tmpfs by default. Their files are the sandbox's memory. gVisor's default
-// is half of the HOST's memory, so a 256 MiB sandbox could write gigabytes into /tmp:
-// past the host memory limit of its cgroup, where the host's OOM killer ends a process
-// of the sandbox's (the Sentry itself, often: the whole sandbox), and ending a user
-// process (memwatch) frees nothing a file holds. Bounded, a write that does not fit
-// fails with ENOSPC, as on a Linux machine of that size. 0 (no memory size): no bound.
-func tmpfsMB(spec runtime.Spec) int {
+// memFS is the size of the memory file systems a bundle mounts, in MiB. A zero field
+// is a file system an instance made before it was mounted this way does not have
+// (its checkpoints restore without it: runsc refuses a restore whose bundle names the
+// mounts otherwise).
+type memFS struct {
+	// TmpfsMB bounds /tmp and /dev/shm, each (/dev/shm is mounted only with a size).
+	TmpfsMB int `json:"tmpfs_mb,omitempty"`
+	// RunMB bounds /run, a tmpfs since 2026-12-06 (package rundirs); before, /run was
+	// on the disk.
+	RunMB int `json:"run_mb,omitempty"`
+}
+
+// memFSOf sizes a new instance's memory file systems. /tmp and /dev/shm get half the
+// sandbox's memory each, as Linux sizes a tmpfs by default. Their files are the
+// sandbox's memory. gVisor's default is half of the HOST's memory, so a 256 MiB sandbox
+// could write gigabytes into /tmp: past the host memory limit of its cgroup, where the
+// host's OOM killer ends a process of the sandbox's (the Sentry itself, often: the
+// whole sandbox), and ending a user process (memwatch) frees nothing a file holds.
+// Bounded, a write that does not fit fails with ENOSPC, as on a Linux machine of that
+// size; with no memory size they are not bounded. /run, which holds pid files, locks
+// and sockets, gets an eighth of the memory (64 MiB with no memory size): with /tmp and
+// /dev/shm full as well, the files stay under the host limit's overhead above the
+// memory size.
+func memFSOf(spec runtime.Spec) memFS {
 	if spec.MemoryMB <= 0 {
-		return 0
+		return memFS{RunMB: 64}
 	}
-	return max(spec.MemoryMB/2, 1)
+	return memFS{TmpfsMB: max(spec.MemoryMB/2, 1), RunMB: max(spec.MemoryMB/8, 1)}
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -180,6 +196,12 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 		}
 		s.Mounts = append(s.Mounts, specs.Mount{Destination: "/dev/shm", Type: "tmpfs", Source: "shm",
 			Options: []string{"nosuid", "nodev", "mode=1777", size}})
+	}
+	if opts.RunMB > 0 {
+		// Before the agent's run dir, which is mounted inside it.
+		i := slices.IndexFunc(s.Mounts, func(m specs.Mount) bool { return m.Destination == wire.RunMountDir })
+		s.Mounts = slices.Insert(s.Mounts, i, specs.Mount{Destination: "/run", Type: "tmpfs", Source: "tmpfs",
+			Options: []string{"nosuid", "nodev", "mode=755", fmt.Sprintf("size=%dm", opts.RunMB)}})
 	}
 	if opts.UIDBase != 0 {
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: opts.UIDBase, Size: UserNSSize}}
@@ -336,8 +358,10 @@ func makeMountPoints(rootfs string, mounts []specs.Mount) (created []string, err
 	}()
 	var synthetic []string // destinations of file systems gVisor makes up (proc, sysfs, …)
 	for _, m := range mounts {
-		// A mount inside one of those needs no mount point in the rootfs.
-		if slices.ContainsFunc(synthetic, func(d string) bool { return within(m.Destination, d) }) {
+		// A mount inside one of those needs no mount point in the rootfs — but a bind
+		// mount does: runsc's gofer mounts it on the host's view of the rootfs, making
+		// the directories it needs there (the agent's run dir in the /run tmpfs).
+		if m.Type != "bind" && slices.ContainsFunc(synthetic, func(d string) bool { return within(m.Destination, d) }) {
 			continue
 		}
 		if m.Type != "bind" {
@@ -407,4 +431,21 @@ func removeMountPoints(rootfs string, created []string) {
 	for _, name := range slices.Backward(created) {
 		_ = root.Remove(name)
 	}
+}
+
+// writeRunDirs leaves the agent the directories and links of the rootfs's /run to make
+// in the tmpfs a boot mounts there (package rundirs). The rootfs is read through an
+// os.Root: a sandbox that ran before may have left links anywhere in it.
+func writeRunDirs(spec runtime.Spec) error {
+	root, err := os.OpenRoot(spec.RootFS)
+	if err != nil {
+		return fmt.Errorf("open rootfs: %w", err)
+	}
+	defer root.Close()
+	skip := strings.TrimPrefix(wire.RunMountDir, "/run/")
+	entries, err := rundirs.Scan(root, "run", skip)
+	if err != nil {
+		return err
+	}
+	return rundirs.Write(filepath.Join(spec.StateDir, runDir, rundirs.FileName), entries)
 }

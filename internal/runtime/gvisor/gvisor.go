@@ -288,7 +288,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	// Known absent (destroyed, or seen without a record and not listed by runsc, and
 	// not changed since): runsc need not be asked again below.
 	absent := r.statuses.isGone(spec.ID)
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec), TmpfsMB: tmpfsMB(spec)}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec), memFS: memFSOf(spec)}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
 		}
@@ -324,26 +324,32 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		}
 	}
 	owned = true
-	if mountPoints, err = r.start(ctx, spec, spec.ID, tmpfsMB(spec), false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, memFSOf(spec), false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
 }
 
-// start makes the instance's host mounts, writes its bundle (its memory file systems
-// tmpfs MiB each; 0: unbounded), runs runsc's sub (run or restore) and sets the pids
+// start makes the instance's host mounts, writes its bundle (with the memory file
+// systems mem sizes), runs runsc's sub (run or restore) and sets the pids
 // limit on the container's cgroup inside the Sentry, named cgroup, unless pidsSet (a
 // restore whose checkpoint holds that limit already). A
 // restore's bundle has no CPU quota, and every bundle has the guest's memory size as its
 // limit: start sets the quota and raises the memory limit on the host cgroup once runsc
 // has returned (limits.go). It returns the mount points it created in the rootfs. The
 // caller undoes a failure with destroy.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, tmpfs int, pidsSet bool, sub ...string) (mountPoints []string, err error) {
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, mem memFS, pidsSet bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
 	if err != nil {
 		return nil, err
 	}
-	opts.TmpfsMB = tmpfs
+	opts.memFS = mem
+	if sub[0] == "run" && mem.RunMB > 0 {
+		// A boot: the agent makes the template's directories in /run's tmpfs.
+		if err := writeRunDirs(spec); err != nil {
+			return nil, err
+		}
+	}
 	cpuLater := sub[0] == "restore"
 	opts.CPULater = cpuLater
 	oci := bundleSpec(spec, opts)
