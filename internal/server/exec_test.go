@@ -7,8 +7,11 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -205,3 +208,65 @@ func TestExecOneRequest(t *testing.T) {
 }
 
 func jsonInt(n int64) string { b, _ := json.Marshal(n); return string(b) }
+
+// TestRequestDuringSuspendWakes: a command that comes while the sandbox is being
+// suspended (an idle suspend as its user returns) waits for the suspend to finish and
+// then wakes the sandbox; before, it failed with 409 "is suspending; it must be running".
+func TestRequestDuringSuspendWakes(t *testing.T) {
+	release := make(chan struct{})
+	var blocking atomic.Bool
+	s := spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) {
+		if blocking.Load() {
+			<-release
+		}
+	}})
+	var once sync.Once
+	unblock := func() { once.Do(func() { blocking.Store(false); close(release) }) }
+	t.Cleanup(unblock) // before the space stops, which waits for the suspend
+	sb := s.Create(api.CreateSandboxRequest{})
+	blocking.Store(true)
+	c := ctx(t)
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(30*time.Second, "the suspend to be under way", func() bool {
+		got, err := s.C.GetSandbox(c, sb.ID)
+		return err == nil && got.State == api.StateSuspending
+	})
+	type result struct {
+		code int
+		body string
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(c, "POST", s.URL+"/v1/sandboxes/"+sb.ID+"/exec", strings.NewReader(`{"argv":["echo","awake"]}`))
+		req.Header.Set("Authorization", "Bearer "+s.AdminKey)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			done <- result{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		done <- result{resp.StatusCode, string(b), err}
+	}()
+	select {
+	case r := <-done:
+		t.Fatalf("the command answered while the suspend was under way: %d %s %v", r.code, r.body, r.err)
+	case <-time.After(time.Second):
+		// Still waiting: the old code answered 409 at once. (No event says that a
+		// request waits, so this window is the test.)
+	}
+	unblock()
+	s.WaitOp(op.ID, api.OpSucceeded)
+	r := <-done
+	if r.err != nil || r.code != http.StatusOK || !strings.Contains(r.body, base64.StdEncoding.EncodeToString([]byte("awake\n"))) || !strings.Contains(r.body, `"exit_code":0`) {
+		t.Fatalf("the command after the suspend: %d %q %v", r.code, r.body, r.err)
+	}
+	if got, err := s.C.GetSandbox(c, sb.ID); err != nil || got.State != api.StateRunning {
+		t.Fatalf("after the command: %+v %v", got, err)
+	}
+}

@@ -708,15 +708,52 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 	if noWake {
 		return sb, nil
 	}
-	op, err := s.Verb(ctx, p, sb.ID, api.OpWake, "woken by a request that needs it running")
-	if fault.Is(err, fault.Conflict) {
-		// Another request is waking it already.
-		return s.waitRunning(ctx, sb, "")
+	for attempt := 1; ; attempt++ {
+		op, err := s.Verb(ctx, p, sb.ID, api.OpWake, "woken by a request that needs it running")
+		if err == nil {
+			return s.waitRunning(ctx, sb, op.ID)
+		}
+		if !fault.Is(err, fault.Conflict) || attempt == wakeAttempts {
+			return nil, err
+		}
+		// A transition is under way: another request's wake, or the suspend or pause
+		// the request came during (an idle suspend as its user returns). Once it is
+		// over, the sandbox runs, or it rests and is woken.
+		cur, werr := s.waitSettled(ctx, sb)
+		if werr != nil {
+			return nil, werr
+		}
+		if cur.State == api.StateRunning || !lifecycle.NeedsWake(cur.DesiredState) {
+			return s.waitRunning(ctx, cur, "")
+		}
 	}
-	if err != nil {
-		return nil, err
+}
+
+// wakeAttempts bounds how often Awake asks for a wake that conflicts with a transition
+// under way (it waits for each to end first).
+const wakeAttempts = 3
+
+// waitSettled waits (up to wakeTimeout) until the node has acted on the sandbox's
+// latest intent, and returns the sandbox as it is then.
+func (s *Service) waitSettled(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+	defer cancel()
+	for {
+		cur, err := s.st.GetSandbox(ctx, sb.ID)
+		if err != nil {
+			return nil, err
+		}
+		if cur.Lifecycle().Settled() || cur.DeletedAt != nil {
+			return cur, nil
+		}
+		t := time.NewTimer(sandboxPollWhileWaking)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cur, nil
+		case <-t.C:
+		}
 	}
-	return s.waitRunning(ctx, sb, op.ID)
 }
 
 // moveTimeout bounds how long a request waits for a moving sandbox: a drain's first

@@ -41,6 +41,8 @@ type Options struct {
 	NoNode bool
 	// NoController runs no controller (nothing is scheduled).
 	NoController bool
+	// BeforeCheckpoint is called as the fake runtime's Checkpoint starts.
+	BeforeCheckpoint func(id string)
 	// FailCreate makes the fake runtime fail Create for matching ids.
 	FailCreate func(id string) error
 	// Service adjusts the service's config.
@@ -120,7 +122,7 @@ func Start(t testing.TB, opts Options) *Space {
 	if s.Signer, err = token.NewSigner(key); err != nil {
 		t.Fatal(err)
 	}
-	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU, MemoryOverheadMB: opts.MemoryOverheadMB}); err != nil {
+	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, BeforeCheckpoint: opts.BeforeCheckpoint, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU, MemoryOverheadMB: opts.MemoryOverheadMB}); err != nil {
 		t.Fatal(err)
 	}
 	if s.Disk, err = fake.NewDisk(s.DataDir + "/store"); err != nil {

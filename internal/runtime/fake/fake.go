@@ -40,6 +40,9 @@ type Config struct {
 	AgentPath string
 	// FailCreate, when set, fails Create for matching sandbox ids (tests of undo).
 	FailCreate func(id string) error
+	// BeforeCheckpoint, when set, is called as Checkpoint starts (tests of requests that
+	// come during a suspend block in it).
+	BeforeCheckpoint func(id string)
 	// ParkRunning reports runtime.Caps.ParkRunning (warm-pool members wait running).
 	ParkRunning bool
 	// CPUTime makes the runtime a runtime.CPUTimer: an instance's CPU time is its
@@ -357,6 +360,9 @@ const checkpointFile = "fake-checkpoint.json"
 
 // Checkpoint writes a marker into dir and ends the instance (memory is not kept).
 func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
+	if r.cfg.BeforeCheckpoint != nil {
+		r.cfg.BeforeCheckpoint(id)
+	}
 	if _, err := r.read(id); err != nil {
 		return err
 	}
