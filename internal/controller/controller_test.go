@@ -49,7 +49,7 @@ func TestIdleSuspendAsksAgain(t *testing.T) {
 			got.ObservedGeneration >= got.Generation && strings.Contains(got.Error, "free above the reserve")
 	})
 	s.Eventually(30*time.Second, "a second idle suspend to fail", func() bool {
-		ops, err := s.C.SandboxOperations(ctx(t), sb.ID)
+		ops, err := s.Store.SandboxOperations(ctx(t), sb.ID, 100) // the API's reads are activity
 		failed := 0
 		for _, op := range ops {
 			if op.Kind == api.OpSuspend && op.State == api.OpFailed {
@@ -60,7 +60,7 @@ func TestIdleSuspendAsksAgain(t *testing.T) {
 	})
 	s.Disk.SetFree(-1)
 	s.Eventually(30*time.Second, "the idle suspender to ask again and the suspend to work", func() bool {
-		got, err := s.C.GetSandbox(ctx(t), sb.ID)
+		got, err := s.Store.GetSandbox(ctx(t), sb.ID)
 		return err == nil && got.State == api.StateSuspended && strings.Contains(got.StatusReason, "asking again")
 	})
 }

@@ -601,6 +601,59 @@ func TestStartPaths(t *testing.T) {
 	}
 }
 
+// TestIdleSuspendAfterRefusal: the idle suspender asks again after a refused suspend
+// (a program holds a socket on the disk), once per idle timeout; a command that comes
+// during one of those attempts runs; once the program is gone the next attempt
+// suspends the sandbox.
+func TestIdleSuspendAfterRefusal(t *testing.T) {
+	s := start(t, options{})
+	sb := s.create(t, api.CreateSandboxRequest{IdleTimeout: "2s"})
+	out, _, code := s.exec(t, sb.ID, "bash", "-c",
+		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
+			`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
+	pid := strings.TrimSpace(out)
+	if code != 0 || pid == "" {
+		t.Fatalf("start the listener: %d %q", code, out)
+	}
+	c := ctx(t, 3*time.Minute)
+	// Watched through the store: the API's reads count as activity.
+	db, err := store.Open(c, store.Config{URL: s.DBURL, Logger: discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	state := func() *store.Sandbox {
+		got, err := db.GetSandbox(c, sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	refusals := func() int {
+		ops, err := db.SandboxOperations(c, sb.ID, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, op := range ops {
+			if op.Kind == api.OpSuspend && op.State == api.OpFailed && strings.Contains(op.Error, "/root/app.sock") {
+				n++
+			}
+		}
+		return n
+	}
+	waitFor(t, time.Minute, "two idle suspends to be refused", func() bool { return refusals() >= 2 })
+	if st := state(); st.State != api.StateRunning && st.State != api.StateSuspending {
+		t.Fatalf("after the refusals: %s", st.State)
+	}
+	// This command may come during a third attempt: it waits for it and runs.
+	if _, _, code := s.exec(t, sb.ID, "bash", "-c", "kill "+pid+"; while kill -0 "+pid+" 2>/dev/null; do sleep 0.05; done"); code != 0 {
+		t.Fatal("end the listener")
+	}
+	waitFor(t, time.Minute, "the idle suspender to suspend the sandbox", func() bool { return state().State == api.StateSuspended })
+	t.Logf("%d refusals, then suspended: %q", refusals(), state().StatusReason)
+}
+
 // TestRunIsMemory: /run is a tmpfs (an eighth of the memory) that starts with the
 // template's directories, as a booted Linux machine's: a server's unix socket there (here
 // through Debian's /var/run link) is saved by a suspend and answers after the wake, and
