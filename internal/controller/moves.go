@@ -136,6 +136,22 @@ func (c *Controller) drain1(ctx context.Context, op *store.Operation) error {
 			err = c.rehome(ctx, sb.ID, "draining node "+node.Name+": waking on another node")
 		case sb.MoveFrom == d.Node && sb.State == api.StateSuspended && settled && sb.DesiredState == api.StateSuspended:
 			// Suspended; its node pushes its snapshot.
+		case sb.MoveFrom == d.Node && settled && sb.DesiredState == api.StateSuspended &&
+			(sb.State == api.StateRunning || sb.State == api.StatePaused):
+			// Its checkpoint was refused or failed and it ran on as it was (no room for
+			// the snapshot; under gVisor a socket on its disk): it stays here, meant to
+			// run again, reported.
+			d.Moves[sb.ID] = &api.SandboxMove{SandboxID: sb.ID, State: moveFailed,
+				Error: "its checkpoint failed; it runs on on node " + node.Name + ": " + sb.Error}
+			kind := api.OpWake
+			if sb.State == api.StatePaused {
+				kind = api.OpPause
+			}
+			err = c.request(ctx, sb.ID, sb.State, kind, "draining node "+node.Name+": its move failed; it stays here",
+				func(cur *store.Sandbox) bool { return cur.MoveFrom == d.Node && cur.DesiredState == api.StateSuspended })
+			if err == nil {
+				err = c.st.ClearMove(ctx, sb.ID)
+			}
 		case sb.MoveFrom == d.Node && settled && (sb.State == api.StateStopped || sb.State == api.StateFailed):
 			// Its checkpoint failed and its memory was lost: it stays, reported.
 			d.Moves[sb.ID] = &api.SandboxMove{SandboxID: sb.ID, State: moveFailed,

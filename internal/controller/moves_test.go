@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/api"
+	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/controller"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
@@ -218,4 +219,34 @@ func TestDrain(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// A drain whose move's checkpoint fails with the sandbox running on (here: no room for
+// its snapshot) finishes, failed, naming the sandbox and why; the sandbox stays on its
+// node, running and meant to run, no longer moving. Before, the drain waited for it
+// forever.
+func TestDrainMoveRefused(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	sb := s.Create(api.CreateSandboxRequest{})
+	s.Disk.SetFree(1 << 20) // no room for a snapshot of its memory
+	setRegistry(t, s, s.NodeID, true)
+	otherNode(t, s, "other", true)
+	op, err := s.C.DrainNode(ctx(t), s.NodeID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := s.WaitOp(op.ID, api.OpFailed)
+	if len(failed.Moves) != 1 || failed.Moves[0].State != "failed" || !strings.Contains(failed.Moves[0].Error, "free above the reserve") ||
+		!strings.Contains(failed.Error, sb.ID) {
+		t.Fatalf("drain of a sandbox whose checkpoint fails: %+v", failed)
+	}
+	s.Eventually(10*time.Second, "the sandbox to be meant to run again", func() bool {
+		row, err := s.Store.GetSandbox(ctx(t), sb.ID)
+		return err == nil && row.State == api.StateRunning && row.DesiredState == api.StateRunning &&
+			row.ObservedGeneration >= row.Generation && row.MoveFrom == "" && row.NodeID == s.NodeID
+	})
+	var out strings.Builder
+	if code, err := s.C.Exec(ctx(t), sb.ID, api.CreateSessionRequest{Argv: []string{"echo", "here"}}, client.Output{Stdout: &out}); err != nil || code != 0 || out.String() != "here\n" {
+		t.Fatalf("exec after the failed drain: %d %q %v", code, out.String(), err)
+	}
 }
