@@ -30,8 +30,9 @@ func (c *Controller) idle(ctx context.Context) {
 			reason += "; asking again, the last suspend failed"
 		}
 		if err := c.request(ctx, sb.ID, api.StateSuspended, api.OpSuspend, reason, func(cur *store.Sandbox) bool {
-			// Check also holds a sandbox whose last request is not settled.
-			return cur.State == api.StateRunning && cur.LastActivityAt.Equal(sb.LastActivityAt) &&
+			// Check also holds a sandbox whose last request is not settled; a drain
+			// handles a sandbox whose move failed.
+			return cur.State == api.StateRunning && cur.LastActivityAt.Equal(sb.LastActivityAt) && cur.MoveFrom == "" &&
 				(cur.DesiredState == api.StateRunning || cur.DesiredState == api.StateSuspended) &&
 				lifecycle.Check(cur.Lifecycle(), suspend) == nil
 		}); err != nil {
