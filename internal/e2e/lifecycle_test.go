@@ -601,6 +601,20 @@ func TestStartPaths(t *testing.T) {
 	}
 }
 
+// diskListener starts a program listening on a unix socket on the sandbox's disk
+// (/root/app.sock: a host socket under gVisor) and returns its pid.
+func (s *srv) diskListener(t *testing.T, id string) string {
+	t.Helper()
+	out, _, code := s.exec(t, id, "bash", "-c",
+		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
+			`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
+	pid := strings.TrimSpace(out)
+	if code != 0 || pid == "" {
+		t.Fatalf("start the listener: %d %q", code, out)
+	}
+	return pid
+}
+
 // TestIdleSuspendAfterRefusal: the idle suspender asks again after a refused suspend
 // (a program holds a socket on the disk), once per idle timeout; a command that comes
 // during one of those attempts runs; once the program is gone the next attempt
@@ -608,13 +622,7 @@ func TestStartPaths(t *testing.T) {
 func TestIdleSuspendAfterRefusal(t *testing.T) {
 	s := start(t, options{})
 	sb := s.create(t, api.CreateSandboxRequest{IdleTimeout: "2s"})
-	out, _, code := s.exec(t, sb.ID, "bash", "-c",
-		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
-			`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
-	pid := strings.TrimSpace(out)
-	if code != 0 || pid == "" {
-		t.Fatalf("start the listener: %d %q", code, out)
-	}
+	pid := s.diskListener(t, sb.ID)
 	c := ctx(t, 3*time.Minute)
 	// Watched through the store: the API's reads count as activity.
 	db, err := store.Open(c, store.Config{URL: s.DBURL, Logger: discard()})
@@ -708,13 +716,10 @@ for i in $(seq 100); do [ -S /run/app.sock ] && break; sleep 0.05; done; python3
 func TestSuspendRefusedForDiskSocket(t *testing.T) {
 	s := start(t, options{})
 	sb := s.create(t, api.CreateSandboxRequest{})
-	out, _, code := s.exec(t, sb.ID, "bash", "-c", `echo kept > /dev/shm/kept; `+
-		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
-		`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
-	pid := strings.TrimSpace(out)
-	if code != 0 || pid == "" {
-		t.Fatalf("start the listener: %d %q", code, out)
+	if _, _, code := s.exec(t, sb.ID, "bash", "-c", "echo kept > /dev/shm/kept"); code != 0 {
+		t.Fatal("write /dev/shm/kept")
 	}
+	pid := s.diskListener(t, sb.ID)
 	c := ctx(t, 3*time.Minute)
 	op, err := s.C.LifecycleAndWait(c, sb.ID, api.OpSuspend)
 	if err == nil || op == nil || !strings.Contains(op.Error, "/root/app.sock") || !strings.Contains(op.Error, "python3") {

@@ -736,14 +736,23 @@ const wakeAttempts = 3
 // waitSettled waits (up to wakeTimeout) until the node has acted on the sandbox's
 // latest intent, and returns the sandbox as it is then.
 func (s *Service) waitSettled(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
-	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
+	return s.pollSandbox(ctx, sb.ID, wakeTimeout, func(cur *store.Sandbox) bool {
+		return cur.Lifecycle().Settled() || cur.DeletedAt != nil
+	})
+}
+
+// pollSandbox reads the sandbox every sandboxPollWhileWaking until done holds, or
+// until timeout or ctx ends (then it returns the sandbox as last read). The sandboxes'
+// own notifications reach only the node and the controller, so requests poll.
+func (s *Service) pollSandbox(ctx context.Context, id string, timeout time.Duration, done func(*store.Sandbox) bool) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
-		cur, err := s.st.GetSandbox(ctx, sb.ID)
+		cur, err := s.st.GetSandbox(ctx, id)
 		if err != nil {
 			return nil, err
 		}
-		if cur.Lifecycle().Settled() || cur.DeletedAt != nil {
+		if done(cur) {
 			return cur, nil
 		}
 		t := time.NewTimer(sandboxPollWhileWaking)
@@ -763,24 +772,9 @@ const moveTimeout = 10 * time.Minute
 // waitMoved waits until a moving sandbox's move ends (or moveTimeout passes): it runs
 // on its new node, or the move was aborted.
 func (s *Service) waitMoved(ctx context.Context, sb *store.Sandbox) (*store.Sandbox, error) {
-	ctx, cancel := context.WithTimeout(ctx, moveTimeout)
-	defer cancel()
-	for {
-		cur, err := s.st.GetSandbox(ctx, sb.ID)
-		if err != nil {
-			return nil, err
-		}
-		if cur.MoveFrom == "" || cur.State == api.StateFailed || cur.DeletedAt != nil {
-			return cur, nil
-		}
-		t := time.NewTimer(sandboxPollWhileWaking)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return cur, nil
-		case <-t.C:
-		}
-	}
+	return s.pollSandbox(ctx, sb.ID, moveTimeout, func(cur *store.Sandbox) bool {
+		return cur.MoveFrom == "" || cur.State == api.StateFailed || cur.DeletedAt != nil
+	})
 }
 
 // waitRunning waits until the sandbox runs (or opID finishes).
@@ -796,22 +790,9 @@ func (s *Service) waitRunning(ctx context.Context, sb *store.Sandbox, opID strin
 			return nil, fault.New(fault.Conflict, "waking sandbox %s failed: %s", sb.ID, op.Error)
 		}
 	}
-	for {
-		cur, err := s.st.GetSandbox(ctx, sb.ID)
-		if err != nil {
-			return nil, err
-		}
-		if cur.State == api.StateRunning || cur.DesiredState != api.StateRunning || cur.State == api.StateFailed {
-			return cur, nil
-		}
-		t := time.NewTimer(sandboxPollWhileWaking)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return cur, nil
-		case <-t.C:
-		}
-	}
+	return s.pollSandbox(ctx, sb.ID, wakeTimeout, func(cur *store.Sandbox) bool {
+		return cur.State == api.StateRunning || cur.DesiredState != api.StateRunning || cur.State == api.StateFailed
+	})
 }
 
 // roomForNew refuses a new sandbox (507) when no alive node has disk space above its
