@@ -25,7 +25,10 @@ import (
 	"os"
 	"path"
 	"slices"
+	"strings"
 	"syscall"
+
+	"github.com/spacedev/space/internal/guest/wire"
 )
 
 // FileName is the manifest's name in the agent's run directory (gVisor: the node writes
@@ -37,6 +40,17 @@ const (
 	MaxDepth   = 6
 	MaxEntries = 512
 )
+
+// ScanRootFS lists the directories and links of the /run of the root filesystem at
+// rootfs (Scan through an os.Root), leaving out the agent's own run dir.
+func ScanRootFS(rootfs string) ([]Entry, error) {
+	root, err := os.OpenRoot(rootfs)
+	if err != nil {
+		return nil, fmt.Errorf("open rootfs: %w", err)
+	}
+	defer root.Close()
+	return Scan(root, "run", strings.TrimPrefix(wire.RunMountDir, "/run/"))
+}
 
 // Entry is one directory or symbolic link, relative to /run.
 type Entry struct {

@@ -225,7 +225,7 @@ func switchRoot(log *slog.Logger) error {
 	}
 	// /run is a tmpfs that starts with the disk's directories and links in it (package
 	// rundirs): read them before it hides them.
-	runTree, err := scanRun(newRoot)
+	runTree, err := rundirs.ScanRootFS(newRoot)
 	if err != nil {
 		log.Warn("read /run of the disk", "err", err)
 	}
@@ -339,14 +339,4 @@ func consoleFrom(cmdline []string) string {
 		}
 	}
 	return dev
-}
-
-// scanRun lists the directories and links of the root disk's /run (mounted at root).
-func scanRun(root string) ([]rundirs.Entry, error) {
-	r, err := os.OpenRoot(root)
-	if err != nil {
-		return nil, err
-	}
-	defer r.Close()
-	return rundirs.Scan(r, "run", strings.TrimPrefix(wire.RunMountDir, "/run/"))
 }

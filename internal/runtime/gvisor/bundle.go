@@ -437,13 +437,7 @@ func removeMountPoints(rootfs string, created []string) {
 // in the tmpfs a boot mounts there (package rundirs). The rootfs is read through an
 // os.Root: a sandbox that ran before may have left links anywhere in it.
 func writeRunDirs(spec runtime.Spec) error {
-	root, err := os.OpenRoot(spec.RootFS)
-	if err != nil {
-		return fmt.Errorf("open rootfs: %w", err)
-	}
-	defer root.Close()
-	skip := strings.TrimPrefix(wire.RunMountDir, "/run/")
-	entries, err := rundirs.Scan(root, "run", skip)
+	entries, err := rundirs.ScanRootFS(spec.RootFS)
 	if err != nil {
 		return err
 	}
