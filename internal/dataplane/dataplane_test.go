@@ -251,37 +251,3 @@ func TestLostProcessEndsWithLost(t *testing.T) {
 		t.Fatal("re-attach by pid and identity to a lost process accepted")
 	}
 }
-
-// TestRefusedSuspendKeepsTokens: a suspend ends the sandbox's attachment tokens when it
-// is done, not when it is asked for. One that fails (here no room for the snapshot)
-// leaves the sandbox running, and its tokens working.
-func TestRefusedSuspendKeepsTokens(t *testing.T) {
-	s := spacetest.Start(t, spacetest.Options{})
-	s.Disk.SetFree(1 << 20) // room for a create, not for a snapshot of the memory
-	sb := s.Create(api.CreateSandboxRequest{})
-	sess, err := s.C.CreateSession(ctx(t), sb.ID, api.CreateSessionRequest{Command: "printf hello"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if code, events := sse(t, attachReq(t, sess, "?encoding=text")); code != 200 {
-		t.Fatalf("attach: %d %v", code, events)
-	}
-	op, err := s.C.LifecycleAndWait(ctx(t), sb.ID, "suspend")
-	if err == nil && op.State == api.OpSucceeded {
-		t.Fatalf("suspend without room for the snapshot: %+v", op)
-	}
-	if got, err := s.C.GetSandbox(ctx(t), sb.ID); err != nil || got.State != api.StateRunning {
-		t.Fatalf("after the failed suspend: %+v %v", got, err)
-	}
-	code, events := sse(t, attachReq(t, sess, "?encoding=text"))
-	if all := strings.Join(events, "\n"); code != 200 || !strings.Contains(all, `"text":"hello"`) {
-		t.Fatalf("attach after a failed suspend: %d\n%s", code, all)
-	}
-	s.Disk.SetFree(-1)
-	if op, err := s.C.LifecycleAndWait(ctx(t), sb.ID, "suspend"); err != nil || op.State != api.OpSucceeded {
-		t.Fatalf("suspend: %+v %v", op, err)
-	}
-	if code, events := sse(t, attachReq(t, sess, "")); code != 401 || !strings.Contains(strings.Join(events, ""), "revoked") {
-		t.Fatalf("attach after the suspend: %d %v", code, events)
-	}
-}

@@ -138,12 +138,9 @@ func NeedsWake(desired string) bool {
 }
 
 // RevokesTokens reports whether asking for desired ends every attachment token issued
-// so far: the sandbox's processes stop being reachable (deleted, stopped). A suspend
-// ends them when it is done (store.ReportObserved), not when it is asked for: a
-// suspend the sandbox refuses (a socket gVisor cannot save, no room for the snapshot)
-// leaves it running with its attachments.
+// so far: the sandbox's processes stop being reachable (deleted, suspended, stopped).
 func RevokesTokens(desired string) bool {
-	return desired == api.StateDeleted || desired == api.StateStopped
+	return desired == api.StateDeleted || desired == api.StateSuspended || desired == api.StateStopped
 }
 
 // completes lists the operation kinds that a sandbox reaching each desired state

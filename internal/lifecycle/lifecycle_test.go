@@ -123,7 +123,7 @@ func TestFinishEveryKindAndDesired(t *testing.T) {
 
 func TestRevokesAndWakes(t *testing.T) {
 	for _, d := range desirable {
-		want := d == api.StateDeleted || d == api.StateStopped
+		want := d == api.StateDeleted || d == api.StateSuspended || d == api.StateStopped
 		if RevokesTokens(d) != want {
 			t.Errorf("RevokesTokens(%s)", d)
 		}

@@ -416,17 +416,11 @@ type Observed struct {
 
 // ReportObserved records a node's observation of a sandbox. It is fenced by node id: a
 // node that no longer owns the sandbox cannot overwrite it, and a node marked dead
-// cannot report at all (MarkDeadNodes settled its sandboxes). A sandbox that becomes
-// suspended has its token epoch bumped here (its processes stopped being reachable), not
-// when the suspend was asked for: a refused suspend keeps its attachments. Returns the
-// updated row.
+// cannot report at all (MarkDeadNodes settled its sandboxes). Returns the updated row.
 func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observed) (*Sandbox, error) {
 	// One statement, one round trip: the row, the notification, and (with Progress) the
 	// open operations' message and their notifications.
-	// prev sees the row as it was before u (one snapshot for the whole statement).
-	row := s.pool.QueryRow(ctx, `WITH prev AS (SELECT id, state FROM sandboxes WHERE id=$1),
-	u AS (UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
-		token_epoch=CASE WHEN $3='suspended' AND state <> 'suspended' THEN token_epoch+1 ELSE token_epoch END,
+	row := s.pool.QueryRow(ctx, `WITH u AS (UPDATE sandboxes SET state=$3, observed_generation=GREATEST(observed_generation,$4),
 		error=$5, start_path=CASE WHEN $6='' THEN start_path ELSE $6 END,
 		template_digest=CASE WHEN $7='' THEN template_digest ELSE $7 END,
 		deleted_at=CASE WHEN $8 THEN now() ELSE deleted_at END, updated_at=now(),
@@ -438,10 +432,9 @@ func (s *Store) ReportObserved(ctx context.Context, id, nodeID string, o Observe
 	p AS (UPDATE operations SET state='running', message=$12, error='', updated_at=now(), done_at=NULL
 		WHERE $12 <> '' AND sandbox_id=$1 AND done_at IS NULL AND target_generation <= (SELECT generation FROM u) RETURNING id)
 	SELECT `+sandboxCols+` FROM u, LATERAL (SELECT pg_notify($13, u.id)) n,
-		LATERAL (SELECT count(pg_notify($14, p.id)) AS notified FROM p) o,
-		LATERAL (SELECT count(pg_notify($15, prev.id)) AS revoked FROM prev WHERE prev.id=u.id AND $3='suspended' AND prev.state <> 'suspended') r`,
+		LATERAL (SELECT count(pg_notify($14, p.id)) AS notified FROM p) o`,
 		id, nodeID, o.State, o.ObservedGeneration, o.Error, o.StartPath, o.TemplateDigest, o.Deleted, o.Reason, string(o.Transition),
-		o.IdentityGeneration, o.Progress, ChannelSandboxes, ChannelOperations, ChannelTokens)
+		o.IdentityGeneration, o.Progress, ChannelSandboxes, ChannelOperations)
 	sb, err := scanSandbox(row)
 	if err != nil {
 		return nil, notFound(err, "sandbox on this node", id)
