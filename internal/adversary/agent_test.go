@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -18,21 +18,17 @@ import (
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/e2e/e2etest"
 	"github.com/spacedev/space/internal/guest/wire"
-	"github.com/spacedev/space/internal/store"
-	"github.com/spacedev/space/internal/token"
 )
 
 // impostorScript double-forks into a new session (out of every process group the agent
-// knows) and, until its deadline, tries to take the agent's place: it connects to the
-// node's socket (/run/space/node.sock) and answers the handshake as the agent does. The
-// node closes every such connection unanswered while the agent's own answers its
-// pings; an impostor that ran while the agent was not connected (a restored sandbox
-// whose agent waits for its identity) could be taken in its place. It logs every change
-// of outcome and a heartbeat every 50 ms; if the node ever acknowledges it, it logs
-// ACCEPTED and holds the connection.
+// knows) and, until its deadline, tries to bind the agent's socket path without ever
+// removing what is there: the race a process wins if it runs while the host has
+// deleted the socket of a restored sandbox and the agent waits for its identity. It
+// logs every change of outcome and a heartbeat every 50 ms; if it ever binds, it logs
+// BOUND and answers every request with its own bytes.
 const impostorScript = `
 import errno, os, socket, sys, time
-path, logf, deadline = '/run/space/node.sock', sys.argv[1], time.time() + float(sys.argv[2])
+path, logf, deadline = '/run/space/agent.sock', sys.argv[1], time.time() + float(sys.argv[2])
 if os.fork(): sys.exit(0)
 os.setsid()
 if os.fork(): os._exit(0)
@@ -41,46 +37,30 @@ for fd in (0, 1, 2): os.dup2(nul, fd)
 log = open(logf, 'a', buffering=1)
 log.write('start pid %d sid %d pgid %d\n' % (os.getpid(), os.getsid(0), os.getpgid(0)))
 open(logf + '.pid', 'w').write(str(os.getpid()))
-def attempt(n):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    try:
-        s.connect(path)
-    except OSError as e:
-        return errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__, None
-    try:
-        g, answered = 'impostor%d' % n, None
-        s.sendall(('\nSPACE-HELLO - %s\n' % g).encode())
-        buf = b''
-        while True:
-            chunk = s.recv(4096)
-            if not chunk: break
-            buf += chunk
-            *lines, buf = buf.split(b'\n')
-            for l in lines:
-                f = l.decode(errors='replace').split()
-                if len(f) == 2 and f[0] == 'SPACE-RESET' and f[1] != answered:
-                    s.sendall(('SPACE-HELLO %s %s\n' % (f[1], g)).encode())
-                    answered = f[1]
-                elif len(f) == 2 and f[0] == 'SPACE-ACK' and f[1] == g:
-                    return 'ACCEPTED', s
-    except OSError:
-        pass
-    s.close()
-    return 'REFUSED', None
 last, tries, beat = None, 0, 0
 while time.time() < deadline:
-    tries += 1
-    what, conn = attempt(tries)
-    if conn is not None:
-        log.write('%.3f ACCEPTED\n' % time.time())
-        time.sleep(max(0, deadline - time.time()))
-        break
-    now = time.time()
-    if what != last or now - beat > 0.05:
-        log.write('%.3f try %d %s\n' % (now, tries, what))
-        last, beat = what, now
-    time.sleep(0.0005)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(path)
+    except OSError as e:
+        s.close()
+        tries += 1
+        what = errno.errorcode.get(e.errno, str(e.errno))
+        now = time.time()
+        if what != last or now - beat > 0.05:
+            log.write('%.3f try %d %s\n' % (now, tries, what))
+            last, beat = what, now
+        time.sleep(0.0005)
+        continue
+    log.write('%.3f BOUND\n' % time.time())
+    s.listen(64)
+    body = b'IMPOSTOR'
+    while time.time() < deadline:
+        c, _ = s.accept()
+        c.recv(65536)
+        c.sendall(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' % (len(body), body))
+        c.close()
+    break
 log.write('%.3f end after %d tries\n' % (time.time(), tries))
 `
 
@@ -154,50 +134,26 @@ func (su *suite) attachGarbage(id string) (r struct {
 	}
 }
 
-// agentHealth asks the agent of sandbox id for its health as the control plane does:
-// through its node's data plane (/internal/v1/sandboxes/{id}/agent/…) with a node
-// token minted from the server's signing key, so over the node's link to the agent.
+// agentHealth asks the agent of sandbox id for its health through the host's own
+// socket path (as the node does).
 func (su *suite) agentHealth(t *testing.T, id string) wire.Health {
 	t.Helper()
-	ctx := e2etest.Ctx(t, time.Minute)
-	st, err := store.Open(ctx, store.Config{URL: su.s.DBURL, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
-	key, err := st.SigningKey(ctx, "attach-v1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	signer, err := token.NewSigner(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	epoch, nodeID, err := st.TokenEpoch(ctx, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	node, err := st.GetNode(ctx, nodeID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tok, _, err := signer.Mint(token.Claims{Sandbox: id, Rights: []string{token.RightNode}, Epoch: epoch}, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req, err := http.NewRequestWithContext(ctx, "GET", node.DataPlaneURL+"/internal/v1/sandboxes/"+id+"/agent/v1/health", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Authorization", "Bearer "+tok)
-	resp, err := http.DefaultClient.Do(req)
+	sock := filepath.Join(su.s.DataDir, "runtime", id, "run", wire.AgentSocketName)
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", sock)
+		},
+	}}
+	defer hc.CloseIdleConnections()
+	resp, err := hc.Get("http://agent/v1/health")
 	if err != nil {
 		t.Fatalf("health of %s: %v", id, err)
 	}
 	defer resp.Body.Close()
 	var h wire.Health
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<16)).Decode(&h); err != nil {
-		t.Fatalf("health of %s (%d): %v", id, resp.StatusCode, err)
+		t.Fatalf("health of %s: %v", id, err)
 	}
 	return h
 }
@@ -205,8 +161,8 @@ func (su *suite) agentHealth(t *testing.T, id string) wire.Health {
 // checkAgentIsReal checks that the host talks to the real agent of sandbox id after a
 // restore made between from and to: the identity generation it reports is one the node
 // made in that window (the node's generations are its clock in nanoseconds), the files
-// API returns the real file, and the impostor's log shows the node never accepted it
-// and kept refusing it after the sandbox was thawed.
+// API returns the real file, and the impostor's log shows it never bound the socket
+// and kept failing after the sandbox was thawed.
 func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time.Time) {
 	t.Helper()
 	h := su.agentHealth(t, id)
@@ -223,13 +179,13 @@ func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time
 	if string(got) != marker {
 		t.Errorf("%s: the files API returned %q, want the real file %q", id, got, marker)
 	}
-	// The impostor ran again after the thaw and was still refused.
+	// The impostor ran again after the thaw and still could not bind.
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		log := su.mustSh(t, id, "cat /tmp/impostor.log")
-		if strings.Contains(log, "ACCEPTED") {
-			t.Fatalf("%s: the node took the impostor for the agent (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
+		if strings.Contains(log, "BOUND") {
+			t.Fatalf("%s: the impostor bound the agent's socket (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
 		}
-		if strings.Count(log, "REFUSED") > 1 && lastTry(log) > float64(to.UnixNano())/1e9 {
+		if strings.Count(log, "EADDRINUSE") > 1 && lastTry(log) > float64(to.UnixNano())/1e9 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -257,13 +213,12 @@ func lastTry(log string) float64 {
 	return last
 }
 
-// attackImpersonation: a setsid, double-forked process loops trying to take the agent's
-// place on the node's socket across suspend + wake and across a clone. The agent
-// freezes every process of the sandbox before the checkpoint and thaws them only after
-// the restored copy has its new identity and has connected, so the impostor never runs
-// while the agent is not connected: the host keeps talking to the real agent (the
-// identity generation is the node's, the files API returns real content), and the
-// impostor's own log shows the node never accepted it.
+// attackImpersonation: a setsid, double-forked process loops trying to bind the agent's
+// socket across suspend + wake and across a clone. The agent freezes every process of
+// the sandbox before the checkpoint and thaws them only after the restored copy has its
+// new identity, so the impostor never runs while the socket is missing: the host keeps
+// talking to the real agent (the identity generation is the node's, the files API
+// returns real content), and the impostor's own log shows it never bound the socket.
 func attackImpersonation(t *testing.T, su *suite) {
 	sb := su.create(t, api.CreateSandboxRequest{})
 	marker := fmt.Sprintf("real-%d", time.Now().UnixNano())
@@ -271,7 +226,7 @@ func attackImpersonation(t *testing.T, su *suite) {
 	su.put(t, sb.ID, "/tmp/impostor.py", impostorScript, 0o644)
 	su.mustSh(t, sb.ID, "python3 /tmp/impostor.py /tmp/impostor.log 120")
 	e2etest.WaitFor(t, 30*time.Second, "the impostor to try", func() bool {
-		return strings.Contains(su.mustSh(t, sb.ID, "cat /tmp/impostor.log 2>/dev/null; true"), "REFUSED")
+		return strings.Contains(su.mustSh(t, sb.ID, "cat /tmp/impostor.log 2>/dev/null; true"), "EADDRINUSE")
 	})
 	defer su.sh(t, sb.ID, "kill -9 $(cat /tmp/impostor.log.pid) 2>/dev/null; true")
 
@@ -307,18 +262,14 @@ func attackImpersonation(t *testing.T, su *suite) {
 	su.sh(t, clone.ID, "kill -9 $(cat /tmp/impostor.log.pid) 2>/dev/null; true")
 }
 
-// fakeAgentScript stands in for the agent, as sandbox root may try to: it connects to
-// the node's socket in a loop (every millisecond), answers the handshake and, once the
-// node takes it, serves its own HTTP over yamux streams (one socket pair per stream, so
-// that Python's HTTP server does the parsing). While the agent's own connection answers
-// the node refuses it; after a restart of the node it may connect first.
-// /v1/health and every path it does not name answer with a 1 GiB body; GET
-// /v1/processes never ends (a byte every 200 ms); it accepts a process (pid 4242) whose
-// output stream is garbage frames. It signals that the node took it with a file in the
-// run directory, which the host sees.
+// fakeAgentScript replaces the agent at run time, as sandbox root can: it unlinks the
+// agent's socket and serves its own HTTP there. /v1/health and every path it does not
+// name answer with a 1 GiB body; GET /v1/processes never ends (a byte every 200 ms);
+// it accepts a process (pid 4242) whose output stream is garbage frames. It signals
+// readiness with a file in the run directory, which the host sees.
 const fakeAgentScript = `
-import http.server, json, os, socket, struct, sys, threading, time
-path = '/run/space/node.sock'
+import http.server, json, os, socket, socketserver, struct, sys, time
+path = '/run/space/agent.sock'
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
     def log_message(self, *a): pass
@@ -368,155 +319,83 @@ class H(http.server.BaseHTTPRequestHandler):
         if p == '/v1/processes/4242/start':
             self.head(204, 'application/json', 0); return
         return self.huge()
-HDR = struct.Struct('>BBHII')
-DATA, WIN, PING = 0, 1, 2
-SYN, ACK, FIN, RST = 1, 2, 4, 8
-class Stream:
-    def __init__(self, mux, sid):
-        self.mux, self.sid, self.window = mux, sid, 256 * 1024
-        self.a, self.b = socket.socketpair()
-        self.cv = threading.Condition()
-        threading.Thread(target=self.pump, daemon=True).start()
-        threading.Thread(target=self.serve, daemon=True).start()
-    def serve(self):
-        try: H(self.b, ('fake', 0), None)
-        except Exception: pass
-        try: self.b.shutdown(socket.SHUT_RDWR)
-        except OSError: pass
-        self.b.close()
-    def pump(self):
-        while True:
-            with self.cv:
-                while self.window <= 0: self.cv.wait()
-                n = min(self.window, 16384)
-            try: data = self.a.recv(n)
-            except OSError: data = b''
-            if not data:
-                self.mux.send(DATA, FIN, self.sid, b''); return
-            with self.cv: self.window -= len(data)
-            if not self.mux.send(DATA, 0, self.sid, data): return
-    def feed(self, data):
-        try: self.a.sendall(data)
-        except OSError: pass
-        self.mux.send(WIN, 0, self.sid, b'', len(data))
-    def grant(self, n):
-        with self.cv:
-            self.window += n; self.cv.notify()
-    def end(self):
-        try: self.a.shutdown(socket.SHUT_WR)
-        except OSError: pass
-class Mux:
-    def __init__(self, s, rest):
-        self.s, self.rest, self.lock, self.streams = s, rest, threading.Lock(), {}
-    def send(self, typ, flags, sid, payload, length=None):
-        try:
-            with self.lock: self.s.sendall(HDR.pack(0, typ, flags, sid, len(payload) if length is None else length) + payload)
-            return True
-        except OSError: return False
-    def read(self, n):
-        out = b''
-        while len(out) < n:
-            if self.rest:
-                take = self.rest[:n - len(out)]
-                self.rest = self.rest[len(take):]
-                out += take
-                continue
-            chunk = self.s.recv(n - len(out))
-            if not chunk: raise EOFError
-            out += chunk
-        return out
-    def run(self):
-        while True:
-            _, typ, flags, sid, length = HDR.unpack(self.read(12))
-            if typ == PING:
-                if flags & SYN: self.send(PING, ACK, 0, b'', length)
-                continue
-            if typ not in (DATA, WIN): return
-            st = self.streams.get(sid)
-            if st is None and flags & SYN:
-                st = self.streams[sid] = Stream(self, sid)
-                self.send(WIN, ACK, sid, b'', 0)
-            data = self.read(length) if typ == DATA and length else b''
-            if st is None: continue
-            if typ == DATA and data: st.feed(data)
-            if typ == WIN: st.grant(length)
-            if flags & (FIN | RST): st.end()
-def handshake(s):
-    g, answered = 'fake%d' % os.getpid(), None
-    s.sendall(('\nSPACE-HELLO - %s\n' % g).encode())
-    buf = b''
-    while True:
-        chunk = s.recv(4096)
-        if not chunk: return None
-        buf += chunk
-        while b'\n' in buf:
-            line, buf = buf.split(b'\n', 1)
-            f = line.decode(errors='replace').split()
-            if len(f) == 2 and f[0] == 'SPACE-RESET' and f[1] != answered:
-                s.sendall(('SPACE-HELLO %s %s\n' % (f[1], g)).encode()); answered = f[1]
-            elif len(f) == 2 and f[0] == 'SPACE-ACK' and f[1] == g: return buf
+class S(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
 if os.fork(): sys.exit(0)
 os.setsid()
-refused = 0
-while True:
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(path)
-        rest = handshake(s)
-    except OSError as e:
-        rest = None
-    if rest is not None: break
-    refused += 1
-    s.close(); time.sleep(0.001)
-print('taken after %d refusals or failed connects' % refused, flush=True)
+os.unlink(path)
+srv = S(path, H)
 open('/run/space/fake.ready', 'w').close()
-try: Mux(s, rest).run()
-except EOFError: pass
+srv.serve_forever()
 `
 
-// TestHostileAgentAfterRestart: sandbox root cannot replace its agent while the agent
-// is connected (the node refuses other connections while the agent's answers:
-// TestAdversarial/AgentImpersonationAfterRestore; it cannot stop the agent either, which
-// gVisor's ptrace refuses), but when the node restarts, a process that connects first
-// takes the agent's place, as the threat model allows. Such a hostile HTTP server then
-// fails only its own sandbox's requests: the API answers them with a clear 502 within
-// the agent client's bounds (size and time), the server's memory does not grow by more
-// than a few MiB while the node's own health polls meet 1 GiB bodies, and the sandbox
-// can still be deleted. (Until 2026-12-06 this was TestAdversarial/AgentReplacedAtRuntime:
-// the agent listened on a socket root could unlink and bind itself.)
-func TestHostileAgentAfterRestart(t *testing.T) {
-	su := &suite{s: e2etest.Start(t, e2etest.Options{})}
+// attackReplacedAgent: sandbox root replaces its agent with a hostile HTTP server. The
+// API answers requests for that sandbox with a clear 502 within the agent client's
+// bounds (size and time), the server's memory does not grow by more than a few MiB
+// while the node's own health polls meet 1 GiB bodies, and the neighbour is unaffected
+// (the suite's prober). The sandbox can still be deleted.
+func attackReplacedAgent(t *testing.T, su *suite) {
 	sb := su.s.Create(t, api.CreateSandboxRequest{})
 	su.put(t, sb.ID, "/tmp/fake.py", fakeAgentScript, 0o644)
-	su.mustSh(t, sb.ID, "python3 /tmp/fake.py </dev/null >/tmp/fake.log 2>&1")
-	ready := filepath.Join(su.s.DataDir, "runtime", sb.ID, "run", "fake.ready")
-	// The agent answers: the fake is refused.
-	time.Sleep(2 * time.Second)
-	if _, err := os.Stat(ready); err == nil {
-		t.Fatal("the node took the fake in the place of a connected agent")
+	c := e2etest.Ctx(t, 3*time.Minute)
+	// A long-running process of the real agent, attached once (which starts it).
+	sleeper, err := su.s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Argv: []string{"sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if out := su.mustSh(t, sb.ID, "echo real"); out != "real\n" {
-		t.Fatalf("the real agent: %q", out)
-	}
-	// A restart: the agent connects again within a second; the fake, trying every
-	// millisecond, is most often first. The real agent may win a round: restart again.
-	taken := false
-	for round := 0; round < 4 && !taken; round++ {
-		su.s.Kill()
-		su.s.Restart()
-		deadline := time.Now().Add(15 * time.Second)
-		for !taken && time.Now().Before(deadline) {
-			_, err := os.Stat(ready)
-			taken = err == nil
-			time.Sleep(50 * time.Millisecond)
+	var held []*client.Stream
+	defer func() {
+		for _, st := range held {
+			st.Close()
 		}
-		t.Logf("restart %d: the fake took the agent's place: %v", round+1, taken)
+	}()
+	first, err := su.s.C.Attach(c, sleeper, "")
+	if err != nil {
+		t.Fatal(err)
 	}
-	if !taken {
-		t.Fatal("the fake never took the agent's place in 4 restarts")
-	}
+	held = append(held, first)
 	rssBefore := rssKB(su.s.Pid())
 	stopRSS := su.rssWatch()
+	su.mustSh(t, sb.ID, "python3 /tmp/fake.py </dev/null >/tmp/fake.log 2>&1")
+	e2etest.WaitFor(t, 30*time.Second, "the fake agent", func() bool {
+		_, err := os.Stat(filepath.Join(su.s.DataDir, "runtime", sb.ID, "run", "fake.ready"))
+		return err == nil
+	})
+	// The node keeps the connections it opened to the real agent before the takeover
+	// (the real agent still serves them): new requests reach the fake only on new
+	// connections. Occupy every connection to the real agent with an output stream of
+	// the sleeper, in rounds, until a round gets none: from then on every request
+	// dials, and meets the fake.
+	for round := 0; round < 8; round++ {
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		got := 0
+		for range 24 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				st, err := su.s.C.Attach(c, sleeper, "")
+				if err != nil {
+					return
+				}
+				ev, err := st.Next()
+				mu.Lock()
+				defer mu.Unlock()
+				if err == nil && ev.Name == api.EventStart {
+					held = append(held, st)
+					got++
+					return
+				}
+				st.Close()
+			}()
+		}
+		wg.Wait()
+		t.Logf("round %d: %d more connections to the real agent held", round, got)
+		if got == 0 && round > 0 {
+			break
+		}
+		time.Sleep(3 * time.Second) // past the node's health poll, which may hold one
+	}
 
 	// Requests for the hostile sandbox, straight over HTTP (the Go client retries a GET
 	// that failed with 502, which would hide how long one took).
@@ -570,6 +449,7 @@ func TestHostileAgentAfterRestart(t *testing.T) {
 		t.Errorf("GET the hostile sandbox: %+v %v", got, err)
 	}
 	peak := stopRSS()
+	su.figure("  server RSS (replaced agent)", fmt.Sprintf("%d KiB before, peak %d KiB", rssBefore, peak))
 	t.Logf("space serve RSS: %d KiB before, peak %d KiB while answering the fake agent", rssBefore, peak)
 	if peak-rssBefore > 16<<10 {
 		t.Errorf("space serve RSS grew by %d KiB talking to a hostile agent", peak-rssBefore)

@@ -4,19 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"time"
-
-	"github.com/spacedev/space/internal/guest/vmboot"
 )
 
-// listenSpec is a parsed Config.Listen: "unix:/path", "connect:/path", "vsock:PORT" or
+// listenSpec is a parsed Config.Listen: "unix:/path", "vsock:PORT" or
 // "serial:/dev/vportNpM".
 type listenSpec struct {
 	network string
@@ -26,10 +22,10 @@ type listenSpec struct {
 func parseListen(s string) (listenSpec, error) {
 	network, address, ok := strings.Cut(s, ":")
 	if !ok || address == "" {
-		return listenSpec{}, fmt.Errorf("listen address %q: want unix:PATH, connect:PATH, vsock:PORT or serial:DEVICE", s)
+		return listenSpec{}, fmt.Errorf("listen address %q: want unix:PATH, vsock:PORT or serial:DEVICE", s)
 	}
 	switch network {
-	case "unix", "connect":
+	case "unix":
 		if !filepath.IsAbs(address) {
 			return listenSpec{}, fmt.Errorf("listen address %q: socket path must be absolute", s)
 		}
@@ -45,9 +41,8 @@ func parseListen(s string) (listenSpec, error) {
 }
 
 // listen opens the listener for s. Every transport yields a net.Listener, so the HTTP
-// server above does not care which one it is: vsock is an AF_VSOCK socket, serial a
-// yamux session over the port (yamux.Session implements net.Listener), and connect a
-// yamux session over a connection the agent makes to the host's unix socket.
+// server above does not care which one it is: vsock will be an AF_VSOCK socket, and
+// serial a yamux session over the port (yamux.Session implements net.Listener).
 func listen(ctx context.Context, s string) (net.Listener, error) {
 	ls, err := parseListen(s)
 	if err != nil {
@@ -56,8 +51,6 @@ func listen(ctx context.Context, s string) (net.Listener, error) {
 	switch ls.network {
 	case "unix":
 		return listenUnix(ctx, ls.address)
-	case "connect":
-		return listenConnect(ctx, ls.address)
 	case "serial":
 		return listenSerial(ctx, ls.address)
 	case "vsock":
@@ -92,42 +85,3 @@ func listenUnix(ctx context.Context, path string) (net.Listener, error) {
 	_ = os.Chmod(path, 0o600)
 	return ln, nil
 }
-
-// listenConnect serves the host over connections the agent makes to the host's unix
-// socket at path (gVisor: the node listens on it, in the run directory): the serial
-// transport's handshake and yamux streams run over one connection at a time, as over a
-// port. Under gVisor the agent then binds no socket on a host file system, so runsc can
-// run with --host-uds=open: a socket a program binds on the disk is the Sentry's, which
-// a checkpoint saves (with --host-uds=create it was a host socket, and the sandbox
-// could not be suspended while it existed). A connection that ends (the node
-// restarted, or refused it while another connection of this sandbox's held its place)
-// is made again: at once after one that lasted, else after a pause that doubles up to
-// a second.
-func listenConnect(ctx context.Context, path string) (net.Listener, error) {
-	var last time.Time
-	var pause time.Duration
-	open := func() (io.ReadWriteCloser, error) {
-		if !last.IsZero() {
-			if time.Since(last) < connectSettled {
-				pause = min(max(2*pause, 10*time.Millisecond), time.Second)
-			} else {
-				pause = 0
-			}
-			t := time.NewTimer(pause)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return nil, ctx.Err()
-			case <-t.C:
-			}
-		}
-		last = time.Now()
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", path)
-	}
-	return vmboot.ListenConn(ctx, "connect:"+path, open, nil)
-}
-
-// connectSettled is how long a connection to the host must have lasted for the next
-// one to be made at once.
-const connectSettled = time.Second

@@ -63,14 +63,6 @@ func Listen(ctx context.Context, dev string, log *slog.Logger) (net.Listener, er
 	}, log)
 }
 
-// ListenConn is Listen over the connections open makes, one after the other: under
-// gVisor the agent dials the node's unix socket (there is no device), and the same
-// handshake and yamux session run over that connection. name names the listener.
-// The first open must succeed; later failures are retried after a pause.
-func ListenConn(ctx context.Context, name string, open func() (io.ReadWriteCloser, error), log *slog.Logger) (net.Listener, error) {
-	return listen(ctx, name, open, log)
-}
-
 // listen is Listen with the device opener abstracted (tests use socket pairs).
 func listen(ctx context.Context, name string, open func() (io.ReadWriteCloser, error), log *slog.Logger) (net.Listener, error) {
 	if log == nil {

@@ -1,8 +1,6 @@
 // Command testagent is a stand-in for space-agent used by the gVisor runtime tests. It
-// serves on $SPACE_AGENT_LISTEN — connect:PATH (it connects to the node's socket and
-// serves yamux streams over the connection, as space-agent does, through package
-// vmboot) or unix:PATH (it listens) — and answers a few inspection endpoints so tests
-// can look inside the sandbox. Besides vmboot it depends on the standard library only.
+// listens on $SPACE_AGENT_LISTEN (unix:PATH) and answers a few inspection endpoints so
+// tests can look inside the sandbox. It depends on the standard library only.
 package main
 
 import (
@@ -10,8 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -22,8 +18,6 @@ import (
 	"syscall"
 	"time"
 	"unsafe"
-
-	"github.com/spacedev/space/internal/guest/vmboot"
 )
 
 // held is the memory POST /hold keeps.
@@ -53,12 +47,8 @@ func main() {
 func run() error {
 	listen := os.Getenv("SPACE_AGENT_LISTEN")
 	path, ok := strings.CutPrefix(listen, "unix:")
-	connect := false
 	if !ok {
-		if path, ok = strings.CutPrefix(listen, "connect:"); !ok {
-			return fmt.Errorf("SPACE_AGENT_LISTEN=%q: want unix:PATH or connect:PATH", listen)
-		}
-		connect = true
+		return fmt.Errorf("SPACE_AGENT_LISTEN=%q: want unix:PATH", listen)
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/health", func(w http.ResponseWriter, r *http.Request) {
@@ -255,34 +245,12 @@ func run() error {
 	quiesce := make(chan struct{}, 1)
 	mux.HandleFunc("POST /quiesce", func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
-		// Out before the listener closes: over a yamux session, closing the listener
-		// ends every stream at once.
-		_ = http.NewResponseController(w).Flush()
 		quiesce <- struct{}{}
 	})
 	dir := path[:strings.LastIndex(path, "/")]
 	for {
-		var l net.Listener
-		var err error
-		if connect {
-			// As space-agent: retried until the node listens (it may be restarting).
-			open := func() (io.ReadWriteCloser, error) {
-				c, err := net.Dial("unix", path)
-				if err != nil {
-					time.Sleep(10 * time.Millisecond)
-				}
-				return c, err
-			}
-			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-			for {
-				if l, err = vmboot.ListenConn(context.Background(), listen, open, log); err == nil {
-					break
-				}
-			}
-		} else {
-			_ = os.Remove(path)
-			l, err = net.Listen("unix", path)
-		}
+		_ = os.Remove(path)
+		l, err := net.Listen("unix", path)
 		if err != nil {
 			return err
 		}
