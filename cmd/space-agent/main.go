@@ -1,7 +1,7 @@
 // Command space-agent is the in-sandbox agent: PID 1 of every sandbox. It reads its
 // configuration from the environment and runs package agent until SIGTERM.
 //
-//	SPACE_AGENT_LISTEN         unix:/run/space/agent.sock (default), vsock:PORT (Firecracker), serial:DEV (QEMU)
+//	SPACE_AGENT_LISTEN         connect:/run/space/node.sock (gVisor: connect to the node), unix:/run/space/agent.sock (default: listen), vsock:PORT (Firecracker), serial:DEV (QEMU)
 //	SPACE_AGENT_RUN_DIR        where the host drops the resume file (default: the socket's directory)
 //	SPACE_AGENT_JOURNAL_BYTES  output journal bound per process, bytes (default 8388608)
 //	SPACE_AGENT_RETENTION      how long exited processes stay readable (Go duration, default 10m)

@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
+	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -18,17 +18,21 @@ import (
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/e2e/e2etest"
 	"github.com/spacedev/space/internal/guest/wire"
+	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/token"
 )
 
 // impostorScript double-forks into a new session (out of every process group the agent
-// knows) and, until its deadline, tries to bind the agent's socket path without ever
-// removing what is there: the race a process wins if it runs while the host has
-// deleted the socket of a restored sandbox and the agent waits for its identity. It
-// logs every change of outcome and a heartbeat every 50 ms; if it ever binds, it logs
-// BOUND and answers every request with its own bytes.
+// knows) and, until its deadline, tries to take the agent's place: it connects to the
+// node's socket (/run/space/node.sock) and asks for the control connection as the agent
+// does (package agentlink). The node closes every such connection unanswered while the
+// agent's own answers its pings; an impostor that ran while the agent was not connected (a restored sandbox
+// whose agent waits for its identity) could be taken in its place. It logs every change
+// of outcome and a heartbeat every 50 ms; if the node ever acknowledges it, it logs
+// ACCEPTED (the node sent it a key) and holds the connection.
 const impostorScript = `
 import errno, os, socket, sys, time
-path, logf, deadline = '/run/space/agent.sock', sys.argv[1], time.time() + float(sys.argv[2])
+path, logf, deadline = '/run/space/node.sock', sys.argv[1], time.time() + float(sys.argv[2])
 if os.fork(): sys.exit(0)
 os.setsid()
 if os.fork(): os._exit(0)
@@ -37,30 +41,39 @@ for fd in (0, 1, 2): os.dup2(nul, fd)
 log = open(logf, 'a', buffering=1)
 log.write('start pid %d sid %d pgid %d\n' % (os.getpid(), os.getsid(0), os.getpgid(0)))
 open(logf + '.pid', 'w').write(str(os.getpid()))
+def attempt(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(path)
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__, None
+    try:
+        s.sendall(b'space-agent control\n')
+        buf = b''
+        while b'\n' not in buf:
+            chunk = s.recv(4096)
+            if not chunk: break
+            buf += chunk
+        if buf.startswith(b'key '):
+            return 'ACCEPTED', s
+    except OSError:
+        pass
+    s.close()
+    return 'REFUSED', None
 last, tries, beat = None, 0, 0
 while time.time() < deadline:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.bind(path)
-    except OSError as e:
-        s.close()
-        tries += 1
-        what = errno.errorcode.get(e.errno, str(e.errno))
-        now = time.time()
-        if what != last or now - beat > 0.05:
-            log.write('%.3f try %d %s\n' % (now, tries, what))
-            last, beat = what, now
-        time.sleep(0.0005)
-        continue
-    log.write('%.3f BOUND\n' % time.time())
-    s.listen(64)
-    body = b'IMPOSTOR'
-    while time.time() < deadline:
-        c, _ = s.accept()
-        c.recv(65536)
-        c.sendall(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' % (len(body), body))
-        c.close()
-    break
+    tries += 1
+    what, conn = attempt(tries)
+    if conn is not None:
+        log.write('%.3f ACCEPTED\n' % time.time())
+        time.sleep(max(0, deadline - time.time()))
+        break
+    now = time.time()
+    if what != last or now - beat > 0.05:
+        log.write('%.3f try %d %s\n' % (now, tries, what))
+        last, beat = what, now
+    time.sleep(0.0005)
 log.write('%.3f end after %d tries\n' % (time.time(), tries))
 `
 
@@ -134,26 +147,50 @@ func (su *suite) attachGarbage(id string) (r struct {
 	}
 }
 
-// agentHealth asks the agent of sandbox id for its health through the host's own
-// socket path (as the node does).
+// agentHealth asks the agent of sandbox id for its health as the control plane does:
+// through its node's data plane (/internal/v1/sandboxes/{id}/agent/…) with a node
+// token minted from the server's signing key, so over the node's link to the agent.
 func (su *suite) agentHealth(t *testing.T, id string) wire.Health {
 	t.Helper()
-	sock := filepath.Join(su.s.DataDir, "runtime", id, "run", wire.AgentSocketName)
-	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", sock)
-		},
-	}}
-	defer hc.CloseIdleConnections()
-	resp, err := hc.Get("http://agent/v1/health")
+	ctx := e2etest.Ctx(t, time.Minute)
+	st, err := store.Open(ctx, store.Config{URL: su.s.DBURL, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	key, err := st.SigningKey(ctx, "attach-v1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	signer, err := token.NewSigner(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	epoch, nodeID, err := st.TokenEpoch(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node, err := st.GetNode(ctx, nodeID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, _, err := signer.Mint(token.Claims{Sandbox: id, Rights: []string{token.RightNode}, Epoch: epoch}, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req, err := http.NewRequestWithContext(ctx, "GET", node.DataPlaneURL+"/internal/v1/sandboxes/"+id+"/agent/v1/health", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+tok)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatalf("health of %s: %v", id, err)
 	}
 	defer resp.Body.Close()
 	var h wire.Health
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<16)).Decode(&h); err != nil {
-		t.Fatalf("health of %s: %v", id, err)
+		t.Fatalf("health of %s (%d): %v", id, resp.StatusCode, err)
 	}
 	return h
 }
@@ -161,8 +198,8 @@ func (su *suite) agentHealth(t *testing.T, id string) wire.Health {
 // checkAgentIsReal checks that the host talks to the real agent of sandbox id after a
 // restore made between from and to: the identity generation it reports is one the node
 // made in that window (the node's generations are its clock in nanoseconds), the files
-// API returns the real file, and the impostor's log shows it never bound the socket
-// and kept failing after the sandbox was thawed.
+// API returns the real file, and the impostor's log shows the node never accepted it
+// and kept refusing it after the sandbox was thawed.
 func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time.Time) {
 	t.Helper()
 	h := su.agentHealth(t, id)
@@ -179,13 +216,13 @@ func (su *suite) checkAgentIsReal(t *testing.T, id, marker string, from, to time
 	if string(got) != marker {
 		t.Errorf("%s: the files API returned %q, want the real file %q", id, got, marker)
 	}
-	// The impostor ran again after the thaw and still could not bind.
+	// The impostor ran again after the thaw and was still refused.
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		log := su.mustSh(t, id, "cat /tmp/impostor.log")
-		if strings.Contains(log, "BOUND") {
-			t.Fatalf("%s: the impostor bound the agent's socket (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
+		if strings.Contains(log, "ACCEPTED") {
+			t.Fatalf("%s: the node took the impostor for the agent (wake or clone done at %.3f):\n%s", id, float64(to.UnixNano())/1e9, log)
 		}
-		if strings.Count(log, "EADDRINUSE") > 1 && lastTry(log) > float64(to.UnixNano())/1e9 {
+		if strings.Count(log, "REFUSED") > 1 && lastTry(log) > float64(to.UnixNano())/1e9 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -213,12 +250,13 @@ func lastTry(log string) float64 {
 	return last
 }
 
-// attackImpersonation: a setsid, double-forked process loops trying to bind the agent's
-// socket across suspend + wake and across a clone. The agent freezes every process of
-// the sandbox before the checkpoint and thaws them only after the restored copy has its
-// new identity, so the impostor never runs while the socket is missing: the host keeps
-// talking to the real agent (the identity generation is the node's, the files API
-// returns real content), and the impostor's own log shows it never bound the socket.
+// attackImpersonation: a setsid, double-forked process loops trying to take the agent's
+// place on the node's socket across suspend + wake and across a clone. The agent
+// freezes every process of the sandbox before the checkpoint and thaws them only after
+// the restored copy has its new identity and has connected, so the impostor never runs
+// while the agent is not connected: the host keeps talking to the real agent (the
+// identity generation is the node's, the files API returns real content), and the
+// impostor's own log shows the node never accepted it.
 func attackImpersonation(t *testing.T, su *suite) {
 	sb := su.create(t, api.CreateSandboxRequest{})
 	marker := fmt.Sprintf("real-%d", time.Now().UnixNano())
@@ -226,7 +264,7 @@ func attackImpersonation(t *testing.T, su *suite) {
 	su.put(t, sb.ID, "/tmp/impostor.py", impostorScript, 0o644)
 	su.mustSh(t, sb.ID, "python3 /tmp/impostor.py /tmp/impostor.log 120")
 	e2etest.WaitFor(t, 30*time.Second, "the impostor to try", func() bool {
-		return strings.Contains(su.mustSh(t, sb.ID, "cat /tmp/impostor.log 2>/dev/null; true"), "EADDRINUSE")
+		return strings.Contains(su.mustSh(t, sb.ID, "cat /tmp/impostor.log 2>/dev/null; true"), "REFUSED")
 	})
 	defer su.sh(t, sb.ID, "kill -9 $(cat /tmp/impostor.log.pid) 2>/dev/null; true")
 
@@ -262,14 +300,18 @@ func attackImpersonation(t *testing.T, su *suite) {
 	su.sh(t, clone.ID, "kill -9 $(cat /tmp/impostor.log.pid) 2>/dev/null; true")
 }
 
-// fakeAgentScript replaces the agent at run time, as sandbox root can: it unlinks the
-// agent's socket and serves its own HTTP there. /v1/health and every path it does not
-// name answer with a 1 GiB body; GET /v1/processes never ends (a byte every 200 ms);
-// it accepts a process (pid 4242) whose output stream is garbage frames. It signals
-// readiness with a file in the run directory, which the host sees.
+// fakeAgentScript stands in for the agent, as sandbox root may try to: it connects to
+// the node's socket in a loop (every millisecond), asks for the control connection as
+// the agent does and, once the node takes it (sends it the key), makes a data
+// connection whenever the node asks for one and serves its own HTTP on it. While the agent's own connection answers
+// the node refuses it; after a restart of the node it may connect first.
+// /v1/health and every path it does not name answer with a 1 GiB body; GET
+// /v1/processes never ends (a byte every 200 ms); it accepts a process (pid 4242) whose
+// output stream is garbage frames. It signals that the node took it with a file in the
+// run directory, which the host sees.
 const fakeAgentScript = `
-import http.server, json, os, socket, socketserver, struct, sys, time
-path = '/run/space/agent.sock'
+import http.server, json, os, socket, struct, sys, threading, time
+path = '/run/space/node.sock'
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
     def log_message(self, *a): pass
@@ -319,83 +361,85 @@ class H(http.server.BaseHTTPRequestHandler):
         if p == '/v1/processes/4242/start':
             self.head(204, 'application/json', 0); return
         return self.huge()
-class S(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+def serve(key):
+    d = socket.socket(socket.AF_UNIX)
+    try:
+        d.connect(path); d.sendall(('space-agent data %s\n' % key).encode())
+        H(d, ('fake', 0), None)
+    except Exception: pass
+    try: d.shutdown(socket.SHUT_RDWR)
+    except OSError: pass
+    d.close()
+def control():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(b'space-agent control\n')
+    f = s.makefile('rb')
+    line = f.readline().decode(errors='replace').split()
+    if len(line) != 2 or line[0] != 'key':
+        f.close(); s.close(); return None, None
+    return s, (f, line[1])
 if os.fork(): sys.exit(0)
 os.setsid()
-os.unlink(path)
-srv = S(path, H)
+refused = 0
+while True:
+    try: s, rest = control()
+    except OSError: s = None
+    if s is not None: break
+    refused += 1
+    time.sleep(0.001)
+print('taken after %d refusals or failed connects' % refused, flush=True)
 open('/run/space/fake.ready', 'w').close()
-srv.serve_forever()
+f, key = rest
+for line in f:
+    line = line.strip()
+    if line == b'dial': threading.Thread(target=serve, args=(key,), daemon=True).start()
+    elif line == b'ping': s.sendall(b'pong\n')
 `
 
-// attackReplacedAgent: sandbox root replaces its agent with a hostile HTTP server. The
-// API answers requests for that sandbox with a clear 502 within the agent client's
-// bounds (size and time), the server's memory does not grow by more than a few MiB
-// while the node's own health polls meet 1 GiB bodies, and the neighbour is unaffected
-// (the suite's prober). The sandbox can still be deleted.
-func attackReplacedAgent(t *testing.T, su *suite) {
+// TestHostileAgentAfterRestart: sandbox root cannot replace its agent while the agent
+// is connected (the node refuses other connections while the agent's answers:
+// TestAdversarial/AgentImpersonationAfterRestore; it cannot stop the agent either, which
+// gVisor's ptrace refuses), but when the node restarts, a process that connects first
+// takes the agent's place, as the threat model allows. Such a hostile HTTP server then
+// fails only its own sandbox's requests: the API answers them with a clear 502 within
+// the agent client's bounds (size and time), the server's memory does not grow by more
+// than a few MiB while the node's own health polls meet 1 GiB bodies, and the sandbox
+// can still be deleted. (Until 2026-12-06 this was TestAdversarial/AgentReplacedAtRuntime:
+// the agent listened on a socket root could unlink and bind itself.)
+func TestHostileAgentAfterRestart(t *testing.T) {
+	su := &suite{s: e2etest.Start(t, e2etest.Options{})}
 	sb := su.s.Create(t, api.CreateSandboxRequest{})
 	su.put(t, sb.ID, "/tmp/fake.py", fakeAgentScript, 0o644)
-	c := e2etest.Ctx(t, 3*time.Minute)
-	// A long-running process of the real agent, attached once (which starts it).
-	sleeper, err := su.s.C.CreateSession(c, sb.ID, api.CreateSessionRequest{Argv: []string{"sleep", "600"}})
-	if err != nil {
-		t.Fatal(err)
+	su.mustSh(t, sb.ID, "python3 /tmp/fake.py </dev/null >/tmp/fake.log 2>&1")
+	ready := filepath.Join(su.s.DataDir, "runtime", sb.ID, "run", "fake.ready")
+	// The agent answers: the fake is refused.
+	time.Sleep(2 * time.Second)
+	if _, err := os.Stat(ready); err == nil {
+		t.Fatal("the node took the fake in the place of a connected agent")
 	}
-	var held []*client.Stream
-	defer func() {
-		for _, st := range held {
-			st.Close()
+	if out := su.mustSh(t, sb.ID, "echo real"); out != "real\n" {
+		t.Fatalf("the real agent: %q", out)
+	}
+	// A restart: the agent connects again within a second; the fake, trying every
+	// millisecond, is most often first. The real agent may win a round: restart again.
+	taken := false
+	for round := 0; round < 4 && !taken; round++ {
+		su.s.Kill()
+		su.s.Restart()
+		deadline := time.Now().Add(15 * time.Second)
+		for !taken && time.Now().Before(deadline) {
+			_, err := os.Stat(ready)
+			taken = err == nil
+			time.Sleep(50 * time.Millisecond)
 		}
-	}()
-	first, err := su.s.C.Attach(c, sleeper, "")
-	if err != nil {
-		t.Fatal(err)
+		t.Logf("restart %d: the fake took the agent's place: %v", round+1, taken)
 	}
-	held = append(held, first)
+	if !taken {
+		t.Fatal("the fake never took the agent's place in 4 restarts")
+	}
 	rssBefore := rssKB(su.s.Pid())
 	stopRSS := su.rssWatch()
-	su.mustSh(t, sb.ID, "python3 /tmp/fake.py </dev/null >/tmp/fake.log 2>&1")
-	e2etest.WaitFor(t, 30*time.Second, "the fake agent", func() bool {
-		_, err := os.Stat(filepath.Join(su.s.DataDir, "runtime", sb.ID, "run", "fake.ready"))
-		return err == nil
-	})
-	// The node keeps the connections it opened to the real agent before the takeover
-	// (the real agent still serves them): new requests reach the fake only on new
-	// connections. Occupy every connection to the real agent with an output stream of
-	// the sleeper, in rounds, until a round gets none: from then on every request
-	// dials, and meets the fake.
-	for round := 0; round < 8; round++ {
-		var mu sync.Mutex
-		var wg sync.WaitGroup
-		got := 0
-		for range 24 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				st, err := su.s.C.Attach(c, sleeper, "")
-				if err != nil {
-					return
-				}
-				ev, err := st.Next()
-				mu.Lock()
-				defer mu.Unlock()
-				if err == nil && ev.Name == api.EventStart {
-					held = append(held, st)
-					got++
-					return
-				}
-				st.Close()
-			}()
-		}
-		wg.Wait()
-		t.Logf("round %d: %d more connections to the real agent held", round, got)
-		if got == 0 && round > 0 {
-			break
-		}
-		time.Sleep(3 * time.Second) // past the node's health poll, which may hold one
-	}
 
 	// Requests for the hostile sandbox, straight over HTTP (the Go client retries a GET
 	// that failed with 502, which would hide how long one took).
@@ -449,7 +493,6 @@ func attackReplacedAgent(t *testing.T, su *suite) {
 		t.Errorf("GET the hostile sandbox: %+v %v", got, err)
 	}
 	peak := stopRSS()
-	su.figure("  server RSS (replaced agent)", fmt.Sprintf("%d KiB before, peak %d KiB", rssBefore, peak))
 	t.Logf("space serve RSS: %d KiB before, peak %d KiB while answering the fake agent", rssBefore, peak)
 	if peak-rssBefore > 16<<10 {
 		t.Errorf("space serve RSS grew by %d KiB talking to a hostile agent", peak-rssBefore)

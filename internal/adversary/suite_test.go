@@ -100,7 +100,6 @@ var attacks = []struct {
 	{"ProcSysDevProbing", attackProbing, ""},
 	{"LinkTricksThroughFilesAPI", attackLinks, ""},
 	{"AgentImpersonationAfterRestore", attackImpersonation, ""},
-	{"AgentReplacedAtRuntime", attackReplacedAgent, ""},
 	{"ForkBomb", attackForkBomb, "a fork bomb (about 1,000 guest processes, 4,251 host tasks: systrap stubs, created by the host kernel) slowed the neighbour's exec p95 to 105 ms against a 31 ms baseline on 2 cores in one CI run (2.1× the 50 ms floor); most runs stay under 2×"},
 	{"TaskCgroupRemoved", attackTaskCgroupRemoved, ""},
 	{"MemoryHog", attackMemoryHog, "a sandbox reclaiming and OOM-killed at its memory limit slowed the neighbour's exec p95 to 2.8× (255 ms against 91 ms) on 2 cores: no CPU or memory-pressure isolation beyond the cgroup limits"},

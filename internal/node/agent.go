@@ -21,7 +21,10 @@ import (
 
 // Bounds of the node's own agent calls.
 const (
-	healthTimeout  = 2 * time.Second
+	healthTimeout = 2 * time.Second
+	// reviveGrace is how long revive waits for an agent that neither answers nor
+	// shows that it waits for a resume file (answersOrQuiesced).
+	reviveGrace    = 10 * time.Second
 	adoptTimeout   = 30 * time.Second
 	startupTimeout = 30 * time.Second
 )
@@ -197,15 +200,19 @@ func (n *Node) runDir(id string) string { return filepath.Join(n.stateDir(id), "
 // for file-resumed runtimes, to close its host socket; it returns once the sandbox can
 // be checkpointed.
 func (n *Node) quiesce(ctx context.Context, id string) error {
-	byFile := n.info.Caps.AgentResume == runtime.ResumeByFile
-	if err := n.agent(id).Quiesce(ctx, !byFile); err != nil {
-		return fmt.Errorf("quiesce agent: %w", err)
+	if n.info.Caps.AgentResume != runtime.ResumeByFile {
+		if err := n.agent(id).Quiesce(ctx, true); err != nil {
+			return fmt.Errorf("quiesce agent: %w", err)
+		}
+		n.dropAgent(id)
+		return nil
 	}
+	wctx, cancel := context.WithTimeout(ctx, adoptTimeout)
+	defer cancel()
+	err := n.agent(id).QuiesceClosing(wctx, n.runDir(id))
 	n.dropAgent(id)
-	if byFile {
-		wctx, cancel := context.WithTimeout(ctx, adoptTimeout)
-		defer cancel()
-		return agentclient.WaitQuiesced(wctx, n.runDir(id))
+	if err != nil {
+		return fmt.Errorf("quiesce agent: %w", err)
 	}
 	return nil
 }
@@ -247,6 +254,7 @@ func (n *Node) waitGeneration(ctx context.Context, id string, gen int64) error {
 		if err == nil && h.Generation > gen {
 			return fmt.Errorf("agent reports identity generation %d, newer than the %d it was given", h.Generation, gen)
 		}
+
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("agent did not take its new identity: %w", ctx.Err())
@@ -272,7 +280,16 @@ func (n *Node) revive(ctx context.Context, sb *store.Sandbox) error {
 		return n.agent(sb.ID).SetIdentity(ctx, n.identity(sb))
 	case n.info.Caps.AgentResume == runtime.ResumeByFile:
 		// A file-resumed agent that does not answer waits for its resume file (its
-		// quiesce, or a restore, was interrupted before the host wrote one).
+		// quiesce, or a restore, was interrupted before the host wrote one), or is on its
+		// way back: an agent that connects to the node does so again within a second of
+		// a node restart. The quiesced marker tells them apart.
+		quiesced, err := n.answersOrQuiesced(ctx, sb.ID)
+		if err != nil {
+			return err
+		}
+		if !quiesced {
+			return n.revive(ctx, sb)
+		}
 		n.dropAgent(sb.ID)
 		return n.resumeAgent(ctx, sb)
 	default:
@@ -280,6 +297,34 @@ func (n *Node) revive(ctx context.Context, sb *store.Sandbox) error {
 			return err
 		}
 		return n.revive(ctx, sb)
+	}
+}
+
+// answersOrQuiesced waits until the file-resumed agent of sandbox id answers (false) or
+// its quiesced marker shows that it waits for a resume file (true): the agent writes
+// the marker once it has closed its transport for a checkpoint, and the runtime writes
+// it into the run directory of every restored instance, whose agent waits for its
+// resume file from the start. After reviveGrace with neither it answers true, as
+// before the marker was looked at: an instance restored by an older node has none.
+// Bounded by ctx.
+func (n *Node) answersOrQuiesced(ctx context.Context, id string) (bool, error) {
+	marker := filepath.Join(n.runDir(id), wire.QuiescedFileName)
+	deadline := time.Now().Add(reviveGrace)
+	for {
+		if _, err := os.Stat(marker); err == nil || time.Now().After(deadline) {
+			return true, nil
+		}
+		hctx, cancel := context.WithTimeout(ctx, 250*time.Millisecond)
+		_, err := n.agent(id).Health(hctx)
+		cancel()
+		if err == nil {
+			return false, nil
+		}
+		select {
+		case <-ctx.Done():
+			return false, fmt.Errorf("agent neither answered nor waits for a resume file: %w", err)
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }
 

@@ -30,7 +30,9 @@ import (
 
 // Config configures an Agent. Zero values take the documented defaults.
 type Config struct {
-	// Listen is where the agent serves: "unix:/path/agent.sock" (gVisor), "vsock:PORT"
+	// Listen is where the agent serves: "connect:/run/space/node.sock" (gVisor:
+	// connections the agent makes to the node's socket; package agentlink), "unix:/path/agent.sock"
+	// (a socket the agent listens on: gVisor before 2026-12-06, and tests), "vsock:PORT"
 	// (Firecracker's hybrid vsock) or "serial:/dev/vportNpM" (yamux over a virtio-serial
 	// port, QEMU).
 	Listen string
@@ -138,7 +140,7 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.RunDir == "" {
 		cfg.RunDir = wire.RunMountDir
-		if ls.network == "unix" {
+		if ls.network == "unix" || ls.network == "connect" {
 			cfg.RunDir = filepath.Dir(ls.address)
 		}
 	}
@@ -258,8 +260,11 @@ func (a *Agent) listenThenThaw(ctx context.Context, retry bool) (net.Listener, e
 
 // listen opens the listener. After a resume it retries until it succeeds: a socket
 // file the agent could not remove (gVisor) blocks the address until the host removes
-// it.
+// it. An agent that connects to the host always retries: the host may be restarting.
 func (a *Agent) listen(ctx context.Context, retry bool) (net.Listener, error) {
+	if ls, err := parseListen(a.cfg.Listen); err == nil && ls.network == "connect" {
+		retry = true
+	}
 	delay := 2 * time.Millisecond
 	var lastErr string
 	for {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,10 +21,12 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/spacedev/space/internal/guest/agent"
 	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/agentlink"
 	"github.com/spacedev/space/internal/guest/wire"
-	"golang.org/x/sys/unix"
 )
 
 // testReaper is the one reaper of this test binary, shared by every agent the tests
@@ -142,10 +145,15 @@ func startAgent(t *testing.T, mod func(*agent.Config)) *testEnv {
 		t.Fatal(err)
 	}
 	env.a = a
+	dial := agentclient.DialUnix(env.sock)
+	if path, ok := strings.CutPrefix(cfg.Listen, "connect:"); ok {
+		// The agent connects to the host: listen as the node does (gvisor link.go).
+		dial = hostLink(t, path)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
-	env.c = agentclient.New(agentclient.DialUnix(env.sock))
+	env.c = agentclient.New(dial)
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -1239,5 +1247,46 @@ func TestShutdownStopsProcesses(t *testing.T) {
 	}
 	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("socket left behind: %v", err)
+	}
+}
+
+// hostLink listens on path as the node does for an agent that connects to it
+// (agentlink.Host) and returns a dialer of connections to the agent.
+func hostLink(t *testing.T, path string) func(ctx context.Context) (net.Conn, error) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := agentlink.NewHost(ln, slog.New(slog.DiscardHandler))
+	t.Cleanup(h.Close)
+	return h.Dial
+}
+
+// TestQuiesceResumeConnected: the quiesce and resume of an agent that connects to the
+// host (gVisor since 2026-12-06): the quiesce closes its connection, and after the
+// resume file it connects again with the new identity, as many times as asked.
+func TestQuiesceResumeConnected(t *testing.T) {
+	e := startAgent(t, func(c *agent.Config) {
+		c.Listen = "connect:" + filepath.Join(filepath.Dir(c.StateDir), "run", wire.NodeSocketName)
+	})
+	ctx := testCtx(t, 30*time.Second)
+	for gen := int64(2); gen <= 3; gen++ {
+		if err := e.c.QuiesceClosing(ctx, e.runDir); err != nil {
+			t.Fatal(err)
+		}
+		e.c.CloseIdleConnections()
+		if _, err := e.c.Health(testCtx(t, 500*time.Millisecond)); err == nil {
+			t.Fatal("agent answered while quiesced")
+		}
+		if err := agentclient.WriteResume(e.runDir, wire.Identity{Generation: gen, UnixNano: time.Now().UnixNano()}); err != nil {
+			t.Fatal(err)
+		}
+		if h, err := e.c.WaitReady(ctx); err != nil || h.Generation != gen {
+			t.Fatalf("after resume %d: %+v %v", gen, h, err)
+		}
 	}
 }

@@ -138,19 +138,17 @@ func (a *Agent) routes() http.Handler {
 // handleQuiesce prepares a checkpoint: user processes are frozen until the next
 // identity. ?transport=keep leaves the listener up (VM transports, which survive a
 // restore); otherwise the agent closes it and waits for the resume file (gVisor, which
-// cannot checkpoint a host socket), unless the sandbox holds such a socket of its own
-// (sockets.go): then the quiesce is refused with 409 cannot_checkpoint and its
-// processes run on.
+// cannot checkpoint a host socket). An agent listening on a unix socket of the disk
+// (runsc --host-uds=create) refuses when the sandbox holds a host socket of its own
+// (sockets.go): 409 cannot_checkpoint, and its processes run on. One that connects to
+// the host (--host-uds=open) has none to look for: sockets bound on the disk are the
+// Sentry's.
 func (a *Agent) handleQuiesce(w http.ResponseWriter, r *http.Request) {
 	keep := r.URL.Query().Get("transport") == "keep"
 	a.freeze()
-	if !keep {
+	if ls, err := parseListen(a.cfg.Listen); err == nil && ls.network == "unix" && !keep {
 		// Checked once user code is frozen, so that nothing binds another meanwhile.
-		own := ""
-		if ls, err := parseListen(a.cfg.Listen); err == nil && ls.network == "unix" {
-			own = ls.address
-		}
-		if socks := unsavableSockets(own); len(socks) > 0 {
+		if socks := unsavableSockets(ls.address); len(socks) > 0 {
 			a.thaw()
 			err := errUnsavable(socks)
 			a.log.Warn("quiesce refused", "err", err)

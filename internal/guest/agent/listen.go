@@ -10,9 +10,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/spacedev/space/internal/guest/agentlink"
 )
 
-// listenSpec is a parsed Config.Listen: "unix:/path", "vsock:PORT" or
+// listenSpec is a parsed Config.Listen: "unix:/path", "connect:/path", "vsock:PORT" or
 // "serial:/dev/vportNpM".
 type listenSpec struct {
 	network string
@@ -22,10 +24,10 @@ type listenSpec struct {
 func parseListen(s string) (listenSpec, error) {
 	network, address, ok := strings.Cut(s, ":")
 	if !ok || address == "" {
-		return listenSpec{}, fmt.Errorf("listen address %q: want unix:PATH, vsock:PORT or serial:DEVICE", s)
+		return listenSpec{}, fmt.Errorf("listen address %q: want unix:PATH, connect:PATH, vsock:PORT or serial:DEVICE", s)
 	}
 	switch network {
-	case "unix":
+	case "unix", "connect":
 		if !filepath.IsAbs(address) {
 			return listenSpec{}, fmt.Errorf("listen address %q: socket path must be absolute", s)
 		}
@@ -41,8 +43,9 @@ func parseListen(s string) (listenSpec, error) {
 }
 
 // listen opens the listener for s. Every transport yields a net.Listener, so the HTTP
-// server above does not care which one it is: vsock will be an AF_VSOCK socket, and
-// serial a yamux session over the port (yamux.Session implements net.Listener).
+// server above does not care which one it is: vsock is an AF_VSOCK socket, serial a
+// yamux session over the port (yamux.Session implements net.Listener), and connect the
+// connections the agent makes to the host's unix socket when the host asks for them.
 func listen(ctx context.Context, s string) (net.Listener, error) {
 	ls, err := parseListen(s)
 	if err != nil {
@@ -51,6 +54,8 @@ func listen(ctx context.Context, s string) (net.Listener, error) {
 	switch ls.network {
 	case "unix":
 		return listenUnix(ctx, ls.address)
+	case "connect":
+		return listenConnect(ctx, ls.address)
 	case "serial":
 		return listenSerial(ctx, ls.address)
 	case "vsock":
@@ -84,4 +89,15 @@ func listenUnix(ctx context.Context, path string) (net.Listener, error) {
 	// keeps other host users out, so the failure is not fatal.
 	_ = os.Chmod(path, 0o600)
 	return ln, nil
+}
+
+// listenConnect serves the host over connections the agent makes to the host's unix
+// socket at path (gVisor: the node listens on it, in the run directory; package
+// agentlink): a control connection, and one plain connection per HTTP connection the
+// node asks for. Under gVisor the agent then binds no socket on a host file system, so
+// runsc can run with --host-uds=open: a socket a program binds on the disk is the
+// Sentry's, which a checkpoint saves (with --host-uds=create it was a host socket, and
+// the sandbox could not be suspended while it existed).
+func listenConnect(ctx context.Context, path string) (net.Listener, error) {
+	return agentlink.Listen(ctx, path)
 }

@@ -20,6 +20,12 @@ import (
 // that closes the transport (gVisor's), the agent looks for stream and seqpacket
 // sockets bound on such a mount and refuses the quiesce, naming them; sockets in /tmp
 // or /dev/shm (tmpfs inside the Sentry) and abstract ones are saved as any other.
+//
+// Only an agent that listens on a unix socket (Config.Listen "unix:…") runs so. Since
+// 2026-12-06 the gVisor runtime starts the agent with "connect:…" and runsc with
+// --host-uds=open, under which a socket bound on a gofer mount is the Sentry's and is
+// saved too; the check stays for the unix transport (tests, and a runtime that still
+// starts agents that way).
 
 // goferFS is the file system type gVisor's gofer mounts show in /proc/self/mounts.
 const goferFS = "9p"

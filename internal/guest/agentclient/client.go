@@ -341,6 +341,34 @@ func (c *Client) Quiesce(ctx context.Context, keepTransport bool) error {
 	return err
 }
 
+// QuiesceClosing is Quiesce for an agent that closes its transport once it has
+// answered (gVisor's), whose run directory on the host is runDir: it returns once the
+// agent shows that it is quiesced (WaitQuiesced). The answer and the close race: the
+// agent closes every connection as it quiesces, and a request that did reach it may
+// still end without its answer (over yamux, in a transport tried in 2026-12, the
+// write itself reported the session's shutdown). So a failure without an answer of the agent's is taken for that close when the quiesced
+// marker follows within quiesceCloseGrace; an answer (a refusal such as 409
+// cannot_checkpoint) is returned as it is.
+func (c *Client) QuiesceClosing(ctx context.Context, runDir string) error {
+	err := c.Quiesce(ctx, false)
+	var answered *Error
+	if err != nil && !errors.As(err, &answered) && ctx.Err() == nil {
+		gctx, cancel := context.WithTimeout(ctx, quiesceCloseGrace)
+		defer cancel()
+		if WaitQuiesced(gctx, runDir) == nil {
+			return nil
+		}
+	}
+	if err != nil {
+		return err
+	}
+	return WaitQuiesced(ctx, runDir)
+}
+
+// quiesceCloseGrace is how long QuiesceClosing waits for the quiesced marker after a
+// quiesce request that got no answer.
+const quiesceCloseGrace = 2 * time.Second
+
 // ReclaimMemory asks the agent to end the process holding the most memory, as an OOM
 // killer would (the node calls it when the sandbox nears its host memory limit). It
 // returns false when the agent found no process to end.

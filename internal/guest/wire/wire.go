@@ -65,7 +65,12 @@ import (
 // inside the sandbox.
 const (
 	AgentSocketName = "agent.sock"
-	RunMountDir     = "/run/space"
+	// NodeSocketName is the file name of the node's unix socket in the same directory
+	// (gVisor since 2026-12-06): the agent connects to it, a control connection and one
+	// connection per HTTP connection the node asks for (package agentlink), so that no
+	// socket of the sandbox's is a host socket (runsc --host-uds=open, not create).
+	NodeSocketName = "node.sock"
+	RunMountDir    = "/run/space"
 	// AgentPath is where the agent binary is visible inside a sandbox.
 	AgentPath = "/.space/space-agent"
 	// Quiesce protocol (checkpoints need an agent without host connections):

@@ -364,11 +364,8 @@ func (s *suite) quiesce(t *testing.T, spec runtime.Spec, c *agentclient.Client) 
 		return
 	}
 	ctx := s.ctx(t, opTimeout)
-	if err := c.Quiesce(ctx, false); err != nil {
+	if err := c.QuiesceClosing(ctx, runDir(spec)); err != nil {
 		t.Fatalf("quiesce: %v", err)
-	}
-	if err := agentclient.WaitQuiesced(ctx, runDir(spec)); err != nil {
-		t.Fatalf("wait quiesced: %v", err)
 	}
 }
 

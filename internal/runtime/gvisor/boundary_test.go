@@ -311,7 +311,15 @@ func TestRotateLog(t *testing.T) {
 // quiesce asks the test agent to close its socket and waits until it has.
 func quiesce(t *testing.T, c *http.Client, spec runtime.Spec) {
 	t.Helper()
-	post(t, c, "/quiesce")
+	// The agent closes its connection once it has answered: the answer and the close
+	// race (agentclient.QuiesceClosing), so the marker is what tells.
+	resp, err := c.Post("http://agent/quiesce", "application/json", nil)
+	if err == nil {
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("POST /quiesce: %s", resp.Status)
+		}
+	}
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := os.Stat(filepath.Join(spec.StateDir, runDir, "quiesced")); err == nil {
@@ -478,8 +486,15 @@ func TestCheckpointPaused(t *testing.T) {
 		t.Fatalf("Status after CheckpointPaused = %v, %v", st, err)
 	}
 	// A node restarted here takes the paused instance over (and resumes it itself).
-	if err := newTestRuntime(t, rt.cfg.RootDir).Adopt(ctx, src); err != nil {
+	// (Its link replaces the first runtime's, which this test uses again after.)
+	rt.links.close(src.ID)
+	fresh := newTestRuntime(t, rt.cfg.RootDir)
+	if err := fresh.Adopt(ctx, src); err != nil {
 		t.Errorf("Adopt of a paused instance: %v", err)
+	}
+	fresh.links.close(src.ID)
+	if err := rt.Adopt(ctx, src); err != nil {
+		t.Fatal(err)
 	}
 	meta, err := readMeta(dir)
 	if err != nil || meta.Compression != "none" {
@@ -494,10 +509,11 @@ func TestCheckpointPaused(t *testing.T) {
 	waitHealthy(t, c)
 
 	// The metadata of a checkpoint written before the settings were recorded. (Its
-	// memory file systems' sizes stay: runsc restores only a bundle that names the
-	// mounts as the checkpointed one did, and a checkpoint from before a size was
-	// recorded had no such mount, which a missing tmpfs_mb or run_mb repeats.)
-	old, err := json.Marshal(map[string]any{"cgroup": meta.Cgroup, "tmpfs_mb": meta.TmpfsMB, "run_mb": meta.RunMB})
+	// memory file systems' sizes and its agent's transport stay: runsc restores only a
+	// bundle that names the mounts as the checkpointed one did, a checkpoint from before
+	// a size was recorded had no such mount, which a missing tmpfs_mb or run_mb repeats,
+	// and its agent listened, which a missing agent_dials repeats.)
+	old, err := json.Marshal(map[string]any{"cgroup": meta.Cgroup, "tmpfs_mb": meta.TmpfsMB, "run_mb": meta.RunMB, "agent_dials": meta.AgentDials})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -641,11 +657,14 @@ func TestRestoreAboveGuestSize(t *testing.T) {
 
 // TestFailedCheckpointKeepsSandbox: a checkpoint that fails leaves the sandbox running
 // as it was (runsc checkpoint -leave-running; the runtime stops the sandbox only once
-// the image is written). Here the test agent's listener is the host socket gVisor
-// cannot save: before, runsc stopped the sandbox anyway and its memory was lost.
+// the image is written). Here the sandbox is one started as before 2026-12-06, whose
+// agent listens (--host-uds=create), and the test agent's listener is the host socket
+// gVisor cannot save: before, runsc stopped the sandbox anyway and its memory was lost.
+// (It is also the path of the instances from then that a node adopts.)
 func TestFailedCheckpointKeepsSandbox(t *testing.T) {
 	needRunsc(t)
 	rt := newTestRuntime(t, testRootDir(t))
+	rt.agentListens = true
 	spec := testSpec(t, newID(t))
 	c := startSandbox(t, rt, spec)
 	err := rt.Checkpoint(context.Background(), spec.ID, t.TempDir())

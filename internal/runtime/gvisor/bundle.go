@@ -78,23 +78,29 @@ type bundleOptions struct {
 	// UIDBase, when not 0, puts the sandbox in a user namespace mapping its ids
 	// 0…UserNSSize-1 to host ids UIDBase….
 	UIDBase uint32
-	// memFS sizes the sandbox's memory file systems.
-	memFS
+	// layout sizes the sandbox's memory file systems and names its agent's transport.
+	layout
 }
 
-// memFS is the size of the memory file systems a bundle mounts, in MiB. A zero field
-// is a file system an instance made before it was mounted this way does not have
-// (its checkpoints restore without it: runsc refuses a restore whose bundle names the
-// mounts otherwise).
-type memFS struct {
+// layout is what an instance's bundle and every checkpoint of it must agree on, since
+// a restore repeats it: the size of the memory file systems it mounts, in MiB, and
+// how its agent reaches the host. A zero field is what an instance made before the
+// field existed has (its checkpoints restore with it: runsc refuses a restore whose
+// bundle names the mounts otherwise, and the restored agent keeps its transport).
+type layout struct {
 	// TmpfsMB bounds /tmp and /dev/shm, each (/dev/shm is mounted only with a size).
 	TmpfsMB int `json:"tmpfs_mb,omitempty"`
 	// RunMB bounds /run, a tmpfs since 2026-12-06 (package rundirs); before, /run was
 	// on the disk.
 	RunMB int `json:"run_mb,omitempty"`
+	// AgentDials: the agent connects to the node's socket (link.go) and runsc runs
+	// with --host-uds=open. False: the agent listens on its own socket in the run
+	// directory, which takes --host-uds=create (instances from before 2026-12-06).
+	AgentDials bool `json:"agent_dials,omitempty"`
 }
 
-// memFSOf sizes a new instance's memory file systems. /tmp and /dev/shm get half the
+// layoutOf is a new instance's layout: its agent connects to the node, and its memory
+// file systems are sized so. /tmp and /dev/shm get half the
 // sandbox's memory each, as Linux sizes a tmpfs by default. Their files are the
 // sandbox's memory. gVisor's default is half of the HOST's memory, so a 256 MiB sandbox
 // could write gigabytes into /tmp: past the host memory limit of its cgroup, where the
@@ -105,11 +111,11 @@ type memFS struct {
 // and sockets, gets an eighth of the memory (64 MiB with no memory size): with /tmp and
 // /dev/shm full as well, the files stay under the host limit's overhead above the
 // memory size.
-func memFSOf(spec runtime.Spec) memFS {
+func layoutOf(spec runtime.Spec) layout {
 	if spec.MemoryMB <= 0 {
-		return memFS{RunMB: 64}
+		return layout{RunMB: 64, AgentDials: true}
 	}
-	return memFS{TmpfsMB: max(spec.MemoryMB/2, 1), RunMB: max(spec.MemoryMB/8, 1)}
+	return layout{TmpfsMB: max(spec.MemoryMB/2, 1), RunMB: max(spec.MemoryMB/8, 1), AgentDials: true}
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -123,6 +129,9 @@ func bundleSpec(spec runtime.Spec, opts bundleOptions) *specs.Spec {
 		env[k] = v
 	}
 	env[agentListenEnv] = "unix:" + path.Join(wire.RunMountDir, wire.AgentSocketName)
+	if opts.AgentDials {
+		env[agentListenEnv] = "connect:" + path.Join(wire.RunMountDir, wire.NodeSocketName)
+	}
 	envList := make([]string, 0, len(env))
 	for k, v := range env {
 		envList = append(envList, k+"="+v)
@@ -231,6 +240,20 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 		return fmt.Errorf("write bundle config: %w", err)
 	}
 	return nil
+}
+
+// bundleAgentDials reports whether the bundle in stateDir starts an agent that connects
+// to the node (false when it cannot be read).
+func bundleAgentDials(stateDir string) bool {
+	data, err := os.ReadFile(filepath.Join(stateDir, configFile))
+	if err != nil {
+		return false
+	}
+	var oci specs.Spec
+	if json.Unmarshal(data, &oci) != nil || oci.Process == nil {
+		return false
+	}
+	return slices.ContainsFunc(oci.Process.Env, func(e string) bool { return strings.HasPrefix(e, agentListenEnv+"=connect:") })
 }
 
 // Spec.PidsLimit is the sandbox's host cgroup pids.max (the OCI config's

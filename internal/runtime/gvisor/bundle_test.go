@@ -29,7 +29,7 @@ func TestBundleGolden(t *testing.T) {
 		RunSource:   "/run/space/runsc/mnt/abc123/run",
 		UIDBase:     DefaultUIDBase,
 		GuestPids:   true,
-		memFS:       memFSOf(spec),
+		layout:      layoutOf(spec),
 	}))
 	if err != nil {
 		t.Fatal(err)

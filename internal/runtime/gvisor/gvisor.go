@@ -124,6 +124,13 @@ type Runtime struct {
 	cgroupMounts        []string
 	memoryMount         string
 	memoryLimitFileName string
+
+	// links are the agents' transports by instance id (link.go).
+	links links
+	// agentListens starts new instances as before 2026-12-06: the agent listens on its
+	// run directory and runsc runs with --host-uds=create. Tests set it, for the path
+	// that adopted instances and older checkpoints still take.
+	agentListens bool
 }
 
 var _ runtime.Runtime = (*Runtime)(nil)
@@ -228,6 +235,7 @@ func (r *Runtime) makeRootDir() error {
 // Close stops the log rotation and releases the user namespace. Sandboxes keep running.
 func (r *Runtime) Close() error {
 	r.stop()
+	r.links.closeAll()
 	if r.userns != nil {
 		return r.userns.Close()
 	}
@@ -288,7 +296,9 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 	// Known absent (destroyed, or seen without a record and not listed by runsc, and
 	// not changed since): runsc need not be asked again below.
 	absent := r.statuses.isGone(spec.ID)
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec), memFS: memFSOf(spec)}); err != nil {
+	mem := layoutOf(spec)
+	mem.AgentDials = !r.agentListens
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: spec.ID, PidsMax: r.pidsMax(spec), layout: mem}); err != nil {
 		if errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor create %s: instance already exists", spec.ID)
 		}
@@ -324,7 +334,7 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 		}
 	}
 	owned = true
-	if mountPoints, err = r.start(ctx, spec, spec.ID, memFSOf(spec), false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
+	if mountPoints, err = r.start(ctx, spec, spec.ID, mem, false, "run", "-detach", "-bundle", spec.StateDir, spec.ID); err != nil {
 		return fmt.Errorf("gvisor create %s: %w", spec.ID, err)
 	}
 	return nil
@@ -338,12 +348,25 @@ func (r *Runtime) Create(ctx context.Context, spec runtime.Spec) (err error) {
 // limit: start sets the quota and raises the memory limit on the host cgroup once runsc
 // has returned (limits.go). It returns the mount points it created in the rootfs. The
 // caller undoes a failure with destroy.
-func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, mem memFS, pidsSet bool, sub ...string) (mountPoints []string, err error) {
+func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, mem layout, pidsSet bool, sub ...string) (mountPoints []string, err error) {
 	opts, err := r.prepareMounts(spec)
 	if err != nil {
 		return nil, err
 	}
-	opts.memFS = mem
+	opts.layout = mem
+	if mem.AgentDials {
+		// Before runsc: the agent connects as soon as it runs.
+		if _, err := r.links.open(spec.ID, filepath.Join(spec.StateDir, runDir), r.log, false); err != nil {
+			return nil, err
+		}
+	}
+	if sub[0] == "restore" {
+		// The restored agent waits for its resume file from its first instant; the
+		// marker says so to a node that restarts before it writes one (node revive).
+		if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, wire.QuiescedFileName), nil, 0o600); err != nil {
+			return nil, err
+		}
+	}
 	if sub[0] == "run" && mem.RunMB > 0 {
 		// A boot: the agent makes the template's directories in /run's tmpfs.
 		if err := writeRunDirs(spec); err != nil {
@@ -360,7 +383,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, m
 		return mountPoints, err
 	}
 	stopRaise := r.raiseMemoryAtStart(ctx, spec)
-	err = r.run(ctx, spec, sub...)
+	err = r.run(ctx, spec, mem.AgentDials, sub...)
 	raised := stopRaise()
 	if err != nil {
 		return mountPoints, err
@@ -509,7 +532,7 @@ func (r *Runtime) cgroupsPath(id string) string {
 // run starts the container with `runsc run -detach` (or restore). runsc and the sandbox
 // it leaves behind get their own session (no terminal signal reaches them) and write
 // their stdio, which includes the agent's, to the instance's log (logs.go).
-func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) error {
+func (r *Runtime) run(ctx context.Context, spec runtime.Spec, agentDials bool, sub ...string) error {
 	logPath := logPath(spec.StateDir)
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
@@ -524,7 +547,15 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 	if spec.NetNS != "" {
 		network = "--network=sandbox"
 	}
-	args := []string{network, "--overlay2=none", "--host-uds=create"}
+	// An agent that connects to the node needs only to open host sockets: every socket
+	// a program binds is the Sentry's then, which a checkpoint saves (link.go). One that
+	// listens on its run directory (instances from before 2026-12-06) needs to create
+	// one, and so makes every socket bound on the disk a host socket.
+	hostUDS := "--host-uds=create"
+	if agentDials {
+		hostUDS = "--host-uds=open"
+	}
+	args := []string{network, "--overlay2=none", hostUDS}
 	if r.guestPids {
 		args = append(args, "--in-sandbox-cgroup=v2")
 	}
@@ -556,10 +587,25 @@ func (r *Runtime) run(ctx context.Context, spec runtime.Spec, sub ...string) err
 	return nil
 }
 
-// Dial connects to the agent's unix socket in the instance's run dir.
+// Dial opens a connection to the instance's agent: a stream of its link (link.go),
+// which waits for the agent to connect (listening first if this node process has not
+// yet: an instance it found running after a restart), or, for an agent that listens
+// itself (an instance from before 2026-12-06), a connection to its unix socket in the
+// run dir.
 func (r *Runtime) Dial(ctx context.Context, id string) (net.Conn, error) {
 	if !validID(id) {
 		return nil, fmt.Errorf("gvisor dial: invalid id %q", id)
+	}
+	if rec, err := r.readRecord(id); err == nil && rec.AgentDials {
+		l, err := r.links.open(id, filepath.Join(rec.StateDir, runDir), r.log, true)
+		if err != nil {
+			return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+		}
+		conn, err := l.dial(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+		}
+		return conn, nil
 	}
 	dir, err := r.stateDir(ctx, id)
 	if err != nil {
@@ -737,7 +783,9 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	rec, err := r.readRecord(spec.ID)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		if err := r.claimRecord(record{ID: spec.ID, StateDir: st.Bundle}); err != nil && !errors.Is(err, fs.ErrExist) {
+		// The bundle still says how the agent reaches the host.
+		rec = record{ID: spec.ID, StateDir: st.Bundle, layout: layout{AgentDials: bundleAgentDials(st.Bundle)}}
+		if err := r.claimRecord(rec); err != nil && !errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 		}
 	case err != nil:
@@ -752,6 +800,12 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	}
 	if err := r.setMemoryLimit(spec); err != nil {
 		return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+	}
+	if rec.AgentDials {
+		// The agent connects again within a second (agent listenConnect).
+		if _, err := r.links.open(spec.ID, filepath.Join(spec.StateDir, runDir), r.log, false); err != nil {
+			return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
+		}
 	}
 	return nil
 }
@@ -796,6 +850,8 @@ func (r *Runtime) Destroy(ctx context.Context, id string) error {
 
 // destroy tears down the instance; stateDir may be empty when unknown.
 func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
+	// First: its listening socket would keep the run directory's tmpfs busy.
+	r.links.close(id)
 	// An instance whose sandbox exited after this runtime's own checkpoint (a suspend's
 	// teardown, the common case) has nothing left to signal, and no runsc create of it
 	// can be running: the kill and the second look in runsc list are skipped (two runsc
@@ -838,6 +894,7 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 		return err
 	}
 	r.statuses.gone(id)
+	r.links.forget(id)
 	return nil
 }
 

@@ -384,7 +384,7 @@ func TestLifecycle(t *testing.T) {
 		if err := json.Unmarshal(get(t, c, "/env"), &env); err != nil {
 			t.Fatal(err)
 		}
-		for _, want := range []string{"SPACE_TEST=hello", "SPACE_AGENT_LISTEN=unix:/run/space/agent.sock"} {
+		for _, want := range []string{"SPACE_TEST=hello", "SPACE_AGENT_LISTEN=connect:/run/space/node.sock"} {
 			if !slices.Contains(env, want) {
 				t.Errorf("env %v lacks %s", env, want)
 			}
@@ -434,6 +434,7 @@ func TestLifecycle(t *testing.T) {
 	})
 	t.Run("adopt after restart", func(t *testing.T) {
 		fresh := newTestRuntime(t, rootDir) // a new node process: nothing in memory
+		rt.links.close(id)                  // the old process is gone, its link with it
 		if err := fresh.Adopt(ctx, spec); err != nil {
 			t.Fatal(err)
 		}
@@ -443,7 +444,14 @@ func TestLifecycle(t *testing.T) {
 			t.Error("Adopt with another state dir succeeded")
 		}
 		fc := agentClient(t, fresh, id)
-		get(t, fc, "/v1/health")
+		get(t, fc, "/v1/health") // the agent connected again, to the new process
+		// And back to the first runtime, for what follows.
+		fresh.links.close(id)
+		if err := rt.Adopt(ctx, spec); err != nil {
+			t.Fatal(err)
+		}
+		c.CloseIdleConnections()
+		waitHealthy(t, c)
 	})
 	t.Run("stopped", func(t *testing.T) {
 		if out, err := exec.Command(rt.cfg.RunscPath, "--root="+rootDir, "kill", id, "KILL").CombinedOutput(); err != nil {
@@ -647,6 +655,9 @@ func TestSurvivesCreator(t *testing.T) {
 	}
 	rt := newTestRuntime(t, rootDir)
 	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
+		}
 		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
 			t.Error(err)
 		}
@@ -1006,6 +1017,7 @@ func TestDestroyAfterCleanStart(t *testing.T) {
 		waitHealthy(t, c)
 		dr := rt
 		if adopted {
+			rt.links.close(spec.ID) // a node restarted: the old process's link is gone
 			dr, calls = newCountingRuntime(t, root, "")
 			if err := dr.Adopt(ctx, spec); err != nil {
 				t.Fatal(err)

@@ -23,9 +23,9 @@ type record struct {
 	// PidsMax is the pids limit the runtime set on that cgroup (0: none, this runsc
 	// holds no limit inside the sandbox); a checkpoint carries it over.
 	PidsMax int64 `json:"pids_max,omitempty"`
-	// memFS is the size the bundle gave its memory file systems; a checkpoint carries it
-	// over, since a restore's bundle must name the mounts as the checkpointed one did.
-	memFS
+	// layout is what the bundle gave the instance (memory file systems, the agent's
+	// transport); a checkpoint carries it over, since a restore must repeat it.
+	layout
 }
 
 // records is the store of the instances' records, under the root dir.

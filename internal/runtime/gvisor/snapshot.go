@@ -166,7 +166,7 @@ func (r *Runtime) checkpoint(ctx context.Context, id, dir string, leaveRunning b
 	if rec.Cgroup != "" {
 		meta.Cgroup, meta.PidsMax = rec.Cgroup, rec.PidsMax
 	}
-	meta.memFS = rec.memFS
+	meta.layout = rec.layout
 	if err := writeMeta(dir, meta); err != nil {
 		return err
 	}
@@ -193,10 +193,10 @@ type checkpointMeta struct {
 	Compression string `json:"compression,omitempty"`
 	// PidsMax is the pids limit the runtime had set on Cgroup (0: unknown, or none).
 	PidsMax int64 `json:"pids_max,omitempty"`
-	// memFS is the size of the checkpointed instance's memory file systems. runsc
-	// refuses a restore whose bundle names the mounts otherwise, and the restored file
-	// systems keep their size.
-	memFS
+	// layout is the checkpointed instance's: runsc refuses a restore whose bundle names
+	// the mounts otherwise, the restored file systems keep their size, and the restored
+	// agent its transport.
+	layout
 }
 
 func writeMeta(dir string, m checkpointMeta) error {
@@ -283,7 +283,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	if err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
-	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup, PidsMax: r.pidsMax(spec), memFS: meta.memFS}); err != nil {
+	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup, PidsMax: r.pidsMax(spec), layout: meta.layout}); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	var mountPoints []string
@@ -309,7 +309,7 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	// with it, since runsc's parallel page reads starve the kernel state's load, which
 	// then ends with them anyway (docs/runtimes.md, "Snapshots").
 	args := []string{"restore", "-image-path", dir, "-detach", "-bundle", spec.StateDir}
-	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, meta.memFS, pidsSet, append(args, spec.ID)...); err != nil {
+	if mountPoints, err = r.start(ctx, spec, meta.Cgroup, meta.layout, pidsSet, append(args, spec.ID)...); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
 	return nil

@@ -1,6 +1,8 @@
 // Command testagent is a stand-in for space-agent used by the gVisor runtime tests. It
-// listens on $SPACE_AGENT_LISTEN (unix:PATH) and answers a few inspection endpoints so
-// tests can look inside the sandbox. It depends on the standard library only.
+// serves on $SPACE_AGENT_LISTEN — connect:PATH (it connects to the node's socket, as
+// space-agent does, through package agentlink) or unix:PATH (it listens) — and
+// answers a few inspection endpoints so tests can look inside the sandbox. Besides
+// agentlink it depends on the standard library only.
 package main
 
 import (
@@ -18,6 +20,8 @@ import (
 	"syscall"
 	"time"
 	"unsafe"
+
+	"github.com/spacedev/space/internal/guest/agentlink"
 )
 
 // held is the memory POST /hold keeps.
@@ -47,8 +51,12 @@ func main() {
 func run() error {
 	listen := os.Getenv("SPACE_AGENT_LISTEN")
 	path, ok := strings.CutPrefix(listen, "unix:")
+	connect := false
 	if !ok {
-		return fmt.Errorf("SPACE_AGENT_LISTEN=%q: want unix:PATH", listen)
+		if path, ok = strings.CutPrefix(listen, "connect:"); !ok {
+			return fmt.Errorf("SPACE_AGENT_LISTEN=%q: want unix:PATH or connect:PATH", listen)
+		}
+		connect = true
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/health", func(w http.ResponseWriter, r *http.Request) {
@@ -245,12 +253,26 @@ func run() error {
 	quiesce := make(chan struct{}, 1)
 	mux.HandleFunc("POST /quiesce", func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
+		// Out before the listener closes.
+		_ = http.NewResponseController(w).Flush()
 		quiesce <- struct{}{}
 	})
 	dir := path[:strings.LastIndex(path, "/")]
 	for {
-		_ = os.Remove(path)
-		l, err := net.Listen("unix", path)
+		var l net.Listener
+		var err error
+		if connect {
+			// As space-agent: retried until the node listens (it may be restarting).
+			for {
+				if l, err = agentlink.Listen(context.Background(), path); err == nil {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		} else {
+			_ = os.Remove(path)
+			l, err = net.Listen("unix", path)
+		}
 		if err != nil {
 			return err
 		}

@@ -1,0 +1,235 @@
+package agentlink
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Listen is the agent's end: it connects to the node's socket at path and returns a
+// listener whose Accept yields the data connections the node asks for. It returns once
+// the node has accepted a control connection (so the caller can let user processes
+// run only then), or with the error of the first attempt. A control connection that
+// ends later (the node restarted) is made again until the listener is closed: at once
+// after one that lasted a second, else after a pause that doubles from 10 ms to a
+// second. The listener is closed when ctx ends.
+func Listen(ctx context.Context, path string) (net.Listener, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	l := &listener{path: path, ctx: ctx, cancel: cancel, conns: make(chan *primed), pending: map[net.Conn]bool{}}
+	ctl, key, err := l.connect()
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	l.setControl(ctl)
+	go l.run(ctl, key)
+	go func() {
+		<-ctx.Done() // ctx's end, or Close
+		l.Close()
+	}()
+	return l, nil
+}
+
+type listener struct {
+	path   string
+	ctx    context.Context // ends at Close
+	cancel context.CancelFunc
+	conns  chan *primed // to Accept
+	mu     sync.Mutex
+	ctl    net.Conn // the current control connection, closed by Close
+	done   bool     // Close was called
+	// pending are the data connections made and not yet accepted, closed by Close.
+	pending map[net.Conn]bool
+}
+
+// connect makes a control connection and reads its key.
+func (l *listener) connect() (net.Conn, string, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(l.ctx, "unix", l.path)
+	if err != nil {
+		return nil, "", err
+	}
+	_ = conn.SetDeadline(time.Now().Add(helloTimeout))
+	if _, err := io.WriteString(conn, helloControl+"\n"); err != nil {
+		conn.Close()
+		return nil, "", fmt.Errorf("agent link: %w", err)
+	}
+	line, err := readLine(conn)
+	if err != nil {
+		conn.Close()
+		return nil, "", fmt.Errorf("agent link: the node refused the control connection: %w", err)
+	}
+	key, ok := strings.CutPrefix(line, keyPrefix)
+	if !ok || len(key) != 64 {
+		conn.Close()
+		return nil, "", fmt.Errorf("agent link: unexpected answer %q", line)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	return conn, key, nil
+}
+
+// setControl records ctl as the current control connection; false (and ctl closed)
+// once the listener is closed.
+func (l *listener) setControl(ctl net.Conn) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done {
+		ctl.Close()
+		return false
+	}
+	l.ctl = ctl
+	return true
+}
+
+// run answers the node on ctl, and on the control connections made after it ends.
+func (l *listener) run(ctl net.Conn, key string) {
+	var pause time.Duration
+	for {
+		start := time.Now()
+		l.serveControl(ctl, key)
+		if l.ctx.Err() != nil {
+			return
+		}
+		for {
+			if time.Since(start) < settled {
+				pause = min(max(2*pause, 10*time.Millisecond), time.Second)
+			} else {
+				pause = 0
+			}
+			t := time.NewTimer(pause)
+			select {
+			case <-l.ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			start = time.Now()
+			var err error
+			if ctl, key, err = l.connect(); err == nil {
+				break
+			}
+		}
+		if !l.setControl(ctl) {
+			return
+		}
+	}
+}
+
+// serveControl answers the node's requests on ctl until it ends.
+func (l *listener) serveControl(ctl net.Conn, key string) {
+	defer ctl.Close()
+	for {
+		line, err := readLine(ctl)
+		if err != nil {
+			return
+		}
+		switch line {
+		case reqDial:
+			go l.dialData(key)
+		case reqPing:
+			_ = ctl.SetWriteDeadline(time.Now().Add(helloTimeout))
+			if _, err := io.WriteString(ctl, ansPong+"\n"); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// dialData makes one data connection for Accept.
+func (l *listener) dialData(key string) {
+	var d net.Dialer
+	conn, err := d.DialContext(l.ctx, "unix", l.path)
+	if err != nil {
+		return // the node asks again, or the control connection ends
+	}
+	_ = conn.SetWriteDeadline(time.Now().Add(helloTimeout))
+	if _, err := io.WriteString(conn, helloData+key+"\n"); err != nil {
+		conn.Close()
+		return
+	}
+	_ = conn.SetWriteDeadline(time.Time{})
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		conn.Close()
+		return
+	}
+	// Registered under the lock Close takes: a connection made while the listener
+	// closes is closed, never left open (a checkpoint follows a quiesce's Close).
+	l.mu.Lock()
+	if l.done {
+		l.mu.Unlock()
+		conn.Close()
+		return
+	}
+	l.pending[conn] = true
+	l.mu.Unlock()
+	// The node may keep it as a spare for a while: the HTTP server gets it with its
+	// first byte, so that its timeouts count from the request, not from the dial.
+	p := &primed{UnixConn: uc, first: make([]byte, 1)}
+	n, err := uc.Read(p.first)
+	if err != nil || n != 1 {
+		l.mu.Lock()
+		delete(l.pending, conn)
+		l.mu.Unlock()
+		conn.Close()
+		return
+	}
+	select {
+	case l.conns <- p:
+	case <-l.ctx.Done(): // Close closes it
+	}
+}
+
+// primed is a data connection whose first byte was read before the HTTP server got
+// it. It keeps the unix connection's other methods (SyscallConn: the agent polls the
+// descriptor to notice a client that went away).
+type primed struct {
+	*net.UnixConn
+	first []byte // what was read ahead, until the server reads it
+}
+
+func (p *primed) Read(b []byte) (int, error) {
+	if len(p.first) > 0 {
+		n := copy(b, p.first)
+		p.first = p.first[n:]
+		return n, nil
+	}
+	return p.UnixConn.Read(b)
+}
+
+// Accept returns the next data connection.
+func (l *listener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		l.mu.Lock()
+		delete(l.pending, c.UnixConn)
+		l.mu.Unlock()
+		return c, nil
+	case <-l.ctx.Done():
+		return nil, net.ErrClosed
+	}
+}
+
+// Close ends the control connection and every data connection not yet accepted.
+func (l *listener) Close() error {
+	l.mu.Lock()
+	l.done = true
+	ctl, pending := l.ctl, l.pending
+	l.pending = map[net.Conn]bool{}
+	l.mu.Unlock()
+	l.cancel()
+	if ctl != nil {
+		ctl.Close()
+	}
+	for c := range pending {
+		c.Close()
+	}
+	return nil
+}
+
+// Addr is the node's socket.
+func (l *listener) Addr() net.Addr { return &net.UnixAddr{Name: l.path, Net: "unix"} }
