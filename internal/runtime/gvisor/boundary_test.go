@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/cgroupstat"
+	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/runtime"
 )
 
@@ -904,4 +906,44 @@ func TestWatchMemory(t *testing.T) {
 	if err := rt.WatchMemory(context.Background(), runtime.Spec{ID: spec.ID}, func(int64, int64) {}); !errors.Is(err, runtime.ErrUnsupported) {
 		t.Fatalf("a watch without a memory size: %v, want ErrUnsupported", err)
 	}
+}
+
+// TestListeningAgentAcrossUpgrade: an instance started before 2026-12-06, whose agent
+// listens on run/agent.sock (runsc --host-uds=create), keeps that transport when a node
+// of today adopts it, and so does its checkpoint when today's node restores it: the
+// record and the checkpoint's metadata say so (agent_dials false), and the restored
+// agent, which listens, is reached on its socket.
+func TestListeningAgentAcrossUpgrade(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	old := newTestRuntime(t, testRootDir(t))
+	old.agentListens = true
+	spec := testSpec(t, newID(t))
+	startSandbox(t, old, spec)
+	listening := func(stateDir string) {
+		t.Helper()
+		if fi, err := os.Lstat(filepath.Join(stateDir, runDir, wire.AgentSocketName)); err != nil || fi.Mode().Type() != fs.ModeSocket {
+			t.Errorf("the agent's socket: %v %v", fi, err)
+		}
+		if _, err := os.Lstat(filepath.Join(stateDir, runDir, wire.NodeSocketName)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("a node socket beside a listening agent: %v", err)
+		}
+	}
+	listening(spec.StateDir)
+
+	now := newTestRuntime(t, old.cfg.RootDir) // a node of today, after a restart
+	if err := now.Adopt(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	c := agentClient(t, now, spec.ID)
+	waitHealthy(t, c)
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, now, spec.ID)
+	if meta, err := readMeta(dir); err != nil || meta.AgentDials {
+		t.Fatalf("checkpoint metadata %+v, %v: want agent_dials false", meta, err)
+	}
+	dst := testSpec(t, newID(t))
+	dst.RootFS = spec.RootFS
+	restoreResumed(t, now, dst, dir)
+	listening(dst.StateDir)
 }
