@@ -254,7 +254,6 @@ func (n *Node) waitGeneration(ctx context.Context, id string, gen int64) error {
 		if err == nil && h.Generation > gen {
 			return fmt.Errorf("agent reports identity generation %d, newer than the %d it was given", h.Generation, gen)
 		}
-
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("agent did not take its new identity: %w", ctx.Err())

@@ -134,19 +134,9 @@ func (h *Host) accept() {
 // ready returns conn's first line when all of it has arrived, reading nothing
 // otherwise (a peek that does not wait).
 func ready(conn net.Conn) (string, bool) {
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
-		return "", false
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return "", false
-	}
 	var buf [maxLine + 1]byte
-	n := 0
-	if rc.Control(func(fd uintptr) {
-		n, _, _ = unix.Recvfrom(int(fd), buf[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-	}) != nil || n <= 0 {
+	n, err := peek(conn, buf[:])
+	if err != nil || n <= 0 {
 		return "", false
 	}
 	i := bytes.IndexByte(buf[:n], '\n')
@@ -157,6 +147,28 @@ func ready(conn net.Conn) (string, bool) {
 		return "", false
 	}
 	return string(buf[:i]), true
+}
+
+// peek copies into buf what has arrived on conn, without consuming it or waiting: n
+// bytes, or the receive's error (EAGAIN: nothing yet; none and n 0: the peer closed).
+// errors.ErrUnsupported for a connection without a descriptor.
+func peek(conn net.Conn, buf []byte) (int, error) {
+	sc, ok := conn.(syscall.Conn)
+	if !ok {
+		return 0, errors.ErrUnsupported
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	var rerr error
+	if err := rc.Control(func(fd uintptr) {
+		n, _, rerr = unix.Recvfrom(int(fd), buf, unix.MSG_PEEK|unix.MSG_DONTWAIT)
+	}); err != nil {
+		return 0, err
+	}
+	return n, rerr
 }
 
 // greet reads conn's first line and hands it on.
@@ -393,21 +405,12 @@ func (h *Host) spare() net.Conn {
 // still open (the agent closes every connection when it quiesces, and the node may not
 // have seen its control connection end yet): a peek that does not wait.
 func alive(conn net.Conn) bool {
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
+	var b [1]byte
+	n, err := peek(conn, b[:])
+	if errors.Is(err, errors.ErrUnsupported) {
 		return true
 	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	open := true
-	err = rc.Control(func(fd uintptr) {
-		var b [1]byte
-		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		open = n > 0 || errors.Is(err, unix.EAGAIN)
-	})
-	return err == nil && open
+	return n > 0 || errors.Is(err, unix.EAGAIN)
 }
 
 // take waits for a usable data connection of session c: nil, nil once c ends. It asks

@@ -596,11 +596,15 @@ func (r *Runtime) Dial(ctx context.Context, id string) (net.Conn, error) {
 	if !validID(id) {
 		return nil, fmt.Errorf("gvisor dial: invalid id %q", id)
 	}
-	if rec, err := r.readRecord(id); err == nil && rec.AgentDials {
-		l, err := r.links.open(id, filepath.Join(rec.StateDir, runDir), r.log, true)
-		if err != nil {
-			return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+	l := r.links.get(id) // the instance's record is read only when it has none yet
+	if l == nil {
+		if rec, err := r.readRecord(id); err == nil && rec.AgentDials {
+			if l, err = r.links.open(id, filepath.Join(rec.StateDir, runDir), r.log, true); err != nil {
+				return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
+			}
 		}
+	}
+	if l != nil {
 		conn, err := l.dial(ctx)
 		if err != nil {
 			return nil, fmt.Errorf("gvisor dial %s: %w", id, err)

@@ -33,7 +33,6 @@ var errLinkClosed = agentlink.ErrClosed
 
 // agentLink is the node's end of one instance's agent transport.
 type agentLink struct {
-	id   string
 	path string
 	host *agentlink.Host
 	log  *slog.Logger
@@ -62,7 +61,7 @@ func listenLink(id, runDir string, log *slog.Logger) (*agentLink, error) {
 		return nil, fmt.Errorf("agent link: %w", err)
 	}
 	log = log.With("id", id)
-	return &agentLink{id: id, path: path, host: agentlink.NewHost(ln, log), log: log}, nil
+	return &agentLink{path: path, host: agentlink.NewHost(ln, log), log: log}, nil
 }
 
 // listenUnix listens on a unix socket, also when its path is too long for
@@ -136,6 +135,13 @@ func (ls *links) open(id, runDir string, log *slog.Logger, lazy bool) (*agentLin
 	}
 	ls.m[id] = l
 	return l, nil
+}
+
+// get returns the instance's link, or nil when it has none open.
+func (ls *links) get(id string) *agentLink {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.m[id]
 }
 
 // close closes the instance's link, if it has one, as its destroy begins: until
