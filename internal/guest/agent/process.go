@@ -484,7 +484,7 @@ func (p *process) pump(f *os.File, stream byte) {
 				if !fl.on {
 					break
 				}
-				if n == len(buf) {
+				if fl.step(n, len(buf)) {
 					// The pipe held more than the buffer: read on at once, with a
 					// buffer that takes the whole pipe.
 					if len(buf) < pumpPipeSize {
@@ -492,7 +492,6 @@ func (p *process) pump(f *os.File, stream byte) {
 					}
 					break
 				}
-				fl.adapt(n)
 				time.Sleep(fl.window)
 				now = time.Now()
 			case n < len(buf)/2 && soon:
@@ -536,6 +535,7 @@ type flow struct {
 	on     bool
 	sized  bool // the pipe was enlarged to pumpPipeSize
 	window time.Duration
+	after  bool // the last read filled the buffer (see step)
 }
 
 // start puts the pipe in flow. The first time, it enlarges the pipe (only then: a
@@ -579,6 +579,31 @@ func (fl *flow) read(buf []byte) (int, error) {
 		}
 		return n, nil
 	}
+}
+
+// step takes a read of n bytes into a buffer of size bytes, made after a window (or at
+// once, after a read that filled the buffer), and reports whether the pump reads on at
+// once (the buffer was filled) or waits the next window first.
+//
+// A read that took the whole pipe means the writer waited on a full pipe for part of
+// the window: the window shrinks. The read that follows a full one at once takes only
+// what came in the instants between the two, so it says nothing of the window and
+// leaves it. (Before 2026-12-06 that read counted as a short one and doubled the
+// window, so a writer that fills the pipe within a window drove it up to pumpMaxWindow
+// and then waited on a full pipe most of the time: `head -c 1G` streamed at 128 MiB/s
+// where the pipe allows half again as much; docs/benchmarks.md, twenty-second pass.)
+func (fl *flow) step(n, size int) (again bool) {
+	after := fl.after
+	fl.after = n == size
+	switch {
+	case n == size:
+		if n >= pumpPipeSize {
+			fl.window = max(fl.window/2, pumpWindow)
+		}
+	case !after:
+		fl.adapt(n)
+	}
+	return fl.after
 }
 
 // adapt sets the next window from the size of the last read.
