@@ -8,7 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -233,5 +235,215 @@ func TestNotACgroup(t *testing.T) {
 	err := Memory(context.Background(), t.TempDir(), 1<<20, func(int64) {})
 	if !errors.Is(err, ErrNoMemoryController) {
 		t.Fatalf("got %v, want ErrNoMemoryController", err)
+	}
+}
+
+// v2Files is a directory that looks like a cgroup v2 memory cgroup to watchV2: the
+// kernel's files as regular files, which the test rewrites in place (one pwrite of a
+// fixed width, so that the watch never reads one half-written) to play the kernel's
+// part. This host's memory controller is bound to cgroup v1, so v2's path runs
+// against the real kernel only in TestMemoryV2Kernel, on a host whose memory
+// controller is on cgroup v2.
+type v2Files struct {
+	t   *testing.T
+	dir string
+}
+
+func newV2Files(t *testing.T) v2Files {
+	f := v2Files{t: t, dir: t.TempDir()}
+	f.set(0, 1<<20)
+	if err := os.WriteFile(filepath.Join(f.dir, "memory.high"), []byte("max\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// set writes the usage, then the "high" count (the kernel counts after it charges).
+func (f v2Files) set(high, current int64) {
+	f.t.Helper()
+	write := func(name, content string) {
+		file, err := os.OpenFile(filepath.Join(f.dir, name), os.O_WRONLY|os.O_CREATE, 0o644)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+		defer file.Close()
+		if _, err := file.WriteAt([]byte(content), 0); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	write("memory.current", fmt.Sprintf("%020d\n", current))
+	write("memory.events", fmt.Sprintf("low 0\nhigh %020d\nmax 0\noom 0\noom_kill 0\n", high))
+}
+
+func (f v2Files) high() string {
+	f.t.Helper()
+	b, err := os.ReadFile(filepath.Join(f.dir, "memory.high"))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return string(b)
+}
+
+// On cgroup v2 the watch sets memory.high to the threshold, reports a rise of the
+// "high" count with the usage, at most once a v2Quiet while the usage stays above, not
+// when the usage is back under the threshold, ends without an error when the cgroup is
+// removed, and sets memory.high back to "max".
+func TestMemoryV2(t *testing.T) {
+	f := newV2Files(t)
+	const threshold = 64 << 20
+	rises := make(chan int64, 16)
+	done := make(chan error, 1)
+	go func() { done <- Memory(context.Background(), f.dir, threshold, func(u int64) { rises <- u }) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for f.high() != strconv.Itoa(threshold) {
+		if time.Now().After(deadline) {
+			t.Fatalf("memory.high is %q, want the threshold", f.high())
+		}
+		time.Sleep(time.Millisecond) // poll interval
+	}
+	next := func(what string) int64 {
+		t.Helper()
+		select {
+		case u := <-rises:
+			return u
+		case err := <-done:
+			t.Fatalf("the watch ended (%v) before the report %s", err, what)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no report %s", what)
+		}
+		return 0
+	}
+	none := func(what string, d time.Duration) {
+		t.Helper()
+		select {
+		case u := <-rises:
+			t.Fatalf("reported %d %s", u, what)
+		case <-time.After(d):
+		}
+	}
+	f.set(3, 70<<20)
+	start := time.Now()
+	if u := next("of the rise"); u != 70<<20 {
+		t.Fatalf("reported %d, want the usage %d", u, 70<<20)
+	}
+	f.set(4, 72<<20)
+	none("again within v2Quiet", v2Quiet/2)
+	for time.Since(start) < v2Quiet+v2Quiet/10 {
+		time.Sleep(10 * time.Millisecond) // until the quiet time has passed
+	}
+	f.set(5, 74<<20)
+	if u := next("of usage that stays above after v2Quiet"); u != 74<<20 {
+		t.Fatalf("reported %d, want %d", u, 74<<20)
+	}
+	time.Sleep(v2Quiet + v2Quiet/10) // the quiet time, so that only the usage holds it back
+	f.set(6, 60<<20)
+	none("while the usage is under the threshold", v2Quiet/2)
+	f.set(6, 60<<20) // an unchanged count: nothing to report either
+	none("for an unchanged count", v2Quiet/4)
+	if err := os.Remove(filepath.Join(f.dir, "memory.events")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("watch of a removed cgroup: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the watch did not end when its cgroup was removed")
+	}
+	if got := f.high(); got != "max" {
+		t.Fatalf("memory.high after the watch: %q, want max", got)
+	}
+}
+
+// A v2 watch ends without an error when its context does, and sets memory.high back.
+func TestMemoryV2Cancel(t *testing.T) {
+	f := newV2Files(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Memory(ctx, f.dir, 1<<30, func(int64) {}) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for f.high() == "max\n" && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond) // poll interval
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("watch ended by its context: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the watch did not end with its context")
+	}
+	if got := f.high(); got != "max" {
+		t.Fatalf("memory.high after the watch: %q, want max", got)
+	}
+}
+
+// TestMemoryV2Kernel runs the v2 watch against the kernel: a cgroup of its own under
+// a cgroup v2 hierarchy whose root delegates the memory controller, and the allocator
+// in it. It skips on hosts whose memory controller is on cgroup v1 (as this project's
+// CI machines').
+func TestMemoryV2Kernel(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to make a cgroup")
+	}
+	root := ""
+	for _, r := range []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"} {
+		if b, err := os.ReadFile(filepath.Join(r, "cgroup.subtree_control")); err == nil && slices.Contains(strings.Fields(string(b)), "memory") {
+			root = r
+			break
+		}
+	}
+	if root == "" {
+		t.Skip("no cgroup v2 hierarchy with the memory controller on this host")
+	}
+	dir := filepath.Join(root, fmt.Sprintf("cgroupwatch-test-%d", os.Getpid()))
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		deadline := time.Now().Add(10 * time.Second)
+		for err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) && time.Now().Before(deadline); err = os.Remove(dir) {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	a := startAllocator(t, dir)
+	base, err := readFileInt(filepath.Join(dir, "memory.current"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	threshold := base + 40<<20
+	rises := make(chan int64, 16)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = Memory(ctx, dir, threshold, func(u int64) { rises <- u }) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if b, _ := os.ReadFile(filepath.Join(dir, "memory.high")); strings.TrimSpace(string(b)) == strconv.FormatInt(threshold, 10) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the watch did not set memory.high")
+		}
+		time.Sleep(time.Millisecond) // poll interval
+	}
+	var rise int64
+	for held := 0; held < 160 && rise == 0; {
+		held = a.more(t)
+		select {
+		case rise = <-rises:
+		default: // no rise yet: allocate more
+		}
+	}
+	if rise == 0 {
+		select {
+		case rise = <-rises:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no rise over the threshold (base %d MiB + 40 MiB) was reported", base>>20)
+		}
+	}
+	if rise < threshold {
+		t.Fatalf("reported %d, under the threshold %d", rise, threshold)
 	}
 }

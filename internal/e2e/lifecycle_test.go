@@ -646,6 +646,108 @@ for i in $(seq 100); do [ -S /run/app.sock ] && break; sleep 0.05; done; python3
 	}
 }
 
+// TestListeningAgentRefusesDiskSocket: a sandbox started before 2026-12-06, whose agent
+// listens (runsc --host-uds=create; a failpoints build with
+// SPACE_TEST_GVISOR_AGENT_LISTENS=1 starts its sandboxes so, internal/runtime/gvisor),
+// makes a unix socket bound on its disk a host socket gVisor cannot save. Its agent
+// refuses the quiesce: the suspend fails with an error that names the socket and its
+// program, a clone fails the same way, and the sandbox runs on with its processes and
+// memory (before 2026-12-03 runsc's failed checkpoint took the instance down). Once
+// the program is gone it suspends, and wakes with its listening agent. The idle
+// suspender asks again after a refusal, once per idle timeout; a command that comes
+// during one of those attempts runs, and once the program is gone the next attempt
+// suspends the sandbox. (These were TestSuspendRefusedForDiskSocket and
+// TestIdleSuspendAfterRefusal, for every sandbox until the agent connected to the node.)
+func TestListeningAgentRefusesDiskSocket(t *testing.T) {
+	s := start(t, options{Failpoints: true, Env: []string{"SPACE_TEST_GVISOR_AGENT_LISTENS=1"}})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	idle := s.create(t, api.CreateSandboxRequest{IdleTimeout: "2s"})
+	idlePid := s.diskListener(t, idle.ID)
+	if _, _, code := s.exec(t, sb.ID, "bash", "-c", "echo kept > /dev/shm/kept"); code != 0 {
+		t.Fatal("write /dev/shm/kept")
+	}
+	pid := s.diskListener(t, sb.ID)
+	c := ctx(t, 4*time.Minute)
+	op, err := s.C.LifecycleAndWait(c, sb.ID, api.OpSuspend)
+	if err == nil || op == nil || !strings.Contains(op.Error, "/root/app.sock") || !strings.Contains(op.Error, "python3") {
+		t.Fatalf("suspend with a socket on the disk: %+v %v", op, err)
+	}
+	t.Logf("refused: %s", op.Error)
+	clones, err := s.C.Clone(c, sb.ID, api.CloneRequest{Count: 1})
+	if err != nil || len(clones) != 1 {
+		t.Fatalf("clone: %v %v", clones, err)
+	}
+	if cop, err := s.C.WaitOperation(c, clones[0].Operation.ID); err != nil || cop.State != api.OpFailed || !strings.Contains(cop.Error, "/root/app.sock") {
+		t.Errorf("clone with a socket on the disk: %+v %v", cop, err)
+	}
+	waitFor(t, time.Minute, "the sandbox to run on", func() bool { return s.state(t, sb.ID).State == api.StateRunning })
+	if got, _, code := s.exec(t, sb.ID, "bash", "-c", "cat /dev/shm/kept && kill -0 "+pid+" && echo alive"); code != 0 || got != "kept\nalive\n" {
+		t.Fatalf("after the refused suspend the sandbox lost its memory or processes: %d %q\n%s", code, got, s.Log())
+	}
+	if _, _, code := s.exec(t, sb.ID, "bash", "-c", "kill "+pid+"; while kill -0 "+pid+" 2>/dev/null; do sleep 0.05; done"); code != 0 {
+		t.Fatal("end the listener")
+	}
+	s.verb(t, sb.ID, api.OpSuspend)
+	if st := s.state(t, sb.ID); st.State != api.StateSuspended {
+		t.Fatalf("after the listener ended: %s", st.State)
+	}
+	if got, _, code := s.exec(t, sb.ID, "cat", "/dev/shm/kept"); code != 0 || got != "kept\n" {
+		t.Fatalf("after the wake: %d %q", code, got)
+	}
+
+	// The idle sandbox, refused meanwhile. Watched through the store: the API's reads
+	// count as activity.
+	db, err := store.Open(c, store.Config{URL: s.DBURL, Logger: discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	state := func() *store.Sandbox {
+		got, err := db.GetSandbox(c, idle.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	refusals := func() int {
+		ops, err := db.SandboxOperations(c, idle.ID, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, op := range ops {
+			if op.Kind == api.OpSuspend && op.State == api.OpFailed && strings.Contains(op.Error, "/root/app.sock") {
+				n++
+			}
+		}
+		return n
+	}
+	waitFor(t, time.Minute, "two idle suspends to be refused", func() bool { return refusals() >= 2 })
+	if st := state(); st.State != api.StateRunning && st.State != api.StateSuspending {
+		t.Fatalf("after the refusals: %s", st.State)
+	}
+	// This command may come during another attempt: it waits for it and runs.
+	if _, _, code := s.exec(t, idle.ID, "bash", "-c", "kill "+idlePid+"; while kill -0 "+idlePid+" 2>/dev/null; do sleep 0.05; done"); code != 0 {
+		t.Fatal("end the idle sandbox's listener")
+	}
+	waitFor(t, time.Minute, "the idle suspender to suspend the sandbox", func() bool { return state().State == api.StateSuspended })
+	t.Logf("%d idle refusals, then suspended: %q", refusals(), state().StatusReason)
+}
+
+// diskListener starts a program in sandbox id that listens on /root/app.sock (on the
+// sandbox's disk) and returns its pid.
+func (s *srv) diskListener(t *testing.T, id string) string {
+	t.Helper()
+	out, _, code := s.exec(t, id, "bash", "-c",
+		`nohup python3 -c 'import socket, time; s = socket.socket(socket.AF_UNIX); s.bind("/root/app.sock"); s.listen(); time.sleep(100000)' >/dev/null 2>&1 & `+
+			`for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; echo $!`)
+	pid := strings.TrimSpace(out)
+	if code != 0 || pid == "" {
+		t.Fatalf("start the listener: %d %q", code, out)
+	}
+	return pid
+}
+
 // TestDiskSocketSurvivesSuspend: a server listening on a unix socket bound on the
 // sandbox's disk (/root/app.sock) is saved by an idle suspend and answers after the
 // wake, and in a clone. Since 2026-12-06 the agent connects to the node (runsc

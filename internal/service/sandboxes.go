@@ -743,12 +743,14 @@ func (s *Service) waitSettled(ctx context.Context, sb *store.Sandbox) (*store.Sa
 
 // pollSandbox reads the sandbox every sandboxPollWhileWaking until done holds, or
 // until timeout or ctx ends (then it returns the sandbox as last read). The sandboxes'
-// own notifications reach only the node and the controller, so requests poll.
+// own notifications reach only the node and the controller, so requests poll. Its
+// reads are not cut by ctx (as waitOp's): a caller whose ctx ran out while it waited
+// for an operation gets the sandbox as it is, not the deadline's error.
 func (s *Service) pollSandbox(ctx context.Context, id string, timeout time.Duration, done func(*store.Sandbox) bool) (*store.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
-		cur, err := s.st.GetSandbox(ctx, id)
+		cur, err := s.st.GetSandbox(context.WithoutCancel(ctx), id)
 		if err != nil {
 			return nil, err
 		}
@@ -777,7 +779,8 @@ func (s *Service) waitMoved(ctx context.Context, sb *store.Sandbox) (*store.Sand
 	})
 }
 
-// waitRunning waits until the sandbox runs (or opID finishes).
+// waitRunning waits until the sandbox runs (or opID finishes), wakeTimeout in all: the
+// operation and the state after it share one deadline.
 func (s *Service) waitRunning(ctx context.Context, sb *store.Sandbox, opID string) (*store.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(ctx, wakeTimeout)
 	defer cancel()

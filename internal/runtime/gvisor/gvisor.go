@@ -173,7 +173,7 @@ func New(cfg Config) (*Runtime, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	r := &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor")}
+	r := &Runtime{cfg: cfg, log: logger.With("runtime", "gvisor"), agentListens: agentListensForTests()}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.CommandTimeout)
 	defer cancel()
 	out, err := r.exec(ctx, []string{"--version"})
