@@ -161,14 +161,7 @@ func TestMemoryV1(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("watch of a removed cgroup: %v", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the watch did not end when its cgroup was removed")
-	}
+	ended(t, done, "the removal of its cgroup")
 }
 
 // Usage that stays above the threshold is reported again once it grew by v1Growth (a
@@ -220,13 +213,36 @@ func TestMemoryV1Cancel(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- Memory(ctx, dir, 1<<30, func(int64) {}) }()
 	cancel()
+	ended(t, done, "its context")
+}
+
+// ended waits for a watch to end (its result on done) and fails if it did not, or
+// with an error.
+func ended(t *testing.T, done <-chan error, by string) {
+	t.Helper()
 	select {
 	case err := <-done:
 		if err != nil {
-			t.Fatalf("watch ended by its context: %v", err)
+			t.Fatalf("the watch ended by %s: %v", by, err)
 		}
 	case <-time.After(10 * time.Second):
-		t.Fatal("the watch did not end with its context")
+		t.Fatalf("the watch did not end with %s", by)
+	}
+}
+
+// waitHigh waits until the watch has set dir's memory.high to threshold.
+func waitHigh(t *testing.T, dir string, threshold int64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b, _ := os.ReadFile(filepath.Join(dir, "memory.high"))
+		if strings.TrimSpace(string(b)) == strconv.FormatInt(threshold, 10) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("memory.high is %q, want the threshold %d", b, threshold)
+		}
+		time.Sleep(time.Millisecond) // poll interval
 	}
 }
 
@@ -294,13 +310,7 @@ func TestMemoryV2(t *testing.T) {
 	rises := make(chan int64, 16)
 	done := make(chan error, 1)
 	go func() { done <- Memory(context.Background(), f.dir, threshold, func(u int64) { rises <- u }) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for f.high() != strconv.Itoa(threshold) {
-		if time.Now().After(deadline) {
-			t.Fatalf("memory.high is %q, want the threshold", f.high())
-		}
-		time.Sleep(time.Millisecond) // poll interval
-	}
+	waitHigh(t, f.dir, threshold)
 	next := func(what string) int64 {
 		t.Helper()
 		select {
@@ -343,14 +353,7 @@ func TestMemoryV2(t *testing.T) {
 	if err := os.Remove(filepath.Join(f.dir, "memory.events")); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("watch of a removed cgroup: %v", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("the watch did not end when its cgroup was removed")
-	}
+	ended(t, done, "the removal of its cgroup")
 	if got := f.high(); got != "max" {
 		t.Fatalf("memory.high after the watch: %q, want max", got)
 	}
@@ -362,19 +365,9 @@ func TestMemoryV2Cancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- Memory(ctx, f.dir, 1<<30, func(int64) {}) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for f.high() == "max\n" && time.Now().Before(deadline) {
-		time.Sleep(time.Millisecond) // poll interval
-	}
+	waitHigh(t, f.dir, 1<<30)
 	cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("watch ended by its context: %v", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("the watch did not end with its context")
-	}
+	ended(t, done, "its context")
 	if got := f.high(); got != "max" {
 		t.Fatalf("memory.high after the watch: %q, want max", got)
 	}
@@ -418,16 +411,7 @@ func TestMemoryV2Kernel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = Memory(ctx, dir, threshold, func(u int64) { rises <- u }) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if b, _ := os.ReadFile(filepath.Join(dir, "memory.high")); strings.TrimSpace(string(b)) == strconv.FormatInt(threshold, 10) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the watch did not set memory.high")
-		}
-		time.Sleep(time.Millisecond) // poll interval
-	}
+	waitHigh(t, dir, threshold)
 	var rise int64
 	for held := 0; held < 160 && rise == 0; {
 		held = a.more(t)

@@ -144,24 +144,32 @@ func TestRetryClosedIdle(t *testing.T) {
 // envd call relayed for an E2B SDK), so that it too is sent again on another connection;
 // the server reads it once and the client gets the agent's answer.
 func TestRelayRetriesClosedIdle(t *testing.T) {
+	body := `{"process":{"cmd":"true"}}`
 	err, posts, _ := closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return rt },
-		func(ctx context.Context, rt http.RoundTripper, base string) error {
-			c := NewVia(base, rt, nil)
-			in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/process.Process/Start", strings.NewReader(`{"process":{"cmd":"true"}}`))
-			w := httptest.NewRecorder()
-			if err := c.Relay(w, in, "/v1/exec", nil); err != nil {
-				return err
-			}
-			if w.Code != http.StatusNoContent {
-				t.Errorf("relayed answer %d", w.Code)
-			}
-			return nil
-		})
+		relayPost(t, "/v1/exec", strings.NewReader(body), int64(len(body))))
 	if err != nil {
 		t.Fatalf("relay: %v", err)
 	}
 	if posts != 1 {
 		t.Fatalf("the server read %d POSTs, want 1", posts)
+	}
+}
+
+// relayPost relays a POST of body (length bytes declared) from a client through Relay
+// to path on the scenario's server, and expects its 204.
+func relayPost(t *testing.T, path string, body io.Reader, length int64) func(ctx context.Context, rt http.RoundTripper, base string) error {
+	return func(ctx context.Context, rt http.RoundTripper, base string) error {
+		c := NewVia(base, rt, nil)
+		in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/relayed", body)
+		in.ContentLength = length
+		w := httptest.NewRecorder()
+		if err := c.Relay(w, in, path, nil); err != nil {
+			return err
+		}
+		if w.Code != http.StatusNoContent {
+			t.Errorf("relayed answer %d", w.Code)
+		}
+		return nil
 	}
 }
 
@@ -214,19 +222,7 @@ func TestRetryClosedIdleStreamedBody(t *testing.T) {
 
 	// Relayed: a declared body above ReplayableBody streams from the client's connection.
 	err, posts, bytes = closedIdleScenario(t, func(rt http.RoundTripper) http.RoundTripper { return rt },
-		func(ctx context.Context, rt http.RoundTripper, base string) error {
-			c := NewVia(base, rt, nil)
-			in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/files", io.LimitReader(zeros{}, size))
-			in.ContentLength = size
-			w := httptest.NewRecorder()
-			if err := c.Relay(w, in, "/v1/files", nil); err != nil {
-				return err
-			}
-			if w.Code != http.StatusNoContent {
-				t.Errorf("relayed answer %d", w.Code)
-			}
-			return nil
-		})
+		relayPost(t, "/v1/files", io.LimitReader(zeros{}, size), size))
 	if err != nil {
 		t.Fatalf("relay: %v", err)
 	}
