@@ -66,6 +66,22 @@ func unanswered(t *testing.T, s *server, w *world, what string, err error, find 
 	}
 }
 
+// untilAvailable calls f again while it fails with 503 (the database going away and
+// coming back: the embedded PostgreSQL restarts within seconds), for up to a minute.
+func untilAvailable(t *testing.T, f func() error) error {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := f()
+		var ce *client.Error
+		if err == nil || !errors.As(err, &ce) || ce.Status != http.StatusServiceUnavailable || time.Now().After(deadline) {
+			return err
+		}
+		t.Logf("sent again after: %v", err)
+		time.Sleep(200 * time.Millisecond) // PostgreSQL restarting
+	}
+}
+
 // newestOp returns the newest operation of sandbox id created since (less a second of
 // slack), other than its create.
 func newestOp(t *testing.T, s *server, id string, since time.Time) (string, error) {
@@ -194,7 +210,16 @@ func scenarios() []scenario {
 	return []scenario{
 		{name: "create", setup: func(t *testing.T, s *server) *world { return &world{} },
 			act: func(t *testing.T, s *server, w *world) {
-				sb, err := s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{}, "")
+				// As a careful client does: a create that met the database going away
+				// (503) is sent again with the same idempotency key. In the pgkill walk
+				// a point that work in the background passes can kill PostgreSQL while
+				// the create's own transaction runs (seen once on a loaded machine).
+				key := "walk-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+				var sb *api.Sandbox
+				err := untilAvailable(t, func() (err error) {
+					sb, err = s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{}, key)
+					return err
+				})
 				if err != nil {
 					t.Fatal(err)
 				}
