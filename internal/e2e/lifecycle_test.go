@@ -608,22 +608,9 @@ func TestStartPaths(t *testing.T) {
 func TestRunIsMemory(t *testing.T) {
 	s := start(t, options{})
 	sb := s.create(t, api.CreateSandboxRequest{})
-	const server = `import socket
-s = socket.socket(socket.AF_UNIX)
-s.bind("/var/run/app.sock")
-s.listen()
-while True:
-    c, _ = s.accept()
-    c.sendall(b"pong\n")
-    c.close()
-`
-	const ping = `import socket; s = socket.socket(socket.AF_UNIX); s.connect("/run/app.sock"); print(s.recv(16).decode().strip())`
+	ping := pingSocket("/run/app.sock")
 	out, _, code := s.exec(t, sb.ID, "bash", "-c", `stat -f -c %T /run; stat -c '%a %U' /run/lock; df -m --output=size /run | tail -1; `+
-		`test -e /run/space/`+rundirs.FileName+` && echo manifest left; `+
-		`cat > /root/server.py <<'EOF'
-`+server+`EOF
-nohup python3 /root/server.py >/dev/null 2>&1 &
-for i in $(seq 100); do [ -S /run/app.sock ] && break; sleep 0.05; done; python3 -c '`+ping+`'`)
+		`test -e /run/space/`+rundirs.FileName+` && echo manifest left; `+pongServer("/var/run/app.sock", "/run/app.sock"))
 	if want := "tmpfs\n1777\nroot\n64\npong\n"; code != 0 || strings.Join(strings.Fields(out), "\n")+"\n" != want {
 		t.Fatalf("/run in a 512 MiB sandbox, and a server on a socket there: %d %q, want %q", code, out, want)
 	}
@@ -748,6 +735,29 @@ func (s *srv) diskListener(t *testing.T, id string) string {
 	return pid
 }
 
+// pongServer is a shell script that starts a server answering "pong" on the unix
+// socket it binds at bind (in the background, from /root/server.py), waits for the
+// socket at path (bind, or the same through a link) and pings it there (pingSocket).
+func pongServer(bind, path string) string {
+	return `cat > /root/server.py <<'EOF'
+import socket
+s = socket.socket(socket.AF_UNIX)
+s.bind("` + bind + `")
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.sendall(b"pong\n")
+    c.close()
+EOF
+nohup python3 /root/server.py >/dev/null 2>&1 &
+for i in $(seq 100); do [ -S ` + path + ` ] && break; sleep 0.05; done; python3 -c '` + pingSocket(path) + `'`
+}
+
+// pingSocket is a python3 program that prints what the unix socket at path answers.
+func pingSocket(path string) string {
+	return `import socket; s = socket.socket(socket.AF_UNIX); s.connect("` + path + `"); print(s.recv(16).decode().strip())`
+}
+
 // TestDiskSocketSurvivesSuspend: a server listening on a unix socket bound on the
 // sandbox's disk (/root/app.sock) is saved by an idle suspend and answers after the
 // wake, and in a clone. Since 2026-12-06 the agent connects to the node (runsc
@@ -757,20 +767,8 @@ func (s *srv) diskListener(t *testing.T, id string) string {
 func TestDiskSocketSurvivesSuspend(t *testing.T) {
 	s := start(t, options{})
 	sb := s.create(t, api.CreateSandboxRequest{IdleTimeout: "2s"})
-	const server = `import socket
-s = socket.socket(socket.AF_UNIX)
-s.bind("/root/app.sock")
-s.listen()
-while True:
-    c, _ = s.accept()
-    c.sendall(b"pong\n")
-    c.close()
-`
-	const ping = `import socket; s = socket.socket(socket.AF_UNIX); s.connect("/root/app.sock"); print(s.recv(16).decode().strip())`
-	out, _, code := s.exec(t, sb.ID, "bash", "-c", `echo kept > /dev/shm/kept; cat > /root/server.py <<'EOF'
-`+server+`EOF
-nohup python3 /root/server.py >/dev/null 2>&1 &
-for i in $(seq 100); do [ -S /root/app.sock ] && break; sleep 0.05; done; python3 -c '`+ping+`'`)
+	ping := pingSocket("/root/app.sock")
+	out, _, code := s.exec(t, sb.ID, "bash", "-c", "echo kept > /dev/shm/kept; "+pongServer("/root/app.sock", "/root/app.sock"))
 	if code != 0 || out != "pong\n" {
 		t.Fatalf("a server on /root/app.sock: %d %q", code, out)
 	}

@@ -345,10 +345,9 @@ func (c *Client) Quiesce(ctx context.Context, keepTransport bool) error {
 // answered (gVisor's), whose run directory on the host is runDir: it returns once the
 // agent shows that it is quiesced (WaitQuiesced). The answer and the close race: the
 // agent closes every connection as it quiesces, and a request that did reach it may
-// still end without its answer (over yamux, in a transport tried in 2026-12, the
-// write itself reported the session's shutdown). So a failure without an answer of the agent's is taken for that close when the quiesced
-// marker follows within quiesceCloseGrace; an answer (a refusal such as 409
-// cannot_checkpoint) is returned as it is.
+// still end without its answer. So a failure without an answer of the agent's is
+// taken for that close when the quiesced marker follows within quiesceCloseGrace; an
+// answer (a refusal such as 409 cannot_checkpoint) is returned as it is.
 func (c *Client) QuiesceClosing(ctx context.Context, runDir string) error {
 	err := c.Quiesce(ctx, false)
 	var answered *Error

@@ -390,8 +390,7 @@ func (h *Host) spare() net.Conn {
 	for {
 		select {
 		case s := <-h.conns:
-			if s.ctl.isClosed() || !alive(s.conn) {
-				s.conn.Close()
+			if !usable(s) {
 				continue
 			}
 			return s.conn
@@ -399,6 +398,16 @@ func (h *Host) spare() net.Conn {
 			return nil
 		}
 	}
+}
+
+// usable reports whether a waiting data connection can be handed out: its session
+// goes on and the agent's end is open. One that cannot is closed.
+func usable(s spare) bool {
+	if s.ctl.isClosed() || !alive(s.conn) {
+		s.conn.Close()
+		return false
+	}
+	return true
 }
 
 // alive reports whether the agent's end of conn, on which nothing was sent yet, is
@@ -421,8 +430,7 @@ func (h *Host) take(ctx context.Context, c *control) (net.Conn, error) {
 	for {
 		select {
 		case s := <-h.conns:
-			if s.ctl.isClosed() || !alive(s.conn) {
-				s.conn.Close()
+			if !usable(s) {
 				continue
 			}
 			return s.conn, nil
