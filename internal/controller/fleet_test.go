@@ -162,6 +162,12 @@ func TestDeadNodeSandboxes(t *testing.T) {
 	if sb, _ := s.C.GetSandbox(ctx(t), running.ID); sb.State != api.StateFailed {
 		t.Fatalf("lost sandbox after its node returned: %+v", sb)
 	}
+	// The node may reclaim its instances before its new incarnation shows alive; a wake
+	// asked before that is refused (409, the node is dead), which is right.
+	s.Eventually(20*time.Second, "the returning node to show alive", func() bool {
+		n, err := s.Store.GetNode(ctx(t), s.NodeID)
+		return err == nil && n.State == store.NodeAlive
+	})
 	wake, err := s.C.Lifecycle(ctx(t), suspended.ID, api.OpWake)
 	if err != nil {
 		t.Fatal(err)
