@@ -6,6 +6,8 @@ package client
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -76,13 +78,37 @@ func transient(err error) bool {
 }
 
 // do sends a request with the API key and decodes a JSON answer into out. Reads (GET)
-// that fail transiently are repeated with a growing delay while ctx allows; writes are
-// not (a retried create is made safe by an idempotency key, which is the caller's).
+// that fail transiently are repeated with a growing delay while ctx allows; other
+// writes than doKeyed's are not.
 func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr http.Header) error {
+	if method != http.MethodGet {
+		return c.doOnce(ctx, method, path, in, out, hdr)
+	}
+	return repeatTransient(ctx, func() error { return c.doOnce(ctx, method, path, in, out, hdr) })
+}
+
+// doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
+// (creates, lifecycle verbs, clones, snapshots): it sends key, a new random one when key
+// is "", and repeats a request that failed transiently as do repeats reads. The server
+// answers a repeat with the first request's answer and makes nothing twice, also when
+// the first request took effect and only its answer was lost.
+func (c *Client) doKeyed(ctx context.Context, method, path string, in, out any, key string) error {
+	if key == "" {
+		var b [16]byte
+		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+		key = "go-" + hex.EncodeToString(b[:])
+	}
+	hdr := http.Header{"Idempotency-Key": {key}}
+	return repeatTransient(ctx, func() error { return c.doOnce(ctx, method, path, in, out, hdr) })
+}
+
+// repeatTransient calls f again while it fails transiently, with a growing delay, at
+// most readRetries times more and while ctx allows.
+func repeatTransient(ctx context.Context, f func() error) error {
 	delay := readRetryFirst
 	for attempt := 0; ; attempt++ {
-		err := c.doOnce(ctx, method, path, in, out, hdr)
-		if err == nil || method != http.MethodGet || attempt >= readRetries || !transient(err) || ctx.Err() != nil {
+		err := f()
+		if err == nil || attempt >= readRetries || !transient(err) || ctx.Err() != nil {
 			return err
 		}
 		sleepCtx(ctx, delay)
@@ -126,14 +152,12 @@ func (c *Client) doOnce(ctx context.Context, method, path string, in, out any, h
 	return nil
 }
 
-// CreateSandbox requests a sandbox. idempotencyKey may be empty.
+// CreateSandbox requests a sandbox. With idempotencyKey "" the client picks a key of
+// its own for this call (see doKeyed); a caller that may send the request again itself,
+// after a restart say, passes the same key each time.
 func (c *Client) CreateSandbox(ctx context.Context, req api.CreateSandboxRequest, idempotencyKey string) (*api.Sandbox, error) {
-	var h http.Header
-	if idempotencyKey != "" {
-		h = http.Header{"Idempotency-Key": {idempotencyKey}}
-	}
 	var sb api.Sandbox
-	return &sb, c.do(ctx, http.MethodPost, "/v1/sandboxes", req, &sb, h)
+	return &sb, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes", req, &sb, idempotencyKey)
 }
 
 // GetSandbox returns a sandbox.
@@ -368,10 +392,11 @@ func backoff(n int) time.Duration {
 }
 
 // Lifecycle requests a lifecycle verb (pause, resume, suspend, restore, stop, start,
-// wake) and returns its operation.
+// wake) and returns its operation. A request that failed transiently is sent again
+// under the same Idempotency-Key (doKeyed), so the verb is asked for once.
 func (c *Client) Lifecycle(ctx context.Context, sandboxID, verb string) (*api.Operation, error) {
 	var op api.Operation
-	return &op, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/"+url.PathEscape(verb), nil, &op, nil)
+	return &op, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/"+url.PathEscape(verb), nil, &op, "")
 }
 
 // LifecycleAndWait requests a verb and waits for its operation; a failed operation is
@@ -390,10 +415,11 @@ func (c *Client) LifecycleAndWait(ctx context.Context, sandboxID, verb string) (
 	return op, nil
 }
 
-// Clone makes count clones of a sandbox.
+// Clone makes count clones of a sandbox (sent again on a transient failure under the
+// same Idempotency-Key, so they are made once: doKeyed).
 func (c *Client) Clone(ctx context.Context, sandboxID string, req api.CloneRequest) ([]api.Sandbox, error) {
 	var out api.CloneResponse
-	return out.Sandboxes, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/clone", req, &out, nil)
+	return out.Sandboxes, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/clone", req, &out, "")
 }
 
 // SetPool sets a warm pool's size (0 removes it).

@@ -11,10 +11,11 @@ import (
 )
 
 // CreateSnapshot asks for a named snapshot of a sandbox; the returned snapshot is
-// creating and carries the operation that takes it.
+// creating and carries the operation that takes it. Sent again on a transient failure
+// under the same Idempotency-Key (doKeyed).
 func (c *Client) CreateSnapshot(ctx context.Context, sandboxID string, req api.CreateSnapshotRequest) (*api.Snapshot, error) {
 	var out api.Snapshot
-	return &out, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/snapshots", req, &out, nil)
+	return &out, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/snapshots", req, &out, "")
 }
 
 // CreateSnapshotAndWait takes a named snapshot and waits until it is ready.

@@ -67,7 +67,13 @@ func unanswered(t *testing.T, s *server, w *world, what string, err error, find 
 }
 
 // untilAvailable calls f again while it fails with 503 (the database going away and
-// coming back: the embedded PostgreSQL restarts within seconds), for up to a minute.
+// coming back: the embedded PostgreSQL restarts within seconds), for up to a minute, as
+// a careful client does. In the pgkill walk a point that work in the background passes
+// can kill PostgreSQL while the act's own request runs (seen once, for a create, on a
+// loaded machine). A 503 means the request's transaction failed; only one whose commit
+// was cut off before its answer took effect, which a verb sent again meets as a 409
+// (the verb is in flight) and a create as the same sandbox (its idempotency key). A
+// clone or snapshot sent again then would be made twice: neither takes a key.
 func untilAvailable(t *testing.T, f func() error) error {
 	t.Helper()
 	deadline := time.Now().Add(time.Minute)
@@ -187,9 +193,26 @@ func scenarios() []scenario {
 		return func(t *testing.T, s *server, w *world) {
 			w.keep = keep
 			id, since := w.ids[0], time.Now()
-			op, err := s.C.Lifecycle(ctx(t, time.Minute), id, v)
+			var op *api.Operation
+			sent := 0
+			err := untilAvailable(t, func() (err error) {
+				sent++
+				op, err = s.C.Lifecycle(ctx(t, time.Minute), id, v)
+				return err
+			})
 			if err == nil {
 				w.ops = append(w.ops, op.ID)
+				return
+			}
+			var ce *client.Error
+			if sent > 1 && errors.As(err, &ce) && ce.Status == http.StatusConflict {
+				// The request that met the database going away had committed before its
+				// answer failed: the verb is in flight, and this is its operation.
+				found, ferr := newestOp(t, s, id, since)
+				if ferr != nil {
+					t.Fatalf("%s sent again after a 503: %v; %v", v, err, ferr)
+				}
+				w.ops = append(w.ops, found)
 				return
 			}
 			unanswered(t, s, w, v, err, func(w *world) error {
@@ -210,10 +233,7 @@ func scenarios() []scenario {
 	return []scenario{
 		{name: "create", setup: func(t *testing.T, s *server) *world { return &world{} },
 			act: func(t *testing.T, s *server, w *world) {
-				// As a careful client does: a create that met the database going away
-				// (503) is sent again with the same idempotency key. In the pgkill walk
-				// a point that work in the background passes can kill PostgreSQL while
-				// the create's own transaction runs (seen once on a loaded machine).
+				// Sent again on a 503 with the same idempotency key (untilAvailable).
 				key := "walk-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 				var sb *api.Sandbox
 				err := untilAvailable(t, func() (err error) {
@@ -235,7 +255,11 @@ func scenarios() []scenario {
 		{name: "wake", setup: withVerbs(false, api.OpSuspend), act: act(api.OpWake, false)},
 		{name: "clone", setup: running, act: func(t *testing.T, s *server, w *world) {
 			src := w.ids[0]
-			clones, err := s.C.Clone(ctx(t, time.Minute), src, api.CloneRequest{Count: 1})
+			var clones []api.Sandbox
+			err := untilAvailable(t, func() (err error) {
+				clones, err = s.C.Clone(ctx(t, time.Minute), src, api.CloneRequest{Count: 1})
+				return err
+			})
 			if err != nil {
 				unanswered(t, s, w, "clone", err, func(w *world) error {
 					list, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{})
@@ -264,7 +288,11 @@ func scenarios() []scenario {
 		// Named snapshots: taken (the source is checkpointed as for a clone), used to
 		// create a sandbox, deleted.
 		{name: "snapshot", setup: running, act: func(t *testing.T, s *server, w *world) {
-			sn, err := s.C.CreateSnapshot(ctx(t, time.Minute), w.ids[0], api.CreateSnapshotRequest{})
+			var sn *api.Snapshot
+			err := untilAvailable(t, func() (err error) {
+				sn, err = s.C.CreateSnapshot(ctx(t, time.Minute), w.ids[0], api.CreateSnapshotRequest{})
+				return err
+			})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -272,7 +300,12 @@ func scenarios() []scenario {
 			w.ops = append(w.ops, sn.Operation.ID)
 		}},
 		{name: "from-snapshot", setup: withSnapshot, act: func(t *testing.T, s *server, w *world) {
-			sb, err := s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{Snapshot: w.snaps[0]}, "")
+			key := "walk-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+			var sb *api.Sandbox
+			err := untilAvailable(t, func() (err error) {
+				sb, err = s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{Snapshot: w.snaps[0]}, key)
+				return err
+			})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -299,7 +332,11 @@ func scenarios() []scenario {
 			}
 		}},
 		{name: "delete", setup: running, act: func(t *testing.T, s *server, w *world) {
-			op, err := s.C.DeleteSandbox(ctx(t, time.Minute), w.ids[0])
+			var op *api.Operation
+			err := untilAvailable(t, func() (err error) {
+				op, err = s.C.DeleteSandbox(ctx(t, time.Minute), w.ids[0])
+				return err
+			})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -3,13 +3,17 @@ package e2e
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,7 +24,8 @@ import (
 // TestExecRoute runs commands in a gVisor sandbox with one request each
 // (POST /v1/sandboxes/{id}/exec): stdout, stderr and the exit status of a shell
 // command as raw SSE events, 8 MiB of output byte-exact through the Go client, and
-// `space exec`, which uses the route.
+// `space exec`, which uses the route, and 96 commands at once in the one sandbox, half
+// of them through command sessions, each stream byte-exact.
 func TestExecRoute(t *testing.T) {
 	s := start(t, options{})
 	sb := s.create(t, api.CreateSandboxRequest{})
@@ -104,4 +109,58 @@ func TestExecRoute(t *testing.T) {
 	if stdout != "out\n" || stderr != "err\n" || code != 3 {
 		t.Fatalf("space exec: %q %q %d", stdout, stderr, code)
 	}
+
+	// Many commands at once, as an agent framework runs them: every stream is whole and
+	// its own (a burst is also what makes the node ask the agent for many connections
+	// at once).
+	const burst = 96
+	var wg sync.WaitGroup
+	errs := make(chan error, burst)
+	for i := 1; i <= burst; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- concurrentExec(c, s, sb.ID, i)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// concurrentExec runs `seq` with i's own length and exit code, through the one-request
+// route for odd i and a command session for even i, and checks its output and status.
+func concurrentExec(c context.Context, s *srv, id string, i int) error {
+	lines := 300 * i
+	argv := []string{"sh", "-c", fmt.Sprintf("seq 1 %d; echo e%d >&2; exit %d", lines, i, i%7)}
+	var out, errOut bytes.Buffer
+	o := client.Output{Stdout: &out, Stderr: &errOut}
+	var x *api.ExitEvent
+	var err error
+	if i%2 == 1 {
+		x, err = s.C.Run(c, id, api.ExecRequest{Argv: argv}, o)
+	} else {
+		var sess *api.CommandSession
+		if sess, err = s.C.CreateSession(c, id, api.CreateSessionRequest{Argv: argv}); err == nil {
+			x, err = s.C.Follow(c, sess, o)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("command %d: %w", i, err)
+	}
+	var want strings.Builder
+	for n := 1; n <= lines; n++ {
+		want.WriteString(strconv.Itoa(n))
+		want.WriteByte('\n')
+	}
+	if out.String() != want.String() || errOut.String() != fmt.Sprintf("e%d\n", i) ||
+		x.ExitCode == nil || *x.ExitCode != i%7 {
+		return fmt.Errorf("command %d: %d bytes of stdout (want %d, equal %v), stderr %q, exit %+v",
+			i, out.Len(), want.Len(), out.String() == want.String(), errOut.String(), x)
+	}
+	return nil
 }

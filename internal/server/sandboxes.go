@@ -14,33 +14,54 @@ import (
 )
 
 func (a *API) createSandbox(w http.ResponseWriter, r *http.Request) error {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, rest.MaxBodyBytes))
+	idem, err := idempotency(w, r)
 	if err != nil {
-		return rest.JSONError(err)
+		return err
 	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
 	var req api.CreateSandboxRequest
 	if err := rest.DecodeJSON(w, r, &req); err != nil {
 		return err
-	}
-	var idem *service.Idempotency
-	if key := r.Header.Get("Idempotency-Key"); key != "" {
-		h := sha256.Sum256(body)
-		idem = &service.Idempotency{Key: key, Method: r.Method, Path: r.URL.Path, BodyHash: h[:]}
 	}
 	out, err := a.svc.Create(r.Context(), principalFrom(r.Context()), req, idem)
 	if err != nil {
 		return err
 	}
-	w.Header().Set("Content-Type", "application/json")
-	if out.Replayed {
-		w.Header().Set("Idempotent-Replayed", "true")
-	} else {
-		w.Header().Set("Location", "/v1/sandboxes/"+out.Sandbox.ID)
+	location := ""
+	if !out.Replayed {
+		location = "/v1/sandboxes/" + out.Sandbox.ID
 	}
-	w.WriteHeader(out.Status)
-	_, _ = w.Write(out.Response)
+	writeAnswer(w, &out.Answer, location)
 	return nil
+}
+
+// idempotency returns the request's Idempotency-Key with what identifies the request
+// (method, path, the body's hash), or nil when it has none. It reads the body and gives
+// r a copy to decode.
+func idempotency(w http.ResponseWriter, r *http.Request) (*service.Idempotency, error) {
+	key := r.Header.Get("Idempotency-Key")
+	if key == "" {
+		return nil, nil
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, rest.MaxBodyBytes))
+	if err != nil {
+		return nil, rest.JSONError(err)
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	h := sha256.Sum256(body)
+	return &service.Idempotency{Key: key, Method: r.Method, Path: r.URL.Path, BodyHash: h[:]}, nil
+}
+
+// writeAnswer writes a recorded answer; a replayed one says so (Idempotent-Replayed),
+// a new one gets location as its Location header when that is not "".
+func writeAnswer(w http.ResponseWriter, ans *service.Answer, location string) {
+	w.Header().Set("Content-Type", "application/json")
+	if ans.Replayed {
+		w.Header().Set("Idempotent-Replayed", "true")
+	} else if location != "" {
+		w.Header().Set("Location", location)
+	}
+	w.WriteHeader(ans.Status)
+	_, _ = w.Write(ans.Body)
 }
 
 func (a *API) getSandbox(w http.ResponseWriter, r *http.Request) error {
@@ -114,26 +135,34 @@ func (a *API) deleteSandbox(w http.ResponseWriter, r *http.Request) error {
 // lifecycle handles POST /v1/sandboxes/{id}/<verb>.
 func (a *API) lifecycle(kind string) rest.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) error {
-		op, err := a.svc.RequestVerb(r.Context(), principalFrom(r.Context()), r.PathValue("id"), kind, "")
+		idem, err := idempotency(w, r)
 		if err != nil {
 			return err
 		}
-		rest.WriteJSON(w, http.StatusAccepted, op.API())
+		ans, err := a.svc.RequestVerbKeyed(r.Context(), principalFrom(r.Context()), r.PathValue("id"), kind, idem)
+		if err != nil {
+			return err
+		}
+		writeAnswer(w, ans, "")
 		return nil
 	}
 }
 
 // clone handles POST /v1/sandboxes/{id}/clone.
 func (a *API) clone(w http.ResponseWriter, r *http.Request) error {
+	idem, err := idempotency(w, r)
+	if err != nil {
+		return err
+	}
 	var req api.CloneRequest
 	if err := rest.DecodeOptionalJSON(w, r, &req); err != nil {
 		return err
 	}
-	out, err := a.svc.Clone(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req)
+	ans, err := a.svc.CloneKeyed(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, idem)
 	if err != nil {
 		return err
 	}
-	rest.WriteJSON(w, http.StatusAccepted, out)
+	writeAnswer(w, ans, "")
 	return nil
 }
 

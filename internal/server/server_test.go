@@ -3,9 +3,12 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -232,6 +235,109 @@ func TestIdempotentCreate(t *testing.T) {
 	}
 	if c4, _ := do(t, s, "POST", "/v1/sandboxes", body, "Idempotency-Key", strings.Repeat("k", 300)); c4 != 400 {
 		t.Fatalf("long key: %d", c4)
+	}
+}
+
+// TestIdempotentVerbsClonesSnapshots: lifecycle verbs, clones and snapshots take an
+// Idempotency-Key as creates do. A retry gets the first answer (Idempotent-Replayed)
+// and makes nothing again, also once the verb has taken effect (asking again without
+// the key is a conflict then); the key with another request is 422; twins sent at once
+// get one answer and make one clone.
+func TestIdempotentVerbsClonesSnapshots(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{})
+	keyed := func(method, path, body, key string) (int, string, http.Header) {
+		t.Helper()
+		req, err := http.NewRequest(method, s.URL+path, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+s.AdminKey)
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b), resp.Header
+	}
+	base := "/v1/sandboxes/" + sb.ID
+
+	// A verb: the retry after it took effect gets the same operation.
+	code, first, h := keyed("POST", base+"/pause", "", "pause-1")
+	var op api.Operation
+	if code != 202 || json.Unmarshal([]byte(first), &op) != nil || op.ID == "" || h.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("pause: %d %s", code, first)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	if code, again, h := keyed("POST", base+"/pause", "", "pause-1"); code != 202 || again != first || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("pause sent again with its key: %d %s %v", code, again, h)
+	}
+	if code, body := do(t, s, "POST", base+"/pause", ""); code != 409 {
+		t.Fatalf("pause sent again without a key: %d %s", code, body)
+	}
+	if code, body, _ := keyed("POST", base+"/resume", "", "pause-1"); code != 422 {
+		t.Fatalf("the pause's key on a resume: %d %s", code, body)
+	}
+	code, body, _ := keyed("POST", base+"/resume", "", "resume-1")
+	if code != 202 || json.Unmarshal([]byte(body), &op) != nil {
+		t.Fatalf("resume: %d %s", code, body)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+
+	// A clone, sent by eight twins at once: one answer, one clone.
+	answers := make([]string, 8)
+	var wg sync.WaitGroup
+	for i := range answers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			code, body, _ := keyed("POST", base+"/clone", `{"count":1}`, "clone-1")
+			answers[i] = strconv.Itoa(code) + " " + body
+		}()
+	}
+	wg.Wait()
+	for _, a := range answers {
+		if a != answers[0] || !strings.HasPrefix(a, "202 ") {
+			t.Fatalf("twin clones answered differently: %q", answers)
+		}
+	}
+	var cloned api.CloneResponse
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(answers[0], "202 ")), &cloned); err != nil || len(cloned.Sandboxes) != 1 {
+		t.Fatalf("clone answer: %s %v", answers[0], err)
+	}
+	s.WaitOp(cloned.Sandboxes[0].Operation.ID, api.OpSucceeded)
+	if code, body, _ := keyed("POST", base+"/clone", `{"count":2}`, "clone-1"); code != 422 {
+		t.Fatalf("the clone's key with another body: %d %s", code, body)
+	}
+	list, err := s.C.ListSandboxes(c, client.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clones := 0
+	for _, x := range list {
+		if x.CloneOf == sb.ID {
+			clones++
+		}
+	}
+	if clones != 1 {
+		t.Fatalf("%d clones made, want 1", clones)
+	}
+
+	// A snapshot.
+	code, first, h = keyed("POST", base+"/snapshots", `{"name":"keyed"}`, "snap-1")
+	var sn api.Snapshot
+	if code != 202 || json.Unmarshal([]byte(first), &sn) != nil || h.Get("Location") != "/v1/snapshots/"+sn.ID {
+		t.Fatalf("snapshot: %d %s %v", code, first, h)
+	}
+	s.WaitOp(sn.Operation.ID, api.OpSucceeded)
+	if code, again, h := keyed("POST", base+"/snapshots", `{"name":"keyed"}`, "snap-1"); code != 202 || again != first || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("snapshot sent again with its key: %d %s %v", code, again, h)
+	}
+	if snaps, err := s.C.ListSnapshots(c, client.SnapshotListOptions{Sandbox: sb.ID}); err != nil || len(snaps) != 1 {
+		t.Fatalf("snapshots of the sandbox: %d %v", len(snaps), err)
 	}
 }
 

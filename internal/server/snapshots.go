@@ -1,6 +1,7 @@
 package server
 
 import (
+	"encoding/json"
 	"net/http"
 	"strconv"
 	"time"
@@ -22,18 +23,24 @@ func (a *API) registerSnapshots(authed func(string, rest.HandlerFunc)) {
 // createSnapshot handles POST /v1/sandboxes/{id}/snapshots: 202 with the snapshot
 // (creating) and the operation that takes it.
 func (a *API) createSnapshot(w http.ResponseWriter, r *http.Request) error {
+	idem, err := idempotency(w, r)
+	if err != nil {
+		return err
+	}
 	var req api.CreateSnapshotRequest
 	if err := rest.DecodeOptionalJSON(w, r, &req); err != nil {
 		return err
 	}
-	sn, op, err := a.svc.CreateSnapshot(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req)
+	ans, err := a.svc.CreateSnapshotKeyed(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, idem)
 	if err != nil {
 		return err
 	}
-	out := sn.API()
-	out.Operation = op.API()
-	w.Header().Set("Location", "/v1/snapshots/"+sn.ID)
-	rest.WriteJSON(w, http.StatusAccepted, out)
+	location := ""
+	var out api.Snapshot
+	if !ans.Replayed && json.Unmarshal(ans.Body, &out) == nil {
+		location = "/v1/snapshots/" + out.ID
+	}
+	writeAnswer(w, ans, location)
 	return nil
 }
 

@@ -3,7 +3,6 @@ package service
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"regexp"
@@ -279,61 +278,34 @@ func parseTTL(ttl string) (*time.Time, error) {
 	return &t, nil
 }
 
-// Idempotency identifies a retried create: the same key with the same body returns the
-// first response; with another body it is refused.
-type Idempotency struct {
-	Key      string
-	Method   string
-	Path     string
-	BodyHash []byte
-}
-
-// maxIdempotencyKey bounds Idempotency-Key.
-const maxIdempotencyKey = 255
-
-// Created is the result of Create.
+// Created is the result of Create: the answer (the sandbox with its operation), and
+// unless it was replayed the sandbox and operation it recorded.
 type Created struct {
 	Sandbox *store.Sandbox
 	Op      *store.Operation
-	// Response is the JSON response body (the sandbox with its operation), as stored
-	// for idempotent replays.
-	Response []byte
-	Status   int
-	// Replayed is true when Response is the stored answer to an earlier request.
-	Replayed bool
+	Answer
 }
 
 // Create validates a create request and records it (claiming a warm-pool member when
 // one fits). With idem, a retry of the same request returns the first response.
 func (s *Service) Create(ctx context.Context, p *Principal, req api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
-	if idem != nil {
-		if len(idem.Key) > maxIdempotencyKey {
-			return nil, invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+	var out *Created
+	a, err := s.once(ctx, p, idem, func() (*Answer, error) {
+		c, err := s.create(ctx, p, &req, idem)
+		if err != nil {
+			return nil, err
 		}
-		if prev, err := s.replay(ctx, p, idem); prev != nil || err != nil {
-			return prev, err
-		}
-	}
-	out, err := s.create(ctx, p, &req, idem)
+		out = c
+		return &c.Answer, nil
+	})
 	if err != nil {
-		if idem != nil && fault.Is(err, fault.Conflict) {
-			// A concurrent request with the same key won: answer with its response.
-			if prev, err2 := s.replay(ctx, p, idem); err2 == nil && prev != nil {
-				return prev, nil
-			}
-		}
 		return nil, err
+	}
+	if a.Replayed {
+		return &Created{Answer: *a}, nil
 	}
 	s.log.Info("sandbox requested", "sandbox", out.Sandbox.ID, "template", out.Sandbox.TemplateRef, "op", out.Op.ID)
 	return out, nil
-}
-
-func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (*Created, error) {
-	prev, err := s.st.LookupIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash)
-	if err != nil || prev == nil {
-		return nil, err
-	}
-	return &Created{Response: prev.Body, Status: prev.Status, Replayed: true}, nil
 }
 
 func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandboxRequest, idem *Idempotency) (*Created, error) {
@@ -349,7 +321,7 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 	}
 	poolKey, poolDigest := s.poolFor(ctx, sb)
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: sb.Tenant}
-	var resp []byte
+	var a *Answer
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		if err := s.checkQuota(ctx, tx, sb.Tenant, sandboxNeed(sb.Spec, 1)); err != nil {
 			return err
@@ -374,13 +346,8 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 		out := sb.API()
 		out.Operation = op.API()
 		var err error
-		if resp, err = json.Marshal(out); err != nil {
-			return err
-		}
-		if idem != nil {
-			return tx.SaveIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash, http.StatusAccepted, resp)
-		}
-		return nil
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, out)
+		return err
 	})
 	if err != nil {
 		return nil, err
@@ -389,7 +356,7 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 		crash.Point("pool.claimed")
 		s.kickLocal(sb)
 	}
-	return &Created{Sandbox: sb, Op: op, Response: resp, Status: http.StatusAccepted}, nil
+	return &Created{Sandbox: sb, Op: op, Answer: *a}, nil
 }
 
 // poolFor returns the warm pool a new sandbox could be claimed from (its key and the
@@ -433,15 +400,29 @@ func (s *Service) templateConfig(ctx context.Context, tenant string, ref api.Tem
 // makes a sandbox hold a node's memory again (a wake of a suspended sandbox) counts
 // against the tenant's quotas, and every verb is an operation of the tenant.
 func (s *Service) Verb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
-	return s.verb(ctx, p, id, kind, reason, false)
+	op, _, err := s.verb(ctx, p, id, kind, reason, false, nil)
+	return op, err
 }
 
-// RequestVerb is Verb asked for explicitly by a client (the lifecycle endpoints, E2B
-// pause and resume): it also replaces the sandbox's E2B envd access token. Wakes that
-// a request needing the sandbox makes on its own (Awake) do not, so an SDK holding
-// the token keeps working across idle suspends and autoResume.
+// RequestVerb is Verb asked for explicitly by a client (E2B pause and resume; the
+// lifecycle endpoints through RequestVerbKeyed): it also replaces the sandbox's E2B
+// envd access token. Wakes that a request needing the sandbox makes on its own (Awake)
+// do not, so an SDK holding the token keeps working across idle suspends and
+// autoResume.
 func (s *Service) RequestVerb(ctx context.Context, p *Principal, id, kind, reason string) (*store.Operation, error) {
-	return s.verb(ctx, p, id, kind, reason, true)
+	op, _, err := s.verb(ctx, p, id, kind, reason, true, nil)
+	return op, err
+}
+
+// RequestVerbKeyed is RequestVerb for the lifecycle endpoints: it answers with the
+// operation (202), and with idem a retry gets the first answer, also once the verb has
+// taken effect (when asking again would be a conflict: "cannot pause a sandbox that is
+// paused").
+func (s *Service) RequestVerbKeyed(ctx context.Context, p *Principal, id, kind string, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, a, err := s.verb(ctx, p, id, kind, "", true, idem)
+		return a, err
+	})
 }
 
 // minCheckpointInterval bounds checkpoint_interval: each checkpoint pauses the sandbox
@@ -454,20 +435,22 @@ func holdsMemory(desired string) bool {
 	return desired == api.StateRunning || desired == api.StatePaused
 }
 
-func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason string, rotate bool) (*store.Operation, error) {
+// verb records a verb and its answer (the operation, 202) in one transaction; with
+// idem it records the answer under the request's Idempotency-Key.
+func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason string, rotate bool, idem *Idempotency) (*store.Operation, *Answer, error) {
 	v, ok := lifecycle.VerbOf(kind)
 	if !ok || kind == api.OpClone {
-		return nil, invalid("unknown lifecycle verb %q", kind)
+		return nil, nil, invalid("unknown lifecycle verb %q", kind)
 	}
 	// The tenant's row is locked before the sandbox's (the order every quota check
 	// takes), so look at the sandbox first to learn its tenant.
 	peek, err := s.sandbox(ctx, p, id)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: v.Kind}
 	var changed *store.Sandbox // the sandbox whose node acts on the change
-	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+	record := func(tx *store.Tx) error {
 		changed = nil
 		if _, err := tx.LockTenant(ctx, peek.Tenant); err != nil {
 			return err
@@ -532,16 +515,25 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			return tx.RotateAccess(ctx, sb)
 		}
 		return nil
+	}
+	var a *Answer
+	err = s.st.InTx(ctx, func(tx *store.Tx) error {
+		if err := record(tx); err != nil {
+			return err
+		}
+		var err error
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, op.API())
+		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if op.State == api.OpSucceeded {
 		_ = s.st.UpdateOperation(ctx, op.ID, api.OpSucceeded, op.Message, "")
 	} else if changed != nil {
 		s.kickLocal(changed)
 	}
-	return op, nil
+	return op, a, nil
 }
 
 // Delete requests deletion of a sandbox. Asking again while it is being deleted gives
@@ -582,21 +574,35 @@ func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.O
 // Clone records count new sandboxes with the source's memory and disk,
 // copy-on-write, on the source's node.
 func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.CloneRequest) (api.CloneResponse, error) {
+	out, _, err := s.clone(ctx, p, id, req, nil)
+	return out, err
+}
+
+// CloneKeyed is Clone for the API's endpoint: it answers with the clones and their
+// operations (api.CloneResponse, 202), and with idem a retry gets the first answer.
+func (s *Service) CloneKeyed(ctx context.Context, p *Principal, id string, req api.CloneRequest, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, a, err := s.clone(ctx, p, id, req, idem)
+		return a, err
+	})
+}
+
+func (s *Service) clone(ctx context.Context, p *Principal, id string, req api.CloneRequest, idem *Idempotency) (api.CloneResponse, *Answer, error) {
 	var out api.CloneResponse
 	if req.Count == 0 {
 		req.Count = 1
 	}
 	if req.Count < 1 || req.Count > maxClones {
-		return out, invalid("count must be between 1 and %d", maxClones)
+		return out, nil, invalid("count must be between 1 and %d", maxClones)
 	}
 	if err := ValidateMap("metadata", req.Metadata, false); err != nil {
-		return out, err
+		return out, nil, err
 	}
 	var expires *time.Time
 	if req.TTL != "" {
 		exp, err := parseTTL(req.TTL)
 		if err != nil {
-			return out, err
+			return out, nil, err
 		}
 		expires = exp
 	}
@@ -604,9 +610,10 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 	batch := ids.Operation()
 	peek, err := s.sandbox(ctx, p, id)
 	if err != nil {
-		return out, err
+		return out, nil, err
 	}
 	var source *store.Sandbox
+	var a *Answer
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		out.Sandboxes = nil
 		if err := s.checkQuota(ctx, tx, peek.Tenant, sandboxNeed(peek.Spec, int64(req.Count))); err != nil {
@@ -649,14 +656,18 @@ func (s *Service) Clone(ctx context.Context, p *Principal, id string, req api.Cl
 		}
 		// Wake the source's node: its worker prepares the clones' snapshots.
 		source = src
-		return tx.NotifySandbox(ctx, src)
+		if err := tx.NotifySandbox(ctx, src); err != nil {
+			return err
+		}
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, out)
+		return err
 	})
 	if err != nil {
-		return api.CloneResponse{}, err
+		return api.CloneResponse{}, nil, err
 	}
 	s.log.Info("clone requested", "source", id, "count", req.Count, "batch", batch)
 	s.kickLocal(source)
-	return out, nil
+	return out, a, nil
 }
 
 // RevokeTokens ends every attachment token issued for the sandbox so far.

@@ -2,7 +2,6 @@ package service
 
 import (
 	"context"
-	"encoding/json"
 	"maps"
 	"net/http"
 	"regexp"
@@ -39,9 +38,24 @@ func ValidSnapshotName(name string) error {
 // takes it (the returned operation ends when it is ready). The sandbox must have
 // memory to capture (running, paused or suspended) and keeps running.
 func (s *Service) CreateSnapshot(ctx context.Context, p *Principal, sandboxID string, req api.CreateSnapshotRequest) (*store.Snapshot, *store.Operation, error) {
+	sn, op, _, err := s.createSnapshot(ctx, p, sandboxID, req, nil)
+	return sn, op, err
+}
+
+// CreateSnapshotKeyed is CreateSnapshot for the API's endpoint: it answers with the
+// snapshot and the operation that takes it (202), and with idem a retry gets the first
+// answer.
+func (s *Service) CreateSnapshotKeyed(ctx context.Context, p *Principal, sandboxID string, req api.CreateSnapshotRequest, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, _, a, err := s.createSnapshot(ctx, p, sandboxID, req, idem)
+		return a, err
+	})
+}
+
+func (s *Service) createSnapshot(ctx context.Context, p *Principal, sandboxID string, req api.CreateSnapshotRequest, idem *Idempotency) (*store.Snapshot, *store.Operation, *Answer, error) {
 	if req.Name != "" {
 		if err := ValidSnapshotName(req.Name); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 	sn := &store.Snapshot{ID: ids.Snapshot(), Name: req.Name}
@@ -49,6 +63,7 @@ func (s *Service) CreateSnapshot(ctx context.Context, p *Principal, sandboxID st
 		sn.Name = sn.ID
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpSnapshot, Message: "waiting for the sandbox's node"}
+	var a *Answer
 	err := s.st.InTx(ctx, func(tx *store.Tx) error {
 		src, err := tx.GetSandboxForUpdate(ctx, sandboxID)
 		if err != nil {
@@ -79,13 +94,19 @@ func (s *Service) CreateSnapshot(ctx context.Context, p *Principal, sandboxID st
 			return err
 		}
 		// Wake the source's node: its worker takes the snapshot.
-		return tx.NotifySandbox(ctx, src)
+		if err := tx.NotifySandbox(ctx, src); err != nil {
+			return err
+		}
+		out := sn.API()
+		out.Operation = op.API()
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, out)
+		return err
 	})
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	s.log.Info("snapshot requested", "snapshot", sn.ID, "name", sn.Name, "source", sandboxID, "op", op.ID)
-	return sn, op, nil
+	return sn, op, a, nil
 }
 
 // findSnapshot returns the snapshot named by ref (id or name) that p may see: its own
@@ -251,7 +272,7 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 		return nil, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: p.Tenant, Message: msg}
-	var resp []byte
+	var a *Answer
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		// The share lock keeps the snapshot from being deleted until the sandbox that
 		// needs it is recorded (DeleteSnapshot then sees it and refuses).
@@ -271,16 +292,11 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 		}
 		out := sb.API()
 		out.Operation = op.API()
-		if resp, err = json.Marshal(out); err != nil {
-			return err
-		}
-		if idem != nil {
-			return tx.SaveIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash, http.StatusAccepted, resp)
-		}
-		return nil
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, out)
+		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &Created{Sandbox: sb, Op: op, Response: resp, Status: http.StatusAccepted}, nil
+	return &Created{Sandbox: sb, Op: op, Answer: *a}, nil
 }

@@ -1,0 +1,85 @@
+package client
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/spacedev/space/api"
+)
+
+// TestWritesRepeatUnderOneKey: the writes the server makes safe with an Idempotency-Key
+// (create, verbs, clone, snapshot) carry one (the caller's, or one of the client's own
+// per call) and are sent again under it after a transient failure; another call gets
+// another key. A delete is not sent again, nor is a write that met a client error.
+func TestWritesRepeatUnderOneKey(t *testing.T) {
+	var mu sync.Mutex
+	keys := map[string][]string{} // path → Idempotency-Key of each attempt
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		keys[r.URL.Path] = append(keys[r.URL.Path], r.Header.Get("Idempotency-Key"))
+		n := len(keys[r.URL.Path])
+		mu.Unlock()
+		switch {
+		case strings.HasSuffix(r.URL.Path, "/bad"):
+			http.Error(w, `{"error":{"code":"invalid","message":"no"}}`, http.StatusBadRequest)
+		case n == 1:
+			// The first attempt of each path: the database went away (as a server
+			// answers when its transaction failed, or when its commit was cut off).
+			http.Error(w, `{"error":{"code":"unavailable","message":"database restarting"}}`, http.StatusServiceUnavailable)
+		case strings.HasSuffix(r.URL.Path, "/clone"):
+			_, _ = w.Write([]byte(`{"sandboxes":[{"id":"c1"}]}`))
+		default:
+			_, _ = w.Write([]byte(`{"id":"x1"}`))
+		}
+	}))
+	defer srv.Close()
+	c := New(srv.URL, "k")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	if _, err := c.CreateSandbox(ctx, api.CreateSandboxRequest{}, "mine"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Lifecycle(ctx, "sb1", api.OpPause); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Clone(ctx, "sb1", api.CloneRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CreateSnapshot(ctx, "sb1", api.CreateSnapshotRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Lifecycle(ctx, "sb2", api.OpPause); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.DeleteSandbox(ctx, "sb1"); err == nil {
+		t.Fatal("a delete that met a 503 was sent again")
+	}
+	if _, err := c.Lifecycle(ctx, "sb1", "bad"); err == nil {
+		t.Fatal("a 400 succeeded")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got := keys["/v1/sandboxes"]; len(got) != 2 || got[0] != "mine" || got[1] != "mine" {
+		t.Errorf("create: keys %q, want the caller's twice", got)
+	}
+	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause"} {
+		if got := keys[p]; len(got) != 2 || got[0] == "" || got[0] != got[1] {
+			t.Errorf("%s: keys %q, want one key of the client's, twice", p, got)
+		}
+	}
+	if keys["/v1/sandboxes/sb1/pause"][0] == keys["/v1/sandboxes/sb2/pause"][0] {
+		t.Error("two calls share a key")
+	}
+	if got := keys["/v1/sandboxes/sb1"]; len(got) != 1 || got[0] != "" {
+		t.Errorf("delete: attempts %q, want one without a key", got)
+	}
+	if got := keys["/v1/sandboxes/sb1/bad"]; len(got) != 1 {
+		t.Errorf("a 400: %d attempts, want 1", len(got))
+	}
+}
