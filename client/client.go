@@ -94,12 +94,17 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 // the first request took effect and only its answer was lost.
 func (c *Client) doKeyed(ctx context.Context, method, path string, in, out any, key string) error {
 	if key == "" {
-		var b [16]byte
-		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
-		key = "go-" + hex.EncodeToString(b[:])
+		key = newKey()
 	}
 	hdr := http.Header{"Idempotency-Key": {key}}
 	return repeatTransient(ctx, func() error { return c.doOnce(ctx, method, path, in, out, hdr) })
+}
+
+// newKey returns a new random Idempotency-Key.
+func newKey() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+	return "go-" + hex.EncodeToString(b[:])
 }
 
 // repeatTransient calls f again while it fails transiently, with a growing delay, at

@@ -1,7 +1,9 @@
 package client
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -81,5 +83,51 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	}
 	if got := keys["/v1/sandboxes/sb1/bad"]; len(got) != 1 {
 		t.Errorf("a 400: %d attempts, want 1", len(got))
+	}
+}
+
+// TestRunRepeatsUnderOneKey: Run sends its exec with a key of its own and, after a
+// transient failure before the stream began, sends it again under the same key (the
+// server then streams the process the first request may have started); the output
+// and exit arrive once. Two calls use two keys.
+func TestRunRepeatsUnderOneKey(t *testing.T) {
+	var mu sync.Mutex
+	var keys []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		keys = append(keys, r.Header.Get("Idempotency-Key"))
+		n := len(keys)
+		mu.Unlock()
+		if n%2 == 1 {
+			http.Error(w, `{"error":{"code":"unavailable","message":"node is still starting up"}}`, http.StatusServiceUnavailable)
+			return
+		}
+		frame := func(typ byte, off int64, payload string) []byte {
+			h := make([]byte, api.FrameHeaderSize)
+			h[0] = typ
+			binary.BigEndian.PutUint64(h[1:9], uint64(off))
+			binary.BigEndian.PutUint32(h[9:13], uint32(len(payload)))
+			return append(h, payload...)
+		}
+		w.Header().Set("Content-Type", api.FramesContentType)
+		_, _ = w.Write(frame(api.FrameStart, 0, `{"pid":7,"process_uid":"b.1","offset":0}`))
+		_, _ = w.Write(frame(api.FrameStdout, 0, "hi\n"))
+		_, _ = w.Write(frame(api.FrameExit, 3, `{"exit_code":0,"offset":3}`))
+	}))
+	defer srv.Close()
+	c := New(srv.URL, "k")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for range 2 {
+		var out bytes.Buffer
+		x, err := c.Run(ctx, "sb1", api.ExecRequest{Argv: []string{"echo", "hi"}}, Output{Stdout: &out})
+		if err != nil || x.ExitCode == nil || *x.ExitCode != 0 || out.String() != "hi\n" {
+			t.Fatalf("run: %+v %v %q", x, err, out.String())
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(keys) != 4 || keys[0] == "" || keys[0] != keys[1] || keys[2] != keys[3] || keys[0] == keys[2] {
+		t.Fatalf("keys of the attempts: %q, want one per call, twice each", keys)
 	}
 }

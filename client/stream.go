@@ -443,28 +443,38 @@ var errNoExecRoute = errors.New("the server has no exec route")
 // Run starts a command with one request (POST /v1/sandboxes/{id}/exec) and streams its
 // output until it exits. If the stream breaks after the process started, Run
 // re-attaches to the process through a command session from the last event id, so no
-// byte is lost or repeated.
+// byte is lost or repeated. The request carries an Idempotency-Key of the call's own,
+// and one that failed transiently before its stream began is sent again under it: the
+// command runs once, also when the first request started it and only its answer was
+// lost (the repeat streams that process from the start).
 func (c *Client) Run(ctx context.Context, sandboxID string, req api.ExecRequest, out Output) (*api.ExitEvent, error) {
 	b, err := json.Marshal(req)
 	if err != nil {
 		return nil, err
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+"/v1/sandboxes/"+url.PathEscape(sandboxID)+"/exec", bytes.NewReader(b))
+	key := newKey()
+	var resp *http.Response
+	err = repeatTransient(ctx, func() error {
+		hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.BaseURL+"/v1/sandboxes/"+url.PathEscape(sandboxID)+"/exec", bytes.NewReader(b))
+		if err != nil {
+			return err
+		}
+		hr.Header.Set("Content-Type", "application/json")
+		hr.Header.Set("Accept", acceptFrames)
+		hr.Header.Set("Idempotency-Key", key)
+		if c.APIKey != "" {
+			hr.Header.Set("Authorization", "Bearer "+c.APIKey)
+		}
+		if resp, err = c.HTTP.Do(hr); err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusOK {
+			defer resp.Body.Close()
+			return decodeError(resp)
+		}
+		return nil
+	})
 	if err != nil {
-		return nil, err
-	}
-	hr.Header.Set("Content-Type", "application/json")
-	hr.Header.Set("Accept", acceptFrames)
-	if c.APIKey != "" {
-		hr.Header.Set("Authorization", "Bearer "+c.APIKey)
-	}
-	resp, err := c.HTTP.Do(hr)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		defer resp.Body.Close()
-		err := decodeError(resp)
 		var ae *Error
 		if errors.As(err, &ae) && ae.Status == http.StatusNotFound && strings.HasPrefix(ae.Message, "no route for") {
 			return nil, errNoExecRoute

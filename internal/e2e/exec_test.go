@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strconv"
@@ -108,6 +109,41 @@ func TestExecRoute(t *testing.T) {
 	stdout, stderr, code := s.cli(t, "exec", sb.ID, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
 	if stdout != "out\n" || stderr != "err\n" || code != 3 {
 		t.Fatalf("space exec: %q %q %d", stdout, stderr, code)
+	}
+
+	// A command sent again with its Idempotency-Key after a suspend and a wake (the
+	// agent keeps the key with the process across the checkpoint) streams the process
+	// the first request started and runs nothing again.
+	keyed := func() (string, string) {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(c, "POST", s.URL+"/v1/sandboxes/"+sb.ID+"/exec?encoding=text",
+			strings.NewReader(`{"command":"echo run >> /tmp/keyed-runs; wc -l < /tmp/keyed-runs"}`))
+		req.Header.Set("Authorization", "Bearer "+s.Key)
+		req.Header.Set("Idempotency-Key", "e2e-keyed")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("keyed exec: %d %s", resp.StatusCode, b)
+		}
+		start, _, _ := strings.Cut(string(b), "\n\n")
+		return start, string(b)
+	}
+	start1, body1 := keyed()
+	for _, v := range []string{api.OpSuspend, api.OpWake} {
+		if _, err := s.C.LifecycleAndWait(c, sb.ID, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start2, body2 := keyed()
+	if start2 != start1 || body2 != body1 || !strings.Contains(body1, `"text":"1\n"`) {
+		t.Fatalf("keyed exec after a suspend and wake: %q, first %q", body2, body1)
+	}
+	if out, _, _ := s.exec(t, sb.ID, "cat", "/tmp/keyed-runs"); out != "run\n" {
+		t.Fatalf("the keyed command ran %q", out)
 	}
 
 	// Many commands at once, as an agent framework runs them: every stream is whole and

@@ -12,7 +12,8 @@ import (
 // exec handles POST /v1/sandboxes/{id}/exec: start a command and answer with its
 // output and exit status as one stream, the events of an attach stream from offset 0,
 // in SSE or binary frames (?encoding=, Accept; docs/dataplane.md). Errors before the
-// process exists are ordinary JSON errors.
+// process exists are ordinary JSON errors. With an Idempotency-Key, a repeat streams the
+// process the first request started (service.Exec).
 func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	var req api.ExecRequest
 	if err := rest.DecodeJSON(w, r, &req); err != nil {
@@ -26,7 +27,7 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	x, err := a.svc.Exec(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw)
+	x, err := a.svc.Exec(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw, r.Header.Get("Idempotency-Key"))
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -24,9 +26,9 @@ import (
 // execEvent is one event of an exec stream.
 type execEvent struct{ id, name, data string }
 
-// execRaw posts an exec request with key and returns the status and, for a stream,
-// its events.
-func execRaw(t *testing.T, s *spacetest.Space, key, id, query, body string) (int, []execEvent, string) {
+// execRaw posts an exec request with key (and headers hdr: name, value, …) and returns
+// the status and, for a stream, its events.
+func execRaw(t *testing.T, s *spacetest.Space, key, id, query, body string, hdr ...string) (int, []execEvent, string) {
 	t.Helper()
 	req, err := http.NewRequest("POST", s.URL+"/v1/sandboxes/"+id+"/exec"+query, strings.NewReader(body))
 	if err != nil {
@@ -34,6 +36,9 @@ func execRaw(t *testing.T, s *spacetest.Space, key, id, query, body string) (int
 	}
 	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -65,6 +70,58 @@ func execRaw(t *testing.T, s *spacetest.Space, key, id, query, body string) (int
 		}
 	}
 	return resp.StatusCode, evs, ""
+}
+
+// TestExecIdempotencyKey: an exec sent again with its Idempotency-Key (its first answer
+// lost) streams the process the first one started, from offset 0 to its exit, and runs
+// nothing twice; the key with another command is 422; the same key sent with another
+// API key is another caller's and runs the command again.
+func TestExecIdempotencyKey(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	sb := s.Create(api.CreateSandboxRequest{})
+	marker := filepath.Join(t.TempDir(), "runs")
+	body := `{"command":"echo run >> ` + marker + `; echo hi"}`
+	run := func(apiKey, body string) (int, *api.StartEvent, string, string) {
+		t.Helper()
+		code, evs, msg := execRaw(t, s, apiKey, sb.ID, "?encoding=text", body, "Idempotency-Key", "run-1")
+		if code != 200 {
+			return code, nil, "", msg
+		}
+		var start api.StartEvent
+		out := ""
+		for _, ev := range evs {
+			switch ev.name {
+			case api.EventStart:
+				_ = json.Unmarshal([]byte(ev.data), &start)
+			case api.EventStdout:
+				var o api.OutputEvent
+				_ = json.Unmarshal([]byte(ev.data), &o)
+				out += o.Text
+			case api.EventExit:
+				out += "|exit " + ev.data
+			}
+		}
+		return code, &start, out, ""
+	}
+	runs := func() int {
+		b, _ := os.ReadFile(marker)
+		return strings.Count(string(b), "run\n")
+	}
+	code, first, out, msg := run(s.AdminKey, body)
+	if code != 200 || !strings.HasPrefix(out, "hi\n|exit ") || runs() != 1 {
+		t.Fatalf("first: %d %s %q, %d runs", code, msg, out, runs())
+	}
+	code, again, out2, msg := run(s.AdminKey, body)
+	if code != 200 || again.PID != first.PID || again.ProcessUID != first.ProcessUID || out2 != out || runs() != 1 {
+		t.Fatalf("sent again: %d %s %+v %q (first %+v %q), %d runs", code, msg, again, out2, first, out, runs())
+	}
+	if code, _, _, msg := run(s.AdminKey, `{"command":"true"}`); code != 422 {
+		t.Fatalf("the key with another command: %d %s", code, msg)
+	}
+	other := s.NewKey("default", false, "space")
+	if code, third, _, msg := run(other, body); code != 200 || third.PID == first.PID || runs() != 2 {
+		t.Fatalf("the key sent by another API key: %d %s %+v, %d runs", code, msg, third, runs())
+	}
 }
 
 // TestExecOneRequest runs commands through POST /v1/sandboxes/{id}/exec: the stream's

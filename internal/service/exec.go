@@ -2,7 +2,10 @@ package service
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base64"
+	"encoding/hex"
 	"maps"
 	"slices"
 	"sync"
@@ -354,9 +357,18 @@ func ExecSpec(req *api.ExecRequest) (*wire.ProcessSpec, []byte, error) {
 // seconds is reached again through the node it learnt (see targetCacheTTL) without a
 // query; if that attempt fails before a process exists, the usual path (sandbox row,
 // wake, node row) is taken once.
-func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.ExecRequest, noWake bool) (*Execution, error) {
+//
+// key is the request's Idempotency-Key ("" for none): the agent keeps it with the
+// process (hashed with the caller's API key), and a repeat gets that process's output
+// from offset 0 instead of a second run (wire.ProcessSpec.Key). Without one the call
+// gets a key of its own, so that its own second attempt below starts nothing twice
+// when the first one's answer was lost after the agent started the process.
+func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.ExecRequest, noWake bool, key string) (*Execution, error) {
 	spec, stdin, err := ExecSpec(&req)
 	if err != nil {
+		return nil, err
+	}
+	if spec.Key, err = execKey(p, key); err != nil {
 		return nil, err
 	}
 	t, seq := s.fast.lookup(p, id)
@@ -382,6 +394,22 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 	}
 	s.fast.remember(t, seq)
 	return x, nil
+}
+
+// execKey returns the key an exec's process is kept under in its agent: the caller's
+// Idempotency-Key with its API key's id, hashed (the sandbox sees neither), or a
+// random one.
+func execKey(p *Principal, key string) (string, error) {
+	if key == "" {
+		var b [16]byte
+		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
+		return "call:" + hex.EncodeToString(b[:]), nil
+	}
+	if len(key) > maxIdempotencyKey {
+		return "", invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+	}
+	h := sha256.Sum256([]byte(p.KeyID + "\x00" + key))
+	return "api:" + hex.EncodeToString(h[:16]), nil
 }
 
 // startExec starts the process and connects to its output in one agent call (see

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"net"
+	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -52,6 +54,67 @@ func TestExecOneCall(t *testing.T) {
 	}
 	_, err = e.c.Exec(ctx, wire.ProcessSpec{Argv: []string{"true"}, User: "nobody-here"}, nil)
 	wantAgentError(t, err, 400, wire.ErrCodeUnknownUser)
+}
+
+// A keyed exec sent again gets the process the first one started, its output from
+// offset 0 and its exit, and starts nothing (the first answer was lost on the way:
+// here, read only in part); twins sent at once start one process; the key with another
+// command, or other stdin, is refused (422); another key starts another process.
+func TestExecKeyed(t *testing.T) {
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	spec := wire.ProcessSpec{Argv: []string{"sh", "-c", "echo $$ >> /tmp/runs.$KEYTEST; cat; echo done"}, Env: map[string]string{"KEYTEST": t.Name()}, Key: "k1"}
+	t.Cleanup(func() { _ = os.Remove("/tmp/runs." + t.Name()) })
+	first, err := e.c.Exec(ctx, spec, []byte("in\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Out.Close() // the answer lost: nothing read
+	var pids []int
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x, err := e.c.Exec(ctx, spec, []byte("in\n"))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			r := consume(t, x.Out, 0)
+			if exitCode(t, r.exit) != 0 || !strings.HasSuffix(string(r.stdout), "in\ndone\n") || !r.started {
+				t.Errorf("repeat: %+v", r)
+			}
+			mu.Lock()
+			pids = append(pids, x.PID)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	for _, pid := range pids {
+		if pid != first.PID {
+			t.Fatalf("repeats reached pids %v, want %d each", pids, first.PID)
+		}
+	}
+	runs, err := os.ReadFile("/tmp/runs." + t.Name())
+	if err != nil || strings.Count(string(runs), "\n") != 1 {
+		t.Fatalf("the command ran %q times (%v), want once", runs, err)
+	}
+	other := spec
+	other.Argv = []string{"true"}
+	_, err = e.c.Exec(ctx, other, []byte("in\n"))
+	wantAgentError(t, err, 422, wire.ErrCodeKeyReused)
+	_, err = e.c.Exec(ctx, spec, []byte("other\n"))
+	wantAgentError(t, err, 422, wire.ErrCodeKeyReused)
+	spec.Key = "k2"
+	x, err := e.c.Exec(ctx, spec, []byte("in\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := consume(t, x.Out, 0); x.PID == first.PID || exitCode(t, r.exit) != 0 {
+		t.Fatalf("another key: pid %d (first %d), %+v", x.PID, first.PID, r)
+	}
 }
 
 // A writer of many small pieces puts its output pipe in flow (read without blocking,

@@ -3,6 +3,7 @@ package agent
 import (
 	"bufio"
 	"bytes"
+	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -377,22 +378,13 @@ func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
 	if req.StdinData != nil {
 		spec.Stdin = true
 	}
-	p, f, err := a.startProcess(spec, true)
-	var ae *apiError
-	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
-		spec.Gated = true
-		if p, f, err = a.startProcess(spec, true); err == nil {
-			if err = p.start(); err != nil {
-				f.close()
-			}
-		}
-	}
+	p, f, repeat, err := a.startExec(spec, req.StdinData)
 	if err != nil {
 		return err
 	}
 	w.Header().Set(wire.PIDHeader, strconv.Itoa(p.pid))
 	w.Header().Set(wire.UIDHeader, p.uid())
-	if req.StdinData != nil {
+	if req.StdinData != nil && !repeat {
 		go func() {
 			if err := p.writeStdin(r.Context(), bytes.NewReader(req.StdinData), true); err != nil {
 				a.log.Debug("exec stdin", "pid", p.pid, "err", err)
@@ -401,6 +393,71 @@ func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
 	}
 	a.streamOutput(w, r, p, 0, f)
 	return nil
+}
+
+// startExec starts spec's process for POST /v1/exec (stdin is what the caller writes to
+// it) with a follower of its output from offset 0. A keyed exec whose key names a
+// process the agent keeps (its first answer was lost on the way, and the caller sends
+// it again) gets that process instead, with a follower from offset 0 (repeat): twins
+// sent at once start one process, and a key sent with another command is refused.
+func (a *Agent) startExec(spec wire.ProcessSpec, stdin []byte) (p *process, f *follower, repeat bool, err error) {
+	var sum [sha256.Size]byte
+	if spec.Key != "" {
+		sum = execSum(spec, stdin)
+		a.keyMu.Lock()
+		defer a.keyMu.Unlock()
+		if p := a.keyed(spec.Key); p != nil {
+			if p.keySum != sum {
+				return nil, nil, false, &apiError{status: http.StatusUnprocessableEntity, code: wire.ErrCodeKeyReused,
+					msg: fmt.Sprintf("exec key %q was used for another command (process %d)", spec.Key, p.pid)}
+			}
+			return p, p.journal.follow(0), true, nil
+		}
+	}
+	p, f, err = a.startProcess(spec, true)
+	var ae *apiError
+	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
+		// A program that cannot be executed: created gated, so that the failure comes
+		// back as an exit frame.
+		spec.Gated = true
+		if p, f, err = a.startProcess(spec, true); err == nil {
+			if err = p.start(); err != nil {
+				f.close()
+			}
+		}
+	}
+	if err != nil {
+		return nil, nil, false, err
+	}
+	p.keySum = sum // read only under keyMu, which this start holds when keyed
+	return p, f, false, nil
+}
+
+// keyed returns the process started by a keyed exec with key, or nil. The caller holds
+// keyMu.
+func (a *Agent) keyed(key string) *process {
+	a.procMu.Lock()
+	defer a.procMu.Unlock()
+	for _, p := range a.procs {
+		if p.spec.Key == key {
+			return p
+		}
+	}
+	return nil
+}
+
+// execSum identifies the command of a keyed exec: its spec (the key and the gate
+// aside) and the bytes written to its stdin.
+func execSum(spec wire.ProcessSpec, stdin []byte) [sha256.Size]byte {
+	spec.Key, spec.Gated = "", false
+	b, _ := json.Marshal(spec) // map keys are sorted: the same spec, the same bytes
+	h := sha256.New()
+	h.Write(b)
+	h.Write([]byte{0})
+	h.Write(stdin)
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	return sum
 }
 
 // streamOutput writes the frames of p's journal from offset from; see the rules in

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -48,6 +49,8 @@ type process struct {
 	user    string
 	cwd     string
 	journal *journal
+	// keySum identifies the command of a keyed exec (spec.Key; see execSum).
+	keySum [sha256.Size]byte
 	// reapedCh is closed once the process has been reaped.
 	reapedCh chan struct{}
 

@@ -155,6 +155,12 @@ type ProcessSpec struct {
 	Gated bool `json:"gated,omitempty"`
 	// Tag is an opaque label kept with the process (e.g. an E2B tag).
 	Tag string `json:"tag,omitempty"`
+	// Key makes POST /v1/exec safe to send again: while the agent keeps a process
+	// started with the same key (running, or among its recent exited ones), a start
+	// with the key streams that process's output from offset 0 instead of starting
+	// another; with another command (spec or stdin) it is refused (422). Agents from
+	// before 2026-12-07 ignore it.
+	Key string `json:"key,omitempty"`
 }
 
 // ExecRequest is the body of POST /v1/exec: a process (never gated: the answer is its
@@ -312,6 +318,7 @@ const (
 	ErrCodePortClosed       = "port_closed"       // nothing listens on the port (GET /v1/ports/{port}/connect)
 	ErrCodeQuiesced         = "quiesced"          // user code is frozen for a checkpoint: nothing was started (503)
 	ErrCodeCannotCheckpoint = "cannot_checkpoint" // a quiesce refused: the sandbox holds what its checkpoint cannot save (409)
+	ErrCodeKeyReused        = "key_reused"        // an exec's key names a process started for another command (422)
 )
 
 // PortUpgrade is the Upgrade protocol token of GET /v1/ports/{port}/connect.
