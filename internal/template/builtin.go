@@ -43,8 +43,9 @@ const (
 
 // builtinRecipeVersion is bumped whenever the customization below changes what it
 // puts in the tree, its recorded config included (package lists are part of the recipe
-// id by themselves). 5: the warm command.
-const builtinRecipeVersion = "5"
+// id by themselves). 5: the warm command. 6: a login shell starts no program
+// (quickLogin).
+const builtinRecipeVersion = "6"
 
 var (
 	// bootstrapPackages go in with debootstrap; the rest with apt-get in the new tree:

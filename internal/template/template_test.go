@@ -104,6 +104,39 @@ func TestBuildBase(t *testing.T) {
 	if err != nil || strings.TrimSpace(string(out)) != "1000 /home/user" {
 		t.Fatalf("python3 in sandbox root: %v: %s", err, out)
 	}
+	// A login shell (what E2B's SDKs run commands in) starts no program, as root or
+	// user, and gets Debian's PATH; dash, which has no EUID, still asks id.
+	for _, p := range []string{"usr/local/bin/id", "usr/local/sbin/mesg"} {
+		marker := "/tmp/ran-" + filepath.Base(p)
+		script := "#!/bin/sh\necho >> " + marker + "\nexec /usr/bin/" + filepath.Base(p) + " \"$@\"\n"
+		if err := os.WriteFile(filepath.Join(sroot, p), []byte(script), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range []struct{ user, shell, path, ran string }{
+		{"0:0", "/bin/bash", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", ""},
+		{"1000:1000", "/bin/bash", "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games", ""},
+		{"1000:1000", "/bin/sh", "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games", "id"},
+	} {
+		_ = os.Remove(filepath.Join(sroot, "tmp/ran-id"))
+		_ = os.Remove(filepath.Join(sroot, "tmp/ran-mesg"))
+		home := "/root"
+		if c.user != "0:0" {
+			home = "/home/user"
+		}
+		cmd := exec.CommandContext(ctx, "chroot", "--userspec="+c.user, sroot, c.shell, "-l", "-c", `echo "$PATH"`)
+		cmd.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + home}
+		out, err := cmd.CombinedOutput()
+		var ran []string
+		for _, prog := range []string{"id", "mesg"} {
+			if _, err := os.Stat(filepath.Join(sroot, "tmp/ran-"+prog)); err == nil {
+				ran = append(ran, prog)
+			}
+		}
+		if err != nil || strings.TrimSpace(string(out)) != c.path || strings.Join(ran, ",") != c.ran {
+			t.Errorf("%s -l as %s: %v: PATH %q (want %q), programs run %q (want %q)", c.shell, c.user, err, out, c.path, ran, c.ran)
+		}
+	}
 	if err := s.DeleteSandbox(ctx, "pycheck"); err != nil {
 		t.Fatal(err)
 	}
