@@ -70,10 +70,12 @@ func unanswered(t *testing.T, s *server, w *world, what string, err error, find 
 // coming back: the embedded PostgreSQL restarts within seconds), for up to a minute, as
 // a careful client does. In the pgkill walk a point that work in the background passes
 // can kill PostgreSQL while the act's own request runs (seen once, for a create, on a
-// loaded machine). A 503 means the request's transaction failed; only one whose commit
-// was cut off before its answer took effect, which a verb sent again meets as a 409
-// (the verb is in flight) and a create as the same sandbox (its idempotency key). A
-// clone or snapshot sent again then would be made twice: neither takes a key.
+// loaded machine). The client itself repeats these writes for a while under one
+// Idempotency-Key; this loop goes on beyond that with a new call, so a new key unless
+// the caller passes one (a create). A 503 means the request's transaction failed; only
+// one whose commit was cut off took effect, which a verb sent again here meets as a 409
+// (the verb is in flight), a create as the same sandbox (its key), and a clone or
+// snapshot would make twice.
 func untilAvailable(t *testing.T, f func() error) error {
 	t.Helper()
 	deadline := time.Now().Add(time.Minute)

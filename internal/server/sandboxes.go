@@ -26,11 +26,7 @@ func (a *API) createSandbox(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	location := ""
-	if !out.Replayed {
-		location = "/v1/sandboxes/" + out.Sandbox.ID
-	}
-	writeAnswer(w, &out.Answer, location)
+	writeAnswer(w, &out.Answer)
 	return nil
 }
 
@@ -51,14 +47,14 @@ func idempotency(w http.ResponseWriter, r *http.Request) (*service.Idempotency, 
 	return &service.Idempotency{Key: key, Method: r.Method, Path: r.URL.Path, BodyHash: h[:]}, nil
 }
 
-// writeAnswer writes a recorded answer; a replayed one says so (Idempotent-Replayed),
-// a new one gets location as its Location header when that is not "".
-func writeAnswer(w http.ResponseWriter, ans *service.Answer, location string) {
+// writeAnswer writes a recorded answer: a replayed one says so (Idempotent-Replayed),
+// a new one names what it made (Location) when it made something.
+func writeAnswer(w http.ResponseWriter, ans *service.Answer) {
 	w.Header().Set("Content-Type", "application/json")
 	if ans.Replayed {
 		w.Header().Set("Idempotent-Replayed", "true")
-	} else if location != "" {
-		w.Header().Set("Location", location)
+	} else if ans.Location != "" {
+		w.Header().Set("Location", ans.Location)
 	}
 	w.WriteHeader(ans.Status)
 	_, _ = w.Write(ans.Body)
@@ -143,7 +139,7 @@ func (a *API) lifecycle(kind string) rest.HandlerFunc {
 		if err != nil {
 			return err
 		}
-		writeAnswer(w, ans, "")
+		writeAnswer(w, ans)
 		return nil
 	}
 }
@@ -162,7 +158,7 @@ func (a *API) clone(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	writeAnswer(w, ans, "")
+	writeAnswer(w, ans)
 	return nil
 }
 

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"encoding/json"
 	"net/http"
 	"strconv"
 	"time"
@@ -35,12 +34,7 @@ func (a *API) createSnapshot(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	location := ""
-	var out api.Snapshot
-	if !ans.Replayed && json.Unmarshal(ans.Body, &out) == nil {
-		location = "/v1/snapshots/" + out.ID
-	}
-	writeAnswer(w, ans, location)
+	writeAnswer(w, ans)
 	return nil
 }
 

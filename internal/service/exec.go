@@ -405,8 +405,8 @@ func execKey(p *Principal, key string) (string, error) {
 		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 		return "call:" + hex.EncodeToString(b[:]), nil
 	}
-	if len(key) > maxIdempotencyKey {
-		return "", invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+	if err := checkKey(key); err != nil {
+		return "", err
 	}
 	h := sha256.Sum256([]byte(p.KeyID + "\x00" + key))
 	return "api:" + hex.EncodeToString(h[:16]), nil

@@ -27,6 +27,8 @@ const maxIdempotencyKey = 255
 type Answer struct {
 	Status int
 	Body   []byte
+	// Location is the path of what the request made ("" for none, and on a replay).
+	Location string
 	// Replayed is true when Body is the recorded answer to an earlier request.
 	Replayed bool
 }
@@ -40,8 +42,8 @@ func (s *Service) once(ctx context.Context, p *Principal, idem *Idempotency, do 
 	if idem == nil {
 		return do()
 	}
-	if len(idem.Key) > maxIdempotencyKey {
-		return nil, invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+	if err := checkKey(idem.Key); err != nil {
+		return nil, err
 	}
 	if prev, err := s.replay(ctx, p, idem); prev != nil || err != nil {
 		return prev, err
@@ -55,6 +57,14 @@ func (s *Service) once(ctx context.Context, p *Principal, idem *Idempotency, do 
 	return a, err
 }
 
+// checkKey refuses an Idempotency-Key longer than maxIdempotencyKey.
+func checkKey(key string) error {
+	if len(key) > maxIdempotencyKey {
+		return invalid("Idempotency-Key is longer than %d characters", maxIdempotencyKey)
+	}
+	return nil
+}
+
 func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (*Answer, error) {
 	prev, err := s.st.LookupIdempotency(ctx, p.Tenant, idem.Key, idem.Method, idem.Path, idem.BodyHash)
 	if err != nil || prev == nil {
@@ -64,7 +74,8 @@ func (s *Service) replay(ctx context.Context, p *Principal, idem *Idempotency) (
 }
 
 // answer encodes v as a request's answer with status and, for a request with idem,
-// records it in tx (a concurrent twin that recorded first makes this a conflict).
+// records it in tx (a concurrent twin that recorded first makes this a conflict). The
+// caller sets the answer's Location.
 func answer(ctx context.Context, tx *store.Tx, p *Principal, idem *Idempotency, status int, v any) (*Answer, error) {
 	b, err := json.Marshal(v)
 	if err != nil {

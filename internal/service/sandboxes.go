@@ -356,6 +356,7 @@ func (s *Service) create(ctx context.Context, p *Principal, req *api.CreateSandb
 		crash.Point("pool.claimed")
 		s.kickLocal(sb)
 	}
+	a.Location = "/v1/sandboxes/" + sb.ID
 	return &Created{Sandbox: sb, Op: op, Answer: *a}, nil
 }
 

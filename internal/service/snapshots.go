@@ -106,6 +106,7 @@ func (s *Service) createSnapshot(ctx context.Context, p *Principal, sandboxID st
 		return nil, nil, nil, err
 	}
 	s.log.Info("snapshot requested", "snapshot", sn.ID, "name", sn.Name, "source", sandboxID, "op", op.ID)
+	a.Location = "/v1/snapshots/" + sn.ID
 	return sn, op, a, nil
 }
 
@@ -298,5 +299,6 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 	if err != nil {
 		return nil, err
 	}
+	a.Location = "/v1/sandboxes/" + sb.ID
 	return &Created{Sandbox: sb, Op: op, Answer: *a}, nil
 }
