@@ -235,17 +235,25 @@ func scenarios() []scenario {
 	return []scenario{
 		{name: "create", setup: func(t *testing.T, s *server) *world { return &world{} },
 			act: func(t *testing.T, s *server, w *world) {
-				// Sent again on a 503 with the same idempotency key (untilAvailable).
+				// Sent again on a 503 with the same idempotency key (untilAvailable). The
+				// in-process node can take the point, and kill the server, before the
+				// create's answer is out: then it is sent again, with the key, once the
+				// server is back, and answers with the sandbox the first one recorded.
 				key := "walk-" + strconv.FormatInt(time.Now().UnixNano(), 36)
-				var sb *api.Sandbox
-				err := untilAvailable(t, func() (err error) {
-					sb, err = s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{}, key)
+				send := func(w *world) error {
+					var sb *api.Sandbox
+					err := untilAvailable(t, func() (err error) {
+						sb, err = s.C.CreateSandbox(ctx(t, time.Minute), api.CreateSandboxRequest{}, key)
+						return err
+					})
+					if err == nil {
+						w.ids, w.ops = []string{sb.ID}, []string{sb.Operation.ID}
+					}
 					return err
-				})
-				if err != nil {
-					t.Fatal(err)
 				}
-				w.ids, w.ops = []string{sb.ID}, []string{sb.Operation.ID}
+				if err := send(w); err != nil {
+					unanswered(t, s, w, "create", err, send)
+				}
 			}},
 		{name: "stop", setup: running, act: act(api.OpStop, false)},
 		{name: "start", setup: withVerbs(false, api.OpStop), act: act(api.OpStart, false)},
