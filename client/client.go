@@ -88,7 +88,7 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 }
 
 // doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
-// (creates, lifecycle verbs, clones, snapshots): it sends key, a new random one when key
+// (creates, lifecycle verbs, clones, snapshots, command sessions): it sends key, a new random one when key
 // is "", and repeats a request that failed transiently as do repeats reads. The server
 // answers a repeat with the first request's answer and makes nothing twice, also when
 // the first request took effect and only its answer was lost.
@@ -254,10 +254,11 @@ func (c *Client) CreateAndWait(ctx context.Context, req api.CreateSandboxRequest
 	return c.GetSandbox(ctx, sb.ID)
 }
 
-// CreateSession creates a command session.
+// CreateSession creates a command session. It sends a key of its own and repeats a
+// request that failed transiently (doKeyed): a command's process is started once.
 func (c *Client) CreateSession(ctx context.Context, sandboxID string, req api.CreateSessionRequest) (*api.CommandSession, error) {
 	var s api.CommandSession
-	return &s, c.do(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/sessions", req, &s, nil)
+	return &s, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/sessions", req, &s, "")
 }
 
 // ListProcesses lists a sandbox's processes.

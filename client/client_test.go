@@ -15,7 +15,7 @@ import (
 )
 
 // TestWritesRepeatUnderOneKey: the writes the server makes safe with an Idempotency-Key
-// (create, verbs, clone, snapshot) carry one (the caller's, or one of the client's own
+// (create, verbs, clone, snapshot, session) carry one (the caller's, or one of the client's own
 // per call) and are sent again under it after a transient failure; another call gets
 // another key. A delete is not sent again, nor is a write that met a client error.
 func TestWritesRepeatUnderOneKey(t *testing.T) {
@@ -59,6 +59,9 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if _, err := c.Lifecycle(ctx, "sb2", api.OpPause); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := c.CreateSession(ctx, "sb1", api.CreateSessionRequest{Command: "true"}); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := c.DeleteSandbox(ctx, "sb1"); err == nil {
 		t.Fatal("a delete that met a 503 was sent again")
 	}
@@ -70,7 +73,7 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if got := keys["/v1/sandboxes"]; len(got) != 2 || got[0] != "mine" || got[1] != "mine" {
 		t.Errorf("create: keys %q, want the caller's twice", got)
 	}
-	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause"} {
+	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause", "/v1/sandboxes/sb1/sessions"} {
 		if got := keys[p]; len(got) != 2 || got[0] == "" || got[0] != got[1] {
 			t.Errorf("%s: keys %q, want one key of the client's, twice", p, got)
 		}

@@ -124,6 +124,69 @@ func TestExecIdempotencyKey(t *testing.T) {
 	}
 }
 
+// TestSessionIdempotencyKey: a command session created again with its Idempotency-Key
+// (its first answer lost) is a session for the same process, which runs once when
+// attached; the key with another command is a 422, and another API key with the same
+// key, or an exec with it, gets its own process.
+func TestSessionIdempotencyKey(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	sb := s.Create(api.CreateSandboxRequest{})
+	marker := filepath.Join(t.TempDir(), "runs")
+	body := `{"command":"echo run >> ` + marker + `; echo hi"}`
+	create := func(apiKey, body string) (int, api.CommandSession, string) {
+		t.Helper()
+		req, err := http.NewRequest("POST", s.URL+"/v1/sandboxes/"+sb.ID+"/sessions", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+		req.Header.Set("Idempotency-Key", "sess-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		var sess api.CommandSession
+		_ = json.Unmarshal(b, &sess)
+		return resp.StatusCode, sess, string(b)
+	}
+	runs := func() int {
+		b, _ := os.ReadFile(marker)
+		return strings.Count(string(b), "run\n")
+	}
+	code, first, msg := create(s.AdminKey, body)
+	if code != 201 || first.PID <= 0 {
+		t.Fatalf("first: %d %s", code, msg)
+	}
+	code, again, msg := create(s.AdminKey, body)
+	if code != 201 || again.PID != first.PID || again.ProcessUID != first.ProcessUID || again.SessionID == first.SessionID {
+		t.Fatalf("sent again: %d %s (first %+v)", code, msg, first)
+	}
+	for _, sess := range []*api.CommandSession{&first, &again} {
+		var out strings.Builder
+		x, err := s.C.Follow(ctx(t), sess, client.Output{Stdout: &out})
+		if err != nil || client.ExitCode(x) != 0 || out.String() != "hi\n" {
+			t.Fatalf("session %s: %q %+v %v", sess.SessionID, out.String(), x, err)
+		}
+	}
+	if runs() != 1 {
+		t.Fatalf("the command ran %d times, want once", runs())
+	}
+	if code, _, msg := create(s.AdminKey, `{"command":"true"}`); code != 422 {
+		t.Fatalf("the key with another command: %d %s", code, msg)
+	}
+	other := s.NewKey("default", false, "space")
+	if code, third, msg := create(other, body); code != 201 || third.PID == first.PID {
+		t.Fatalf("the key sent by another API key: %d %s", code, msg)
+	}
+	code, evs, msg := execRaw(t, s, s.AdminKey, sb.ID, "?encoding=text", body, "Idempotency-Key", "sess-1")
+	var st api.StartEvent
+	if code != 200 || len(evs) == 0 || json.Unmarshal([]byte(evs[0].data), &st) != nil || st.PID == first.PID || runs() != 2 {
+		t.Fatalf("an exec with the key: %d %s %+v, %d runs; want a process of its own", code, msg, evs, runs())
+	}
+}
+
 // TestExecOneRequest runs commands through POST /v1/sandboxes/{id}/exec: the stream's
 // events and offsets, stdin, text encoding, validation, a byte-exact larger output
 // through the Go client, tenancy with a warm target cache, and the cache's

@@ -194,7 +194,7 @@ func (a *API) createSession(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	sess, err := a.svc.CreateSession(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw)
+	sess, err := a.svc.CreateSession(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw, r.Header.Get("Idempotency-Key"))
 	if err != nil {
 		return err
 	}

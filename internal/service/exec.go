@@ -397,19 +397,26 @@ func (s *Service) Exec(ctx context.Context, p *Principal, id string, req api.Exe
 }
 
 // execKey returns the key an exec's process is kept under in its agent: the caller's
-// Idempotency-Key with its API key's id, hashed (the sandbox sees neither), or a
-// random one.
+// Idempotency-Key (processKey), or a random one.
 func execKey(p *Principal, key string) (string, error) {
 	if key == "" {
 		var b [16]byte
 		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 		return "call:" + hex.EncodeToString(b[:]), nil
 	}
+	return processKey(p, "api", key)
+}
+
+// processKey returns the key a process started with the caller's Idempotency-Key is
+// kept under in its agent (wire.ProcessSpec.Key): the key with its API key's id, hashed
+// (the sandbox sees neither), behind kind, so that an exec's keys and a session's never
+// name each other's processes.
+func processKey(p *Principal, kind, key string) (string, error) {
 	if err := checkKey(key); err != nil {
 		return "", err
 	}
 	h := sha256.Sum256([]byte(p.KeyID + "\x00" + key))
-	return "api:" + hex.EncodeToString(h[:16]), nil
+	return kind + ":" + hex.EncodeToString(h[:16]), nil
 }
 
 // startExec starts the process and connects to its output in one agent call (see

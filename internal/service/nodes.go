@@ -55,15 +55,21 @@ func (s *Service) RemoveNode(ctx context.Context, p *Principal, ref string) (api
 // nodeUp refuses (409), with the reason, a request that needs the node of sb when
 // that node is dead: nothing there would act on it, so the request must not wait. A
 // conflict, not a 503: clients retry 503s, and this lasts until the node returns.
-func (s *Service) nodeUp(ctx context.Context, sb *store.Sandbox) error {
+func nodeUp(ctx context.Context, q nodeReader, sb *store.Sandbox) error {
 	if sb.NodeID == "" {
 		return nil
 	}
-	n, err := s.st.GetNode(ctx, sb.NodeID)
+	n, err := q.GetNode(ctx, sb.NodeID)
 	if err != nil {
 		return err
 	}
 	return deadNode(sb, n)
+}
+
+// nodeReader reads a node: a *store.Tx inside a transaction (never the pool there: see
+// store.Tx.GetNode), else the *store.Store.
+type nodeReader interface {
+	GetNode(ctx context.Context, id string) (*store.Node, error)
 }
 
 func deadNode(sb *store.Sandbox, n *store.Node) error {

@@ -469,7 +469,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 		// A suspended sandbox whose snapshot is in the registry wakes on another node
 		// when its own is dead (nodes.go).
 		rehome := false
-		if err := s.nodeUp(ctx, sb); err != nil {
+		if err := nodeUp(ctx, tx, sb); err != nil {
 			if !canRehome(sb, v) {
 				return err
 			}
@@ -483,7 +483,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			rehome = true
 		}
 		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" && !rehome {
-			if err := s.roomOn(ctx, sb.NodeID); err != nil {
+			if err := roomOn(ctx, tx, sb.NodeID); err != nil {
 				return err
 			}
 		}
@@ -630,7 +630,7 @@ func (s *Service) clone(ctx context.Context, p *Principal, id string, req api.Cl
 		if err := lifecycle.Check(src.Lifecycle(), clone); err != nil {
 			return err
 		}
-		if err := s.nodeUp(ctx, src); err != nil {
+		if err := nodeUp(ctx, tx, src); err != nil {
 			return err
 		}
 		meta := req.Metadata
@@ -834,8 +834,8 @@ func (s *Service) roomForNew(ctx context.Context) error {
 }
 
 // roomOn refuses to wake a sandbox (507) on a node whose disk is at its reserve.
-func (s *Service) roomOn(ctx context.Context, nodeID string) error {
-	n, err := s.st.GetNode(ctx, nodeID)
+func roomOn(ctx context.Context, q nodeReader, nodeID string) error {
+	n, err := q.GetNode(ctx, nodeID)
 	if err != nil || n.DiskLow == "" {
 		return nil
 	}

@@ -87,7 +87,7 @@ func TestOtherTenantsSandboxIsNotFound(t *testing.T) {
 			return err
 		},
 		"session": func(p *service.Principal, id string) error {
-			_, err := s.Service.CreateSession(ctx(t), p, id, api.CreateSessionRequest{Command: "true"}, true)
+			_, err := s.Service.CreateSession(ctx(t), p, id, api.CreateSessionRequest{Command: "true"}, true, "")
 			return err
 		},
 	}
@@ -152,7 +152,7 @@ func TestVerbsAndWake(t *testing.T) {
 	if _, err := s.Service.Process(ctx(t), p, sb.ID, "x", false); !fault.Is(err, fault.Invalid) {
 		t.Fatalf("bad pid: %v", err)
 	}
-	if _, err := s.Service.CreateSession(ctx(t), p, sb.ID, api.CreateSessionRequest{PID: 5, Command: "x"}, false); !fault.Is(err, fault.Invalid) {
+	if _, err := s.Service.CreateSession(ctx(t), p, sb.ID, api.CreateSessionRequest{PID: 5, Command: "x"}, false, ""); !fault.Is(err, fault.Invalid) {
 		t.Fatalf("pid with command: %v", err)
 	}
 	for _, req := range []api.CreateSessionRequest{
@@ -160,7 +160,7 @@ func TestVerbsAndWake(t *testing.T) {
 		{Command: "x", Cwd: "rel"}, {Command: "x", Timeout: "soon"}, {Command: "x", PTY: &api.PTYSize{Rows: 0, Cols: 1}},
 		{Command: "x", Rights: []string{"fly"}}, {Command: "x", TokenTTL: "1000h"},
 	} {
-		if _, err := s.Service.CreateSession(ctx(t), p, sb.ID, req, false); !fault.Is(err, fault.Invalid) {
+		if _, err := s.Service.CreateSession(ctx(t), p, sb.ID, req, false, ""); !fault.Is(err, fault.Invalid) {
 			t.Errorf("%+v: %v", req, err)
 		}
 	}

@@ -101,7 +101,13 @@ func (s *Service) Agent(t *Target) *agentclient.Client {
 
 // CreateSession creates a command session: a new gated process (or, with req.PID, an
 // existing one) and a token to attach to it on the sandbox's node.
-func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, req api.CreateSessionRequest, noWake bool) (api.CommandSession, error) {
+//
+// key is the request's Idempotency-Key ("" for none). For a new process the agent keeps
+// it with the process (hashed with the caller's API key, apart from exec keys), and a
+// repeat gets a session for that process instead of a second one (wire.ProcessSpec.Key):
+// a new session id and token, the same pid and process_uid. A re-attach (req.PID)
+// makes nothing, so it is safe to repeat without a key.
+func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, req api.CreateSessionRequest, noWake bool, key string) (api.CommandSession, error) {
 	rights := req.Rights
 	if len(rights) == 0 {
 		rights = allRights
@@ -127,6 +133,9 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		if req.PID < 0 {
 			return api.CommandSession{}, invalid("pid must be positive")
 		}
+		if err := checkKey(key); err != nil {
+			return api.CommandSession{}, err
+		}
 	} else {
 		if req.ProcessUID != "" {
 			return api.CommandSession{}, invalid("process_uid goes with pid")
@@ -134,6 +143,11 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		var err error
 		if spec, err = ProcessSpec(&req); err != nil {
 			return api.CommandSession{}, err
+		}
+		if key != "" {
+			if spec.Key, err = processKey(p, "session", key); err != nil {
+				return api.CommandSession{}, err
+			}
 		}
 	}
 	t, err := s.Running(ctx, p, id, noWake)

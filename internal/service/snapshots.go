@@ -75,13 +75,13 @@ func (s *Service) createSnapshot(ctx context.Context, p *Principal, sandboxID st
 		if err := lifecycle.Check(src.Lifecycle(), lifecycle.SnapshotVerb()); err != nil {
 			return err
 		}
-		if err := s.nodeUp(ctx, src); err != nil {
+		if err := nodeUp(ctx, tx, src); err != nil {
 			return err
 		}
 		if src.NodeID == "" {
 			return fault.New(fault.Conflict, "sandbox %s is not on a node yet", src.ID)
 		}
-		if err := s.roomOn(ctx, src.NodeID); err != nil {
+		if err := roomOn(ctx, tx, src.NodeID); err != nil {
 			return err
 		}
 		spec := src.Spec
@@ -269,7 +269,7 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 		}
 		sb.NodeID, sb.Spec.Runtime = "", found.Runtime
 		msg = "restoring from snapshot " + found.Name + " (from the registry: node " + node.Name + " is down)"
-	} else if err := s.roomOn(ctx, found.NodeID); err != nil {
+	} else if err := roomOn(ctx, s.st, found.NodeID); err != nil {
 		return nil, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: p.Tenant, Message: msg}

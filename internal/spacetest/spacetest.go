@@ -62,6 +62,9 @@ type Options struct {
 	// MemoryOverheadMB is what the fake runtime's instances may hold beyond their
 	// memory size (runtime.MemoryBounder, as gVisor's).
 	MemoryOverheadMB int
+	// ServiceDBConns runs the service (the API's requests) on a connection pool of its
+	// own with this many connections (0: the store the other roles use).
+	ServiceDBConns int32
 }
 
 // Space is a running in-process space.
@@ -83,16 +86,17 @@ type Space struct {
 	DataDir string
 	Log     *slog.Logger
 
-	opts      Options
-	agentPath string
-	ctx       context.Context
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup
-	nodeStop  context.CancelFunc
-	nodeWG    sync.WaitGroup
-	mux       *http.ServeMux
-	dp        atomic.Pointer[http.ServeMux]
-	srv       *httptest.Server
+	opts         Options
+	serviceStore *store.Store // Options.ServiceDBConns
+	agentPath    string
+	ctx          context.Context
+	cancel       context.CancelFunc
+	wg           sync.WaitGroup
+	nodeStop     context.CancelFunc
+	nodeWG       sync.WaitGroup
+	mux          *http.ServeMux
+	dp           atomic.Pointer[http.ServeMux]
+	srv          *httptest.Server
 }
 
 // BaseConfig is the config of the base release.
@@ -130,6 +134,13 @@ func Start(t testing.TB, opts Options) *Space {
 	}
 	s.AdminKey = s.NewKey("default", true, service.KeySpace)
 	cfg := service.Config{Store: st, Signer: s.Signer, Logger: log, NodeClient: &http.Client{}}
+	if opts.ServiceDBConns > 0 {
+		own, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log, MaxConns: opts.ServiceDBConns})
+		if err != nil {
+			t.Fatalf("open the service's store: %v", err)
+		}
+		s.serviceStore, cfg.Store = own, own
+	}
 	if opts.Service != nil {
 		opts.Service(&cfg)
 	}
@@ -281,6 +292,9 @@ func (s *Space) stop() {
 		}
 	}
 	s.Store.Close()
+	if s.serviceStore != nil {
+		s.serviceStore.Close()
+	}
 }
 
 // NewKey creates an API key of kind (service.KeySpace or KeyE2B) in tenant (created

@@ -201,7 +201,17 @@ func (s *Store) ListNodes(ctx context.Context) ([]*Node, error) {
 // GetNode returns one node, without its usage and cache (Node.Used and Node.Cache
 // are zero: ListNodes and FindNode compute them).
 func (s *Store) GetNode(ctx context.Context, id string) (*Node, error) {
-	n, err := scanNode(s.pool.QueryRow(ctx, `SELECT `+nodeColsLight+nodeNoUsage+` FROM nodes n WHERE n.id=$1`, id))
+	return getNode(ctx, s.pool, id)
+}
+
+// GetNode is Store.GetNode in the transaction: a check inside a transaction reads
+// through it, never through the pool, whose connections the transaction may be
+// waiting for (a transaction that holds a lock others queue on, each with a pool
+// connection, would wait for one of theirs for ever).
+func (t *Tx) GetNode(ctx context.Context, id string) (*Node, error) { return getNode(ctx, t.tx, id) }
+
+func getNode(ctx context.Context, q querier, id string) (*Node, error) {
+	n, err := scanNode(q.QueryRow(ctx, `SELECT `+nodeColsLight+nodeNoUsage+` FROM nodes n WHERE n.id=$1`, id))
 	if err != nil {
 		return nil, notFound(err, "node", id)
 	}

@@ -117,8 +117,8 @@ type Agent struct {
 	procMu sync.Mutex
 	procs  map[int]*process
 	seq    uint64
-	// keyMu serializes keyed execs between looking for their key's process and
-	// starting one (handleExec), so that twins start one process.
+	// keyMu serializes keyed starts between looking for their key's process and
+	// starting one (startKeyed), so that twins start one process.
 	keyMu sync.Mutex
 
 	quiesce chan struct{}

@@ -117,6 +117,75 @@ func TestExecKeyed(t *testing.T) {
 	}
 }
 
+// TestStartProcessKeyed: a keyed POST /v1/processes (a command session's gated process)
+// sent again gets the process the first one made, twins sent at once make one, and the
+// program runs once when started; the key with another command is refused (422);
+// without a key, or with another, each start makes its own process.
+func TestStartProcessKeyed(t *testing.T) {
+	e := startAgent(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	spec := wire.ProcessSpec{Argv: []string{"sh", "-c", "echo $$ >> /tmp/runs.$KEYTEST; echo done"}, Env: map[string]string{"KEYTEST": t.Name()},
+		Gated: true, Key: "session:k1"}
+	t.Cleanup(func() { _ = os.Remove("/tmp/runs." + t.Name()) })
+	first, err := e.c.StartProcess(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	pids := make([]int, 4)
+	for i := range pids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pi, err := e.c.StartProcess(ctx, spec)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			pids[i] = pi.PID
+			if pi.UID != first.UID {
+				t.Errorf("repeat: uid %s, want %s", pi.UID, first.UID)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, pid := range pids {
+		if pid != first.PID {
+			t.Fatalf("repeats reached pids %v, want %d each", pids, first.PID)
+		}
+	}
+	if err := e.c.Start(ctx, first.PID); err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.c.Output(ctx, first.PID, 0, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := consume(t, out, 0); exitCode(t, r.exit) != 0 || string(r.stdout) != "done\n" {
+		t.Fatalf("the session's process: %+v", r)
+	}
+	if again, err := e.c.StartProcess(ctx, spec); err != nil || again.PID != first.PID || again.State != wire.StateExited {
+		t.Fatalf("sent again after the exit: %+v, %v", again, err)
+	}
+	runs, err := os.ReadFile("/tmp/runs." + t.Name())
+	if err != nil || strings.Count(string(runs), "\n") != 1 {
+		t.Fatalf("the command ran %q times (%v), want once", runs, err)
+	}
+	other := spec
+	other.Argv = []string{"true"}
+	_, err = e.c.StartProcess(ctx, other)
+	wantAgentError(t, err, 422, wire.ErrCodeKeyReused)
+	seen := map[int]bool{first.PID: true}
+	for _, key := range []string{"session:k2", "", ""} {
+		spec.Key = key
+		pi, err := e.c.StartProcess(ctx, spec)
+		if err != nil || seen[pi.PID] {
+			t.Fatalf("key %q: %+v, %v; want a process of its own", key, pi, err)
+		}
+		seen[pi.PID] = true
+	}
+}
+
 // A writer of many small pieces puts its output pipe in flow (read without blocking,
 // in windows); a pause takes it back to blocking reads, and a second burst into flow
 // again. Every byte arrives once, in order, the line after each pause included, and

@@ -186,7 +186,10 @@ func (a *Agent) handleStartProcess(w http.ResponseWriter, r *http.Request) error
 	if err := decodeJSON(r, &spec); err != nil {
 		return err
 	}
-	p, _, err := a.startProcess(spec, false)
+	p, _, err := a.startKeyed(spec, nil, func() (*process, error) {
+		p, _, err := a.startProcess(spec, false)
+		return p, err
+	})
 	if err != nil {
 		return err
 	}
@@ -398,42 +401,61 @@ func (a *Agent) handleExec(w http.ResponseWriter, r *http.Request) error {
 // startExec starts spec's process for POST /v1/exec (stdin is what the caller writes to
 // it) with a follower of its output from offset 0. A keyed exec whose key names a
 // process the agent keeps (its first answer was lost on the way, and the caller sends
-// it again) gets that process instead, with a follower from offset 0 (repeat): twins
-// sent at once start one process, and a key sent with another command is refused.
+// it again) gets that process instead, with a follower from offset 0 (repeat): see
+// startKeyed.
 func (a *Agent) startExec(spec wire.ProcessSpec, stdin []byte) (p *process, f *follower, repeat bool, err error) {
-	var sum [sha256.Size]byte
-	if spec.Key != "" {
-		sum = execSum(spec, stdin)
-		a.keyMu.Lock()
-		defer a.keyMu.Unlock()
-		if p := a.keyed(spec.Key); p != nil {
-			if p.keySum != sum {
-				return nil, nil, false, &apiError{status: http.StatusUnprocessableEntity, code: wire.ErrCodeKeyReused,
-					msg: fmt.Sprintf("exec key %q was used for another command (process %d)", spec.Key, p.pid)}
-			}
-			return p, p.journal.follow(0), true, nil
-		}
-	}
-	p, f, err = a.startProcess(spec, true)
-	var ae *apiError
-	if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
-		// A program that cannot be executed: created gated, so that the failure comes
-		// back as an exit frame.
-		spec.Gated = true
-		if p, f, err = a.startProcess(spec, true); err == nil {
-			if err = p.start(); err != nil {
-				f.close()
+	p, repeat, err = a.startKeyed(spec, stdin, func() (p *process, err error) {
+		p, f, err = a.startProcess(spec, true)
+		var ae *apiError
+		if errors.As(err, &ae) && ae.code == wire.ErrCodeExecFailed {
+			// A program that cannot be executed: created gated, so that the failure
+			// comes back as an exit frame.
+			spec.Gated = true
+			if p, f, err = a.startProcess(spec, true); err == nil {
+				if err = p.start(); err != nil {
+					f.close()
+				}
 			}
 		}
-	}
+		return p, err
+	})
 	if err != nil {
 		return nil, nil, false, err
 	}
-	p.keySum = sum // read only under keyMu, which this start holds when keyed
-	return p, f, false, nil
+	if repeat {
+		f = p.journal.follow(0)
+	}
+	return p, f, repeat, nil
 }
 
-// keyed returns the process started by a keyed exec with key, or nil. The caller holds
+// startKeyed calls start for a process with spec, unless spec.Key names a process the
+// agent keeps: a repeat of a keyed start (POST /v1/exec, or POST /v1/processes for a
+// command session) whose first answer was lost gets that process (repeat) and starts
+// nothing. Twins sent at once start one process; a key sent with another command (or,
+// for an exec, other stdin) is refused with 422 key_reused.
+func (a *Agent) startKeyed(spec wire.ProcessSpec, stdin []byte, start func() (*process, error)) (p *process, repeat bool, err error) {
+	if spec.Key == "" {
+		p, err = start()
+		return p, false, err
+	}
+	sum := execSum(spec, stdin)
+	a.keyMu.Lock()
+	defer a.keyMu.Unlock()
+	if p := a.keyed(spec.Key); p != nil {
+		if p.keySum != sum {
+			return nil, false, &apiError{status: http.StatusUnprocessableEntity, code: wire.ErrCodeKeyReused,
+				msg: fmt.Sprintf("key %q was used for another command (process %d)", spec.Key, p.pid)}
+		}
+		return p, true, nil
+	}
+	if p, err = start(); err != nil {
+		return nil, false, err
+	}
+	p.keySum = sum // read only under keyMu, which this start holds
+	return p, false, nil
+}
+
+// keyed returns the process started under key (startKeyed), or nil. The caller holds
 // keyMu.
 func (a *Agent) keyed(key string) *process {
 	a.procMu.Lock()
@@ -446,8 +468,8 @@ func (a *Agent) keyed(key string) *process {
 	return nil
 }
 
-// execSum identifies the command of a keyed exec: its spec (the key and the gate
-// aside) and the bytes written to its stdin.
+// execSum identifies the command of a keyed start: its spec (the key and the gate
+// aside) and the bytes an exec writes to its stdin.
 func execSum(spec wire.ProcessSpec, stdin []byte) [sha256.Size]byte {
 	spec.Key, spec.Gated = "", false
 	b, _ := json.Marshal(spec) // map keys are sorted: the same spec, the same bytes

@@ -49,7 +49,7 @@ type process struct {
 	user    string
 	cwd     string
 	journal *journal
-	// keySum identifies the command of a keyed exec (spec.Key; see execSum).
+	// keySum identifies the command of a keyed start (spec.Key; see execSum).
 	keySum [sha256.Size]byte
 	// reapedCh is closed once the process has been reaped.
 	reapedCh chan struct{}

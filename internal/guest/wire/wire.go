@@ -155,11 +155,12 @@ type ProcessSpec struct {
 	Gated bool `json:"gated,omitempty"`
 	// Tag is an opaque label kept with the process (e.g. an E2B tag).
 	Tag string `json:"tag,omitempty"`
-	// Key makes POST /v1/exec safe to send again: while the agent keeps a process
-	// started with the same key (running, or exited within its Retention and among its
-	// MaxExited most recent), a start with the key streams that process's output from
-	// offset 0 instead of starting another; with another command (spec or stdin) it is
-	// refused (422). Agents from before 2026-12-07 ignore it.
+	// Key makes POST /v1/exec and POST /v1/processes safe to send again: while the
+	// agent keeps a process started with the same key (running, or exited within its
+	// Retention and among its MaxExited most recent), a start with the key gets that
+	// process (an exec streams its output from offset 0) instead of starting another;
+	// with another command (spec or, for an exec, stdin) it is refused (422). Agents
+	// from before 2026-12-07 ignore it (before 2026-12-08 on POST /v1/processes).
 	Key string `json:"key,omitempty"`
 }
 
