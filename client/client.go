@@ -88,7 +88,7 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 }
 
 // doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
-// (creates, lifecycle verbs, clones, snapshots, command sessions): it sends key, a new random one when key
+// (creates, lifecycle verbs, clones, snapshots, command sessions, template builds): it sends key, a new random one when key
 // is "", and repeats a request that failed transiently as do repeats reads. The server
 // answers a repeat with the first request's answer and makes nothing twice, also when
 // the first request took effect and only its answer was lost.
@@ -121,9 +121,19 @@ func repeatTransient(ctx context.Context, f func() error) error {
 	}
 }
 
+// rawBody is a request body sent as it is, with its content type (in is JSON
+// otherwise).
+type rawBody struct {
+	data        []byte
+	contentType string
+}
+
 func (c *Client) doOnce(ctx context.Context, method, path string, in, out any, hdr http.Header) error {
 	var body io.Reader
-	if in != nil {
+	ctype := "application/json"
+	if raw, ok := in.(rawBody); ok {
+		body, ctype = bytes.NewReader(raw.data), raw.contentType
+	} else if in != nil {
 		b, err := json.Marshal(in)
 		if err != nil {
 			return err
@@ -138,7 +148,7 @@ func (c *Client) doOnce(ctx context.Context, method, path string, in, out any, h
 		req.Header[k] = v
 	}
 	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Content-Type", ctype)
 	}
 	if c.APIKey != "" {
 		req.Header.Set("Authorization", "Bearer "+c.APIKey)
@@ -259,6 +269,14 @@ func (c *Client) CreateAndWait(ctx context.Context, req api.CreateSandboxRequest
 func (c *Client) CreateSession(ctx context.Context, sandboxID string, req api.CreateSessionRequest) (*api.CommandSession, error) {
 	var s api.CommandSession
 	return &s, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/sessions", req, &s, "")
+}
+
+// BuildTemplate queues a build of a template spec (YAML, or JSON with contentType
+// "application/json"; docs/templates.md) and returns its operation. It sends a key of
+// its own and repeats a request that failed transiently (doKeyed): one build is queued.
+func (c *Client) BuildTemplate(ctx context.Context, spec []byte, contentType string) (*api.Operation, error) {
+	var op api.Operation
+	return &op, c.doKeyed(ctx, http.MethodPost, "/v1/templates", rawBody{spec, contentType}, &op, "")
 }
 
 // ListProcesses lists a sandbox's processes.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -15,9 +16,10 @@ import (
 )
 
 // TestWritesRepeatUnderOneKey: the writes the server makes safe with an Idempotency-Key
-// (create, verbs, clone, snapshot, session) carry one (the caller's, or one of the client's own
-// per call) and are sent again under it after a transient failure; another call gets
-// another key. A delete is not sent again, nor is a write that met a client error.
+// (create, verbs, clone, snapshot, session, template build) carry one (the caller's, or
+// one of the client's own per call) and are sent again under it after a transient
+// failure; another call gets another key. A delete is not sent again, nor is a write
+// that met a client error.
 func TestWritesRepeatUnderOneKey(t *testing.T) {
 	var mu sync.Mutex
 	keys := map[string][]string{} // path → Idempotency-Key of each attempt
@@ -26,6 +28,9 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 		keys[r.URL.Path] = append(keys[r.URL.Path], r.Header.Get("Idempotency-Key"))
 		n := len(keys[r.URL.Path])
 		mu.Unlock()
+		if b, _ := io.ReadAll(r.Body); r.URL.Path == "/v1/templates" && (r.Header.Get("Content-Type") != "application/yaml" || !strings.HasPrefix(string(b), "name: x\n")) {
+			t.Errorf("a build sent %q as %q", b, r.Header.Get("Content-Type"))
+		}
 		switch {
 		case strings.HasSuffix(r.URL.Path, "/bad"):
 			http.Error(w, `{"error":{"code":"invalid","message":"no"}}`, http.StatusBadRequest)
@@ -62,6 +67,9 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if _, err := c.CreateSession(ctx, "sb1", api.CreateSessionRequest{Command: "true"}); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := c.BuildTemplate(ctx, []byte("name: x\nfrom:\n  template: base\n"), "application/yaml"); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := c.DeleteSandbox(ctx, "sb1"); err == nil {
 		t.Fatal("a delete that met a 503 was sent again")
 	}
@@ -73,7 +81,7 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if got := keys["/v1/sandboxes"]; len(got) != 2 || got[0] != "mine" || got[1] != "mine" {
 		t.Errorf("create: keys %q, want the caller's twice", got)
 	}
-	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause", "/v1/sandboxes/sb1/sessions"} {
+	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause", "/v1/sandboxes/sb1/sessions", "/v1/templates"} {
 		if got := keys[p]; len(got) != 2 || got[0] == "" || got[0] != got[1] {
 			t.Errorf("%s: keys %q, want one key of the client's, twice", p, got)
 		}

@@ -2,7 +2,6 @@ package cli
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -179,8 +178,8 @@ and space exits 1 if it failed. With --no-follow, only the queued operation is p
 				return err
 			}
 			ctx := cmdContext(cmd)
-			var op api.Operation
-			if err := templateCall(ctx, c, http.MethodPost, "/v1/templates", bytes.NewReader(data), ctype, &op); err != nil {
+			op, err := c.BuildTemplate(ctx, data, ctype)
+			if err != nil {
 				return err
 			}
 			if noFollow {

@@ -3,9 +3,13 @@ package node_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -130,18 +134,58 @@ func TestBuildsBaseOnFirstUse(t *testing.T) {
 	if !strings.HasPrefix(sb.TemplateDigest, "sha256:bbbb") {
 		t.Fatalf("built base: %+v", sb)
 	}
-	// A template build: queued on the node, run in a build sandbox, recorded.
-	admin, err := s.Service.Authenticate(ctx(t), s.AdminKey, service.KeySpace)
-	if err != nil {
-		t.Fatal(err)
+	// A template build: queued on the node, run in a build sandbox, recorded. Sent with
+	// an Idempotency-Key by four twins at once, and again after, it gets one answer
+	// and is queued once; the key with another spec is a 422.
+	spec := "name: built\nfrom:\n  template: base\n"
+	keyed := func(spec string) (int, string, http.Header) {
+		req, err := http.NewRequest("POST", s.URL+"/v1/templates", strings.NewReader(spec))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+s.AdminKey)
+		req.Header.Set("Content-Type", "application/yaml")
+		req.Header.Set("Idempotency-Key", "build-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b), resp.Header
 	}
 	s.Eventually(20*time.Second, "the node to publish its template sources", func() bool {
-		_, err := s.Service.BuildTemplate(ctx(t), admin, []byte("name: built\nfrom:\n  template: base\n"))
-		if err == nil {
-			return true
-		}
-		return false
+		published, err := s.Store.NodeTemplateSources(ctx(t))
+		_, ok := published[s.NodeID]
+		return err == nil && ok
 	})
+	answers := make([]string, 4)
+	var wg sync.WaitGroup
+	for i := range answers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			code, body, _ := keyed(spec)
+			answers[i] = fmt.Sprint(code, " ", body)
+		}()
+	}
+	wg.Wait()
+	for _, a := range answers {
+		if a != answers[0] || !strings.HasPrefix(a, "202 ") {
+			t.Fatalf("twin builds answered differently: %q", answers)
+		}
+	}
+	if code, again, h := keyed(spec); code != 202 || "202 "+again != answers[0] || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("the build sent again with its key: %d %s %v", code, again, h)
+	}
+	if code, body, _ := keyed("name: other\nfrom:\n  template: base\n"); code != 422 {
+		t.Fatalf("the build's key with another spec: %d %s", code, body)
+	}
+	var builds int
+	if err := s.Store.DB().QueryRowContext(ctx(t), `SELECT count(*) FROM operations WHERE kind=$1 AND params->>'template' LIKE 'built%'`,
+		api.OpTemplateBuild).Scan(&builds); err != nil || builds != 1 {
+		t.Fatalf("%d builds queued (%v), want 1", builds, err)
+	}
 	s.Eventually(time.Minute, "the build", func() bool {
 		tpl, err := s.C.ListTemplates(ctx(t))
 		if err != nil {

@@ -339,6 +339,7 @@ func TestIdempotentVerbsClonesSnapshots(t *testing.T) {
 	if snaps, err := s.C.ListSnapshots(c, client.SnapshotListOptions{Sandbox: sb.ID}); err != nil || len(snaps) != 1 {
 		t.Fatalf("snapshots of the sandbox: %d %v", len(snaps), err)
 	}
+
 }
 
 func TestLifecycleVerbs(t *testing.T) {

@@ -45,7 +45,8 @@ func (a *API) deleteTemplate(w http.ResponseWriter, r *http.Request) error {
 }
 
 // buildTemplate queues a build of a spec (JSON, or YAML with a YAML content type).
-// 202 with the operation.
+// 202 with the operation. With an Idempotency-Key, a repeat gets the first answer and
+// queues nothing; the key names the tenant an operator builds for too.
 func (a *API) buildTemplate(w http.ResponseWriter, r *http.Request) error {
 	if ct := r.Header.Get("Content-Type"); ct != "" {
 		mt, _, err := mime.ParseMediaType(ct)
@@ -58,15 +59,22 @@ func (a *API) buildTemplate(w http.ResponseWriter, r *http.Request) error {
 			return rest.Invalid("Content-Type must be application/json or application/yaml")
 		}
 	}
+	idem, err := idempotency(w, r)
+	if err != nil {
+		return err
+	}
+	tenant := tenantParam(r)
+	if idem != nil && tenant != "" {
+		idem.Path += "?tenant=" + tenant
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, rest.MaxBodyBytes))
 	if err != nil {
 		return rest.JSONError(err)
 	}
-	op, err := a.svc.BuildTemplateFor(r.Context(), principalFrom(r.Context()), body, tenantParam(r))
+	ans, err := a.svc.BuildTemplateKeyed(r.Context(), principalFrom(r.Context()), body, tenant, idem)
 	if err != nil {
 		return err
 	}
-	w.Header().Set("Location", "/v1/operations/"+op.ID)
-	rest.WriteJSON(w, http.StatusAccepted, op.API())
+	writeAnswer(w, ans)
 	return nil
 }

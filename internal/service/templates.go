@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 
@@ -159,26 +160,41 @@ func (s *Service) BuildTemplate(ctx context.Context, p *Principal, body []byte) 
 
 // BuildTemplateFor is BuildTemplate in the tenant an operator names ("" = shared).
 func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byte, tenant string) (*store.Operation, error) {
+	op, _, err := s.buildTemplate(ctx, p, body, tenant, nil)
+	return op, err
+}
+
+// BuildTemplateKeyed is BuildTemplateFor for a request with idem (nil: no
+// Idempotency-Key): a repeat gets the first request's answer (202 with its operation)
+// and queues no second build.
+func (s *Service) BuildTemplateKeyed(ctx context.Context, p *Principal, body []byte, tenant string, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, a, err := s.buildTemplate(ctx, p, body, tenant, idem)
+		return a, err
+	})
+}
+
+func (s *Service) buildTemplate(ctx context.Context, p *Principal, body []byte, tenant string, idem *Idempotency) (*store.Operation, *Answer, error) {
 	owner, err := s.scope(ctx, p, tenant)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if len(strings.TrimSpace(string(body))) == 0 {
-		return nil, invalid("request body is empty: send a template spec")
+		return nil, nil, invalid("request body is empty: send a template spec")
 	}
 	spec, err := template.ParseSpec(body)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if owner != "" {
 		if slices.Contains(s.cfg.BuiltinTemplates, spec.Name) {
-			return nil, fault.New(fault.Conflict, "template name %q is a builtin template's", spec.Name)
+			return nil, nil, fault.New(fault.Conflict, "template name %q is a builtin template's", spec.Name)
 		}
 		if _, shared, err := s.st.TemplateOwner(ctx, "", spec.Name); err != nil {
-			return nil, err
+			return nil, nil, err
 		} else if shared {
 			if mine, _, err := s.st.TemplateOwner(ctx, owner, spec.Name); err != nil || mine == "" {
-				return nil, fault.New(fault.Conflict, "template name %q is taken by a shared template", spec.Name)
+				return nil, nil, fault.New(fault.Conflict, "template name %q is taken by a shared template", spec.Name)
 			}
 		}
 	}
@@ -186,18 +202,18 @@ func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byt
 	parent := ""
 	if spec.From.Template != "" {
 		if parent, err = s.resolveRelease(ctx, owner, spec.From.Template); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		params["from_digest"] = parent
 	}
 	// The role is checked after the names are resolved, so that another tenant's
 	// template answers like a missing one to every key.
 	if err := RequireAdmin(p); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	node, err := s.pickBuildNode(ctx, spec, parent)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	params["node"] = node.ID
 	opTenant := owner
@@ -210,17 +226,24 @@ func (s *Service) BuildTemplateFor(ctx context.Context, p *Principal, body []byt
 		Message: fmt.Sprintf("queued: build %s on node %s", spec.Ref(), node.Name),
 		Params:  params,
 	}
+	var a *Answer
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		if err := s.checkQuota(ctx, tx, opTenant, need{store.QuotaOperations: 1}); err != nil {
 			return err
 		}
-		return tx.CreateBuildOperation(ctx, op, node.ID)
+		if err := tx.CreateBuildOperation(ctx, op, node.ID); err != nil {
+			return err
+		}
+		var err error
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, op.API())
+		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	s.log.Info("template build queued", "template", spec.Ref(), "tenant", owner, "node", node.Name, "op", op.ID)
-	return op, nil
+	a.Location = "/v1/operations/" + op.ID
+	return op, a, nil
 }
 
 // resolveRelease returns the digest a template reference names for tenant ("" =
