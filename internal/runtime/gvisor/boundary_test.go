@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -946,4 +947,100 @@ func TestListeningAgentAcrossUpgrade(t *testing.T) {
 	dst.RootFS = spec.RootFS
 	restoreResumed(t, now, dst, dir)
 	listening(dst.StateDir)
+}
+
+// TestRestoreKeepsItsAgent: a restore mounts the agent binary the checkpoint was taken
+// with, not the one the restoring node names now (space was upgraded or rebuilt since
+// the sandbox started): the restored agent, whose code is mapped from that file, keeps
+// serving, and the next checkpoint records the same binary. Before, the restored agent
+// got the new file under its mapped pages and never answered; the node waited 60 s for
+// it and booted the sandbox from its disk.
+func TestRestoreKeepsItsAgent(t *testing.T) {
+	needRunsc(t)
+	ctx := context.Background()
+	rt := newTestRuntime(t, testRootDir(t))
+	agents := filepath.Join(t.TempDir(), "agents")
+	install := func(hash, from string) string {
+		t.Helper()
+		data, err := os.ReadFile(from)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := filepath.Join(agents, hash, "space-agent")
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, data, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	old := install("aaaa", testAgent)
+	upgraded := install("bbbb", "/bin/true") // another program in the agent's place
+	spec := testSpec(t, newID(t))
+	spec.AgentPath = old
+	c := startSandbox(t, rt, spec)
+	quiesce(t, c, spec)
+	dir := suspendInstance(t, rt, spec.ID)
+	spec.AgentPath = upgraded
+	if err := rt.Restore(ctx, spec, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
+		}
+		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
+			t.Error(err)
+		}
+	})
+	if got := bundleAgentPath(spec.StateDir); got != old {
+		t.Fatalf("the restore mounts the agent %s, want the checkpointed %s", got, old)
+	}
+	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c = agentClient(t, rt, spec.ID)
+	waitHealthy(t, c)
+	quiesce(t, c, spec)
+	again := t.TempDir()
+	if err := rt.Checkpoint(ctx, spec.ID, again); err != nil {
+		t.Fatal(err)
+	}
+	if meta, err := readMeta(again); err != nil || meta.AgentPath != old {
+		t.Fatalf("the next checkpoint records the agent %q (%v), want %s", meta.AgentPath, err, old)
+	}
+}
+
+// TestRestoreAgentChoice: the checkpointed agent where it was; else the one of the same
+// content-addressed name in this node's agents dir (a checkpoint made on another node);
+// else this node's own.
+func TestRestoreAgentChoice(t *testing.T) {
+	rt := &Runtime{log: slog.New(slog.DiscardHandler)}
+	dir := t.TempDir()
+	put := func(rel string) string {
+		p := filepath.Join(dir, rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte("agent"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	own := put("node/agents/bbbb/space-agent")
+	kept := put("node/agents/aaaa/space-agent")
+	there := put("other/agents/cccc/space-agent")
+	spec := runtime.Spec{ID: "x", AgentPath: own}
+	for _, tc := range []struct{ checkpointed, want string }{
+		{"", own},
+		{own, own},
+		{there, there},
+		{filepath.Join(dir, "elsewhere/agents/aaaa/space-agent"), kept},
+		{filepath.Join(dir, "elsewhere/agents/dddd/space-agent"), own},
+	} {
+		if got := rt.restoreAgent(spec, tc.checkpointed); got != tc.want {
+			t.Errorf("checkpointed %q: %s, want %s", tc.checkpointed, got, tc.want)
+		}
+	}
 }

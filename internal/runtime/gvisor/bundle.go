@@ -97,6 +97,14 @@ type layout struct {
 	// with --host-uds=open. False: the agent listens on its own socket in the run
 	// directory, which takes --host-uds=create (instances from before 2026-12-06).
 	AgentDials bool `json:"agent_dials,omitempty"`
+	// AgentPath is the host file of the agent binary the instance runs (its bundle's
+	// bind mount at wire.AgentPath). A restore mounts that same file: the restored
+	// agent's code is mapped from it, and a node whose own agent changed since (space
+	// was upgraded, or rebuilt) would otherwise give the restored process another
+	// binary under its mapped pages, which it does not survive (restoreAgent). Empty
+	// in records and checkpoints from before 2026-12-08 (then read from the bundle, or
+	// unknown).
+	AgentPath string `json:"agent_path,omitempty"`
 }
 
 // layoutOf is a new instance's layout: its agent connects to the node, and its memory
@@ -113,9 +121,9 @@ type layout struct {
 // memory size.
 func layoutOf(spec runtime.Spec) layout {
 	if spec.MemoryMB <= 0 {
-		return layout{RunMB: 64, AgentDials: true}
+		return layout{RunMB: 64, AgentDials: true, AgentPath: spec.AgentPath}
 	}
-	return layout{TmpfsMB: max(spec.MemoryMB/2, 1), RunMB: max(spec.MemoryMB/8, 1), AgentDials: true}
+	return layout{TmpfsMB: max(spec.MemoryMB/2, 1), RunMB: max(spec.MemoryMB/8, 1), AgentDials: true, AgentPath: spec.AgentPath}
 }
 
 // bundleSpec generates the OCI config of an instance: the agent as PID 1 on the writable
@@ -242,18 +250,37 @@ func writeBundle(stateDir string, oci *specs.Spec) error {
 	return nil
 }
 
-// bundleAgentDials reports whether the bundle in stateDir starts an agent that connects
-// to the node (false when it cannot be read).
-func bundleAgentDials(stateDir string) bool {
+// readBundle reads the bundle in stateDir (nil when it cannot be read).
+func readBundle(stateDir string) *specs.Spec {
 	data, err := os.ReadFile(filepath.Join(stateDir, configFile))
 	if err != nil {
-		return false
+		return nil
 	}
 	var oci specs.Spec
 	if json.Unmarshal(data, &oci) != nil || oci.Process == nil {
-		return false
+		return nil
 	}
-	return slices.ContainsFunc(oci.Process.Env, func(e string) bool { return strings.HasPrefix(e, agentListenEnv+"=connect:") })
+	return &oci
+}
+
+// bundleAgentDials reports whether the bundle in stateDir starts an agent that connects
+// to the node (false when it cannot be read).
+func bundleAgentDials(stateDir string) bool {
+	oci := readBundle(stateDir)
+	return oci != nil && slices.ContainsFunc(oci.Process.Env, func(e string) bool { return strings.HasPrefix(e, agentListenEnv+"=connect:") })
+}
+
+// bundleAgentPath returns the host file the bundle in stateDir mounts as the agent
+// ("" when it cannot be read).
+func bundleAgentPath(stateDir string) string {
+	if oci := readBundle(stateDir); oci != nil {
+		for _, m := range oci.Mounts {
+			if m.Destination == wire.AgentPath {
+				return m.Source
+			}
+		}
+	}
+	return ""
 }
 
 // Spec.PidsLimit is the sandbox's host cgroup pids.max (the OCI config's

@@ -788,7 +788,7 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		// The bundle still says how the agent reaches the host.
-		rec = record{ID: spec.ID, StateDir: st.Bundle, layout: layout{AgentDials: bundleAgentDials(st.Bundle)}}
+		rec = record{ID: spec.ID, StateDir: st.Bundle, layout: layout{AgentDials: bundleAgentDials(st.Bundle), AgentPath: bundleAgentPath(st.Bundle)}}
 		if err := r.claimRecord(rec); err != nil && !errors.Is(err, fs.ErrExist) {
 			return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 		}

@@ -167,6 +167,9 @@ func (r *Runtime) checkpoint(ctx context.Context, id, dir string, leaveRunning b
 		meta.Cgroup, meta.PidsMax = rec.Cgroup, rec.PidsMax
 	}
 	meta.layout = rec.layout
+	if meta.AgentPath == "" {
+		meta.AgentPath = bundleAgentPath(rec.StateDir) // a record from before it was kept
+	}
 	if err := writeMeta(dir, meta); err != nil {
 		return err
 	}
@@ -272,6 +275,34 @@ func (r *Runtime) waitStopped(ctx context.Context, id string) error {
 	}
 }
 
+// restoreAgent returns the agent binary a restore of a checkpoint taken with the agent
+// at checkpointed mounts: that file when it is still there, else the file of the same
+// content-addressed name among spec.AgentPath's (node.installAgent keeps every agent
+// it ran under <data-dir>/agents/<hash>/: a checkpoint pushed by another node, whose
+// data dir differs), else spec.AgentPath, the node's own. A restored agent given
+// another binary dies when it touches a code page it has not loaded yet (its text is
+// mapped from the file), and the node waits for its identity until it gives up and
+// boots the sandbox from its disk, losing its memory: measured, every restore of a
+// sandbox started by a space build other than the restoring one's took 60 s and booted
+// (2026-12-07).
+func (r *Runtime) restoreAgent(spec runtime.Spec, checkpointed string) string {
+	if checkpointed == "" || checkpointed == spec.AgentPath {
+		return spec.AgentPath // the node's own, or unknown (a checkpoint from before it was recorded)
+	}
+	candidates := []string{checkpointed, filepath.Join(filepath.Dir(filepath.Dir(spec.AgentPath)),
+		filepath.Base(filepath.Dir(checkpointed)), filepath.Base(checkpointed))}
+	for _, p := range candidates {
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() {
+			if p != spec.AgentPath {
+				r.log.Info("restoring with the agent the checkpoint was taken with", "id", spec.ID, "agent", p)
+			}
+			return p
+		}
+	}
+	r.log.Warn("the agent the checkpoint was taken with is gone; restoring with this node's", "id", spec.ID, "checkpointed", checkpointed)
+	return spec.AgentPath
+}
+
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
 // (which may be a copy of the original's: a clone). The bundle is the same as Create's,
 // so paths inside the sandbox match the checkpointed ones.
@@ -283,6 +314,8 @@ func (r *Runtime) Restore(ctx context.Context, spec runtime.Spec, dir string) (e
 	if err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
+	spec.AgentPath = r.restoreAgent(spec, meta.AgentPath)
+	meta.AgentPath = spec.AgentPath
 	if err := r.claimRecord(record{ID: spec.ID, StateDir: spec.StateDir, Cgroup: meta.Cgroup, PidsMax: r.pidsMax(spec), layout: meta.layout}); err != nil {
 		return fmt.Errorf("gvisor restore %s: %w", spec.ID, err)
 	}
