@@ -41,6 +41,15 @@ func startSandbox(t *testing.T, rt *Runtime, spec runtime.Spec) *http.Client {
 	if err := rt.Create(context.Background(), spec); err != nil {
 		t.Fatal(err)
 	}
+	destroyAtEnd(t, rt, spec)
+	c := agentClient(t, rt, spec.ID)
+	waitHealthy(t, c)
+	return c
+}
+
+// destroyAtEnd destroys spec's instance when the test ends, showing its log first if
+// the test failed.
+func destroyAtEnd(t *testing.T, rt *Runtime, spec runtime.Spec) {
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
@@ -49,9 +58,6 @@ func startSandbox(t *testing.T, rt *Runtime, spec runtime.Spec) *http.Client {
 			t.Error(err)
 		}
 	})
-	c := agentClient(t, rt, spec.ID)
-	waitHealthy(t, c)
-	return c
 }
 
 // hostUIDs reports the real uid of each host process runsc runs for the instance.
@@ -986,14 +992,7 @@ func TestRestoreKeepsItsAgent(t *testing.T) {
 	if err := rt.Restore(ctx, spec, dir); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
-		}
-		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
-			t.Error(err)
-		}
-	})
+	destroyAtEnd(t, rt, spec)
 	if got := bundleAgentPath(spec.StateDir); got != old {
 		t.Fatalf("the restore mounts the agent %s, want the checkpointed %s", got, old)
 	}

@@ -654,14 +654,7 @@ func TestSurvivesCreator(t *testing.T) {
 		t.Fatal(err)
 	}
 	rt := newTestRuntime(t, rootDir)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
-		}
-		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
-			t.Error(err)
-		}
-	})
+	destroyAtEnd(t, rt, spec)
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCreate$", "-test.count=1", "-test.v")
 	cmd.Env = append(os.Environ(), helperSpecEnv+"="+string(raw), helperRootEnv+"="+rootDir)
 	// Output returns only once every holder of the pipes is gone: a sandbox that kept
@@ -774,14 +767,7 @@ func TestForkBombContained(t *testing.T) {
 	if err := rt.Create(ctx, spec); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("sandbox log:\n%s", runtime.LogTail(logPath(spec.StateDir), 16<<10))
-		}
-		if err := rt.Destroy(context.Background(), spec.ID); err != nil {
-			t.Error(err)
-		}
-	})
+	destroyAtEnd(t, rt, spec)
 	c := agentClient(t, rt, spec.ID)
 	waitHealthy(t, c)
 	hostCg := pidsCgroupDir(spec.ID)
