@@ -160,7 +160,8 @@ type ProcessSpec struct {
 	// Retention and among its MaxExited most recent), a start with the key gets that
 	// process (an exec streams its output from offset 0) instead of starting another;
 	// with another command (spec or, for an exec, stdin) it is refused (422). Agents
-	// from before 2026-12-07 ignore it (before 2026-12-08 on POST /v1/processes).
+	// from before 2026-12-07 ignore it (on POST /v1/processes, those built before
+	// session keys, the same day, do too).
 	Key string `json:"key,omitempty"`
 }
 

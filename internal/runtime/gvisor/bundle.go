@@ -102,7 +102,7 @@ type layout struct {
 	// agent's code is mapped from it, and a node whose own agent changed since (space
 	// was upgraded, or rebuilt) would otherwise give the restored process another
 	// binary under its mapped pages, which it does not survive (restoreAgent). Empty
-	// in records and checkpoints from before 2026-12-08 (then read from the bundle, or
+	// in records and checkpoints from before 2026-12-07 (then read from the bundle, or
 	// unknown).
 	AgentPath string `json:"agent_path,omitempty"`
 }
