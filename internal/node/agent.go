@@ -134,15 +134,61 @@ func (n *Node) setReady(id string, ready bool) {
 	}
 }
 
-// waitAgent polls the agent's health endpoint until it answers or the timeout passes.
+// waitAgent polls the agent's health endpoint until it answers or the timeout passes,
+// or until the instance stops (whileAlive).
 func (n *Node) waitAgent(ctx context.Context, id string, timeout time.Duration) (wire.Health, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	ctx, stop := n.whileAlive(ctx, id)
+	defer stop()
 	h, err := n.agent(id).WaitReady(ctx)
 	if err != nil {
+		if cause := context.Cause(ctx); errors.Is(cause, errInstanceStopped) {
+			return h, fmt.Errorf("agent did not answer: %w", cause)
+		}
 		return h, fmt.Errorf("agent did not answer within %s: %w", timeout, err)
 	}
 	return h, nil
+}
+
+// errInstanceStopped ends a wait for an agent whose instance stopped meanwhile.
+var errInstanceStopped = errors.New("the instance stopped (its agent, PID 1, exited)")
+
+// aliveCheckEvery is how often a wait for an agent asks the runtime whether the
+// instance still runs. An agent answers a start or a restore within tens of
+// milliseconds, so a wait that ends well asks rarely or never.
+const aliveCheckEvery = 250 * time.Millisecond
+
+// whileAlive returns ctx ended also once the runtime reports instance id stopped or
+// gone (with errInstanceStopped as its cause), and a function that ends the watch. A
+// restored agent that dies (given another binary than its own; killed; out of memory)
+// takes its instance with it: the node then falls back at once (a restore boots the
+// sandbox from its disk) instead of waiting out AgentReadyTimeout, 60 s.
+func (n *Node) whileAlive(ctx context.Context, id string) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	done := make(chan struct{})
+	go func() {
+		tick := time.NewTicker(aliveCheckEvery)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			st, err := n.rt.Status(ctx, id)
+			if errors.Is(err, runtime.ErrNotFound) || err == nil && st == runtime.StatusStopped {
+				cancel(errInstanceStopped)
+				return
+			}
+		}
+	}()
+	return ctx, func() {
+		close(done)
+		cancel(nil)
+	}
 }
 
 // identity returns a new identity for the sandbox: fresh entropy, the host's clock and
@@ -243,6 +289,8 @@ func (n *Node) resumeAgent(ctx context.Context, sb *store.Sandbox) error {
 func (n *Node) waitGeneration(ctx context.Context, id string, gen int64) error {
 	ctx, cancel := context.WithTimeout(ctx, n.cfg.AgentReadyTimeout)
 	defer cancel()
+	ctx, stop := n.whileAlive(ctx, id)
+	defer stop()
 	c := n.agent(id)
 	for {
 		hctx, hcancel := context.WithTimeout(ctx, healthTimeout)
@@ -256,7 +304,7 @@ func (n *Node) waitGeneration(ctx context.Context, id string, gen int64) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("agent did not take its new identity: %w", ctx.Err())
+			return fmt.Errorf("agent did not take its new identity: %w", context.Cause(ctx))
 		case <-time.After(5 * time.Millisecond):
 		}
 	}

@@ -6,11 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/testenv"
@@ -108,6 +110,36 @@ func TestLostInstanceIsRebootedAndSaysSo(t *testing.T) {
 		got := get(t, s, sb.ID)
 		return got.State == api.StateRunning && strings.Contains(got.Error, "memory and processes were lost")
 	})
+	intact()
+	run(t, s, sb.ID, "true")
+}
+
+// A wake whose restored agent dies at once (given another binary than its own, say)
+// falls back to booting the sandbox from its disk as soon as its instance is seen
+// stopped, saying that its memory was lost, instead of waiting out AgentReadyTimeout
+// (here a minute, as by default; the wake must be done in well under it).
+func TestRestoreWhoseAgentDiesBootsAtOnce(t *testing.T) {
+	var die atomic.Bool
+	s := spacetest.Start(t, spacetest.Options{
+		DieAfterRestore: func(string) bool { return die.Load() },
+		Node:            func(c *node.Config) { c.AgentReadyTimeout = time.Minute },
+	})
+	sb := s.Create(api.CreateSandboxRequest{})
+	intact := marker(t, s, sb.ID)
+	c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if op, err := s.C.LifecycleAndWait(c, sb.ID, api.OpSuspend); err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("suspend: %+v %v", op, err)
+	}
+	die.Store(true)
+	op, err := s.C.LifecycleAndWait(c, sb.ID, api.OpWake)
+	if err != nil || op.State != api.OpSucceeded {
+		t.Fatalf("wake: %+v %v", op, err)
+	}
+	got := get(t, s, sb.ID)
+	if got.State != api.StateRunning || !strings.Contains(got.Error, "lost") {
+		t.Fatalf("after the wake: %+v", got)
+	}
 	intact()
 	run(t, s, sb.ID, "true")
 }

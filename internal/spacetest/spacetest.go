@@ -45,6 +45,9 @@ type Options struct {
 	BeforeCheckpoint func(id string)
 	// FailCreate makes the fake runtime fail Create for matching ids.
 	FailCreate func(id string) error
+	// DieAfterRestore makes the fake runtime kill a restored instance's agent for
+	// matching ids.
+	DieAfterRestore func(id string) bool
 	// Service adjusts the service's config.
 	Service func(*service.Config)
 	// Controller adjusts the controller's config.
@@ -126,7 +129,7 @@ func Start(t testing.TB, opts Options) *Space {
 	if s.Signer, err = token.NewSigner(key); err != nil {
 		t.Fatal(err)
 	}
-	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, BeforeCheckpoint: opts.BeforeCheckpoint, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU, MemoryOverheadMB: opts.MemoryOverheadMB}); err != nil {
+	if s.Runtime, err = fake.New(fake.Config{Dir: s.DataDir + "/fake", AgentPath: agentPath, FailCreate: opts.FailCreate, DieAfterRestore: opts.DieAfterRestore, BeforeCheckpoint: opts.BeforeCheckpoint, ParkRunning: opts.ParkRunning, CPUTime: opts.HostCPU, MemoryOverheadMB: opts.MemoryOverheadMB}); err != nil {
 		t.Fatal(err)
 	}
 	if s.Disk, err = fake.NewDisk(s.DataDir + "/store"); err != nil {

@@ -43,6 +43,9 @@ type Config struct {
 	// BeforeCheckpoint, when set, is called as Checkpoint starts (tests of requests that
 	// come during a suspend block in it).
 	BeforeCheckpoint func(id string)
+	// DieAfterRestore, when set, kills the agent of a restored instance that matches
+	// as Restore returns (a restored agent that cannot run: tests of the fallback).
+	DieAfterRestore func(id string) bool
 	// ParkRunning reports runtime.Caps.ParkRunning (warm-pool members wait running).
 	ParkRunning bool
 	// CPUTime makes the runtime a runtime.CPUTimer: an instance's CPU time is its
@@ -395,7 +398,15 @@ func (r *Runtime) Restore(_ context.Context, spec runtime.Spec, dir string) erro
 	if _, err := r.read(spec.ID); err == nil {
 		return fmt.Errorf("fake restore %s: instance already exists", spec.ID)
 	}
-	return r.start(spec.ID, spec)
+	if err := r.start(spec.ID, spec); err != nil {
+		return err
+	}
+	if r.cfg.DieAfterRestore != nil && r.cfg.DieAfterRestore(spec.ID) {
+		if rec, err := r.read(spec.ID); err == nil {
+			killTree(rec.PID)
+		}
+	}
+	return nil
 }
 
 // killTree kills pid and every process descended from it (the agent's children run in
