@@ -88,8 +88,9 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 }
 
 // doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
-// (creates, lifecycle verbs, clones, snapshots, command sessions, template builds): it sends key, a new random one when key
-// is "", and repeats a request that failed transiently as do repeats reads. The server
+// (creates, lifecycle verbs, clones, snapshots, command sessions, template builds): it
+// sends key, a new random one when key is "", and repeats a request that failed
+// transiently as do repeats reads. The server
 // answers a repeat with the first request's answer and makes nothing twice, also when
 // the first request took effect and only its answer was lost.
 func (c *Client) doKeyed(ctx context.Context, method, path string, in, out any, key string) error {

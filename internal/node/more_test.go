@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -139,20 +138,7 @@ func TestBuildsBaseOnFirstUse(t *testing.T) {
 	// and is queued once; the key with another spec is a 422.
 	spec := "name: built\nfrom:\n  template: base\n"
 	keyed := func(spec string) (int, string, http.Header) {
-		req, err := http.NewRequest("POST", s.URL+"/v1/templates", strings.NewReader(spec))
-		if err != nil {
-			t.Fatal(err)
-		}
-		req.Header.Set("Authorization", "Bearer "+s.AdminKey)
-		req.Header.Set("Content-Type", "application/yaml")
-		req.Header.Set("Idempotency-Key", "build-1")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b), resp.Header
+		return s.Request("POST", "/v1/templates", spec, "Content-Type", "application/yaml", "Idempotency-Key", "build-1")
 	}
 	s.Eventually(20*time.Second, "the node to publish its template sources", func() bool {
 		published, err := s.Store.NodeTemplateSources(ctx(t))

@@ -135,21 +135,10 @@ func TestSessionIdempotencyKey(t *testing.T) {
 	body := `{"command":"echo run >> ` + marker + `; echo hi"}`
 	create := func(apiKey, body string) (int, api.CommandSession, string) {
 		t.Helper()
-		req, err := http.NewRequest("POST", s.URL+"/v1/sandboxes/"+sb.ID+"/sessions", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		req.Header.Set("Authorization", "Bearer "+apiKey)
-		req.Header.Set("Idempotency-Key", "sess-1")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
+		code, b, _ := s.Request("POST", "/v1/sandboxes/"+sb.ID+"/sessions", body, "Authorization", "Bearer "+apiKey, "Idempotency-Key", "sess-1")
 		var sess api.CommandSession
-		_ = json.Unmarshal(b, &sess)
-		return resp.StatusCode, sess, string(b)
+		_ = json.Unmarshal([]byte(b), &sess)
+		return code, sess, b
 	}
 	runs := func() int {
 		b, _ := os.ReadFile(marker)

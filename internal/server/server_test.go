@@ -29,24 +29,8 @@ func ctx(t *testing.T) context.Context {
 // do sends a raw request with the admin key and returns status and body.
 func do(t *testing.T, s *spacetest.Space, method, path, body string, hdr ...string) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest(method, s.URL+path, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Authorization", "Bearer "+s.AdminKey)
-	if body != "" {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
+	code, b, _ := s.Request(method, path, body, hdr...)
+	return code, b
 }
 
 func TestSandboxCommandAndFiles(t *testing.T) {
@@ -249,19 +233,7 @@ func TestIdempotentVerbsClonesSnapshots(t *testing.T) {
 	sb := s.Create(api.CreateSandboxRequest{})
 	keyed := func(method, path, body, key string) (int, string, http.Header) {
 		t.Helper()
-		req, err := http.NewRequest(method, s.URL+path, strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		req.Header.Set("Authorization", "Bearer "+s.AdminKey)
-		req.Header.Set("Idempotency-Key", key)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b), resp.Header
+		return s.Request(method, path, body, "Idempotency-Key", key)
 	}
 	base := "/v1/sandboxes/" + sb.ID
 

@@ -404,19 +404,19 @@ func execKey(p *Principal, key string) (string, error) {
 		_, _ = rand.Read(b[:]) // never fails (crypto/rand)
 		return "call:" + hex.EncodeToString(b[:]), nil
 	}
-	return processKey(p, "api", key)
-}
-
-// processKey returns the key a process started with the caller's Idempotency-Key is
-// kept under in its agent (wire.ProcessSpec.Key): the key with its API key's id, hashed
-// (the sandbox sees neither), behind kind, so that an exec's keys and a session's never
-// name each other's processes.
-func processKey(p *Principal, kind, key string) (string, error) {
 	if err := checkKey(key); err != nil {
 		return "", err
 	}
+	return processKey(p, "api", key), nil
+}
+
+// processKey returns the key a process started with the caller's (checked)
+// Idempotency-Key is kept under in its agent (wire.ProcessSpec.Key): the key with its
+// API key's id, hashed (the sandbox sees neither), behind kind, so that an exec's keys
+// and a session's never name each other's processes.
+func processKey(p *Principal, kind, key string) string {
 	h := sha256.Sum256([]byte(p.KeyID + "\x00" + key))
-	return kind + ":" + hex.EncodeToString(h[:16]), nil
+	return kind + ":" + hex.EncodeToString(h[:16])
 }
 
 // startExec starts the process and connects to its output in one agent call (see

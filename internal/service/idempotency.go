@@ -10,7 +10,8 @@ import (
 
 // Idempotency identifies a request made with an Idempotency-Key: the same key with the
 // same method, path and body gets the first request's answer; with another request it
-// is refused (422). Creates, lifecycle verbs, clones and snapshots take one.
+// is refused (422). Creates, lifecycle verbs, clones, snapshots and template builds
+// take one (command sessions and execs keep theirs in the agent: processKey).
 type Idempotency struct {
 	Key      string
 	Method   string

@@ -133,9 +133,6 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		if req.PID < 0 {
 			return api.CommandSession{}, invalid("pid must be positive")
 		}
-		if err := checkKey(key); err != nil {
-			return api.CommandSession{}, err
-		}
 	} else {
 		if req.ProcessUID != "" {
 			return api.CommandSession{}, invalid("process_uid goes with pid")
@@ -144,11 +141,12 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 		if spec, err = ProcessSpec(&req); err != nil {
 			return api.CommandSession{}, err
 		}
-		if key != "" {
-			if spec.Key, err = processKey(p, "session", key); err != nil {
-				return api.CommandSession{}, err
-			}
-		}
+	}
+	if err := checkKey(key); err != nil {
+		return api.CommandSession{}, err
+	}
+	if spec != nil && key != "" {
+		spec.Key = processKey(p, "session", key)
 	}
 	t, err := s.Running(ctx, p, id, noWake)
 	if err != nil {

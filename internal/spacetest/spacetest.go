@@ -10,10 +10,12 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -374,6 +376,32 @@ func (s *Space) Eventually(timeout time.Duration, what string, cond func() bool)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Request sends an API request with the operator key (a JSON body unless hdr says
+// otherwise; hdr is name, value, … and may name another Authorization) and returns the
+// status, the body and the response's headers. It fails the test if the request cannot
+// be sent.
+func (s *Space) Request(method, path, body string, hdr ...string) (int, string, http.Header) {
+	s.T.Helper()
+	req, err := http.NewRequest(method, s.URL+path, strings.NewReader(body))
+	if err != nil {
+		s.T.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+s.AdminKey)
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		s.T.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), resp.Header
 }
 
 // AgentPath is the space-agent binary the fake runtime runs.
