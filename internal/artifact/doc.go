@@ -16,15 +16,19 @@
 // filesystem. A snapshot artifact's config (…snapshot.config.v1+json) holds the id,
 // the release, the disk format, the parent of the disk's increment and the caller's
 // metadata; its layers are, in order, the parts "base" (only when the parent travels
-// with the snapshot), "disk" (the increment) and "checkpoint" (a tar of the checkpoint
-// directory). Manifests carry the push time (org.opencontainers.image.created), the
+// with the snapshot), "disk" (the increment), "checkpoint" (a tar of the checkpoint
+// directory) and "agent" (only when the checkpoint needs a host file to restore: the
+// agent binary gVisor maps the restored agent's code from; its sha256 and length are in
+// the config, checked on pull). Like a base, an agent's blobs are shared by every
+// snapshot that carries the same binary: uploaded once, and not counted in OwnSize.
+// Manifests carry the push time (org.opencontainers.image.created), the
 // release and the snapshot id as annotations, so that List needs no config.
 //
 // # Streams, chunks and verification
 //
 // Each stream is cut into chunks of Config.ChunkSize (32 MiB) uncompressed bytes,
 // compressed with zstd one by one (application/vnd.space.btrfs-send.v1+zstd,
-// …checkpoint.tar.v1+zstd), each chunk one blob annotated with its part and
+// …checkpoint.tar.v1+zstd, …agent.v1+zstd), each chunk one blob annotated with its part and
 // uncompressed size. Blobs are uploaded first — go-containerregistry skips any blob
 // the repository has, so an interrupted push re-sends only the missing chunks (btrfs
 // send and the encoder are deterministic: the same subvolume gives the same blobs) —

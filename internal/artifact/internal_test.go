@@ -1,9 +1,16 @@
 package artifact
 
 import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"net/http"
+	"os"
+	"path/filepath"
 	"testing"
+
+	"github.com/spacedev/space/internal/fault"
 )
 
 type okTransport struct{ calls int }
@@ -49,5 +56,35 @@ func TestSharedBytes(t *testing.T) {
 	}
 	if got := sharedBytes([]extent{{0, 1, 10}}, base); got != 0 {
 		t.Errorf("unrelated: %d", got)
+	}
+}
+
+// TestWriteAgentChecks: a pulled agent binary that is not the one its snapshot's
+// config names (other bytes, or more or fewer of them) is refused and nothing stays.
+func TestWriteAgentChecks(t *testing.T) {
+	bin := []byte("#!agent binary")
+	sum := sha256.Sum256(bin)
+	want := agentRecord{SHA256: hex.EncodeToString(sum[:]), Bytes: int64(len(bin))}
+	dir := t.TempDir()
+	for name, data := range map[string][]byte{
+		"other":  []byte("#!agent binarz"),
+		"longer": append(bytes.Clone(bin), 'x'),
+		"short":  bin[:5],
+	} {
+		path := filepath.Join(dir, name)
+		err := writeAgent(path, bytes.NewReader(data), want)
+		if !fault.Is(err, fault.BadGateway) {
+			t.Errorf("%s: %v, want a bad gateway", name, err)
+		}
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: the refused binary stays (%v)", name, err)
+		}
+	}
+	path := filepath.Join(dir, "good")
+	if err := writeAgent(path, bytes.NewReader(bin), want); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := os.ReadFile(path); err != nil || !bytes.Equal(got, bin) {
+		t.Errorf("written %q (%v)", got, err)
 	}
 }

@@ -31,6 +31,7 @@ const (
 	mediaSnapshotConfig types.MediaType = "application/vnd.space.snapshot.config.v1+json"
 	mediaSend           types.MediaType = "application/vnd.space.btrfs-send.v1+zstd"
 	mediaTar            types.MediaType = "application/vnd.space.checkpoint.tar.v1+zstd"
+	mediaAgent          types.MediaType = "application/vnd.space.agent.v1+zstd"
 
 	annPart     = "dev.space.part" // which stream a blob belongs to
 	annSize     = "dev.space.size" // a blob's uncompressed size
@@ -67,8 +68,8 @@ type Artifact struct {
 	PushedAt time.Time
 	// Size is the bytes of its blobs in the registry (config and layers).
 	Size int64
-	// OwnSize is Size without the blobs of a shared base (see doc.go): what this
-	// artifact alone adds to the registry.
+	// OwnSize is Size without the blobs of a shared base and agent (see doc.go): what
+	// this artifact alone adds to the registry.
 	OwnSize int64
 	// Release is the release digest: a release's own, a snapshot's release.
 	Release string
@@ -168,12 +169,23 @@ func parts(m *v1.Manifest, order ...string) (map[string][]v1.Descriptor, error) 
 		if pos == len(order) {
 			return nil, fmt.Errorf("layer %s of part %q is unknown or out of order", l.Digest, part)
 		}
-		if l.MediaType != mediaSend && l.MediaType != mediaTar {
-			return nil, fmt.Errorf("layer %s has media type %q", l.Digest, l.MediaType)
+		if want := partMedia(part); l.MediaType != want {
+			return nil, fmt.Errorf("layer %s of part %q has media type %q, not %q", l.Digest, part, l.MediaType, want)
 		}
 		out[part] = append(out[part], l)
 	}
 	return out, nil
+}
+
+// partMedia is the media type of a part's blobs.
+func partMedia(part string) types.MediaType {
+	switch part {
+	case partCheckpoint:
+		return mediaTar
+	case partAgent:
+		return mediaAgent
+	}
+	return mediaSend
 }
 
 const mediaManifest = types.OCIManifestSchema1
@@ -207,8 +219,8 @@ func artifactOf(kind Kind, repo name.Repository, tag string, digest v1.Hash, m *
 	}
 	for _, l := range m.Layers {
 		a.Size += l.Size
-		if l.Annotations[annPart] != partBase {
-			a.OwnSize += l.Size
+		if part := l.Annotations[annPart]; part != partBase && part != partAgent {
+			a.OwnSize += l.Size // a base and an agent are shared by the snapshots that name them
 		}
 	}
 	return a

@@ -2,6 +2,8 @@ package artifact
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -42,6 +44,7 @@ const (
 	partBase       = "base"
 	partDisk       = "disk"
 	partCheckpoint = "checkpoint"
+	partAgent      = "agent"
 
 	parentRelease = "release" // the parent is the release artifact
 	parentBase    = "base"    // the parent travels in the snapshot's base part
@@ -50,6 +53,11 @@ const (
 	checkpointDir = "checkpoint"
 	snapshotFile  = "snapshot.json"
 	baseFile      = "base.json"
+	agentFile     = "space-agent"
+
+	// maxAgentBytes bounds the agent binary a snapshot carries (space-agent is about
+	// 15 MB).
+	maxAgentBytes = 256 << 20
 )
 
 // snapshotConfig is the config blob of a snapshot artifact.
@@ -71,8 +79,17 @@ type snapshotConfig struct {
 		// Bytes is the length of the base part's stream (source "base").
 		Bytes int64 `json:"bytes,omitempty"`
 	} `json:"parent"`
-	CheckpointBytes int64           `json:"checkpoint_bytes"`
-	Meta            json.RawMessage `json:"meta,omitempty"`
+	CheckpointBytes int64 `json:"checkpoint_bytes"`
+	// Agent is the agent binary the checkpoint restores with, when it needs a host
+	// file (runtime.AgentMapper): its part "agent".
+	Agent *agentRecord    `json:"agent,omitempty"`
+	Meta  json.RawMessage `json:"meta,omitempty"`
+}
+
+// agentRecord describes the agent binary a snapshot carries.
+type agentRecord struct {
+	SHA256 string `json:"sha256"` // hex, of the binary
+	Bytes  int64  `json:"bytes"`
 }
 
 // SnapshotSource is what PushSnapshot sends: a suspended sandbox (or a clone batch, or
@@ -89,6 +106,11 @@ type SnapshotSource struct {
 	Disk string
 	// Checkpoint is a complete checkpoint directory (storage.MarkComplete).
 	Checkpoint string
+	// Agent, when set, is the host file of the agent binary a restore of the checkpoint
+	// needs (runtime.AgentMapper): it travels with the snapshot, in blobs that every
+	// snapshot naming the same binary shares, so that a node running another space
+	// build can restore it.
+	Agent string
 	// Meta is the caller's (the sandbox's spec, the runtime and its version...); a pull
 	// returns it as it is. It must be JSON.
 	Meta json.RawMessage
@@ -108,7 +130,11 @@ type Snapshot struct {
 	Disk string
 	// Checkpoint is the complete checkpoint directory.
 	Checkpoint string
-	Meta       json.RawMessage
+	// Agent is the agent binary the checkpoint restores with, verified against the
+	// sha256 AgentSHA256 (hex) its pusher recorded; "" when the snapshot carries none.
+	Agent       string
+	AgentSHA256 string
+	Meta        json.RawMessage
 	// Downloaded is the bytes this pull downloaded (0: the store had it).
 	Downloaded int64
 }
@@ -156,6 +182,11 @@ func (c *Client) PushSnapshot(ctx context.Context, src SnapshotSource) (Artifact
 	}
 	if len(src.Meta) > 0 && !json.Valid(src.Meta) {
 		return Artifact{}, fault.New(fault.Invalid, "push snapshot %s: meta is not JSON", src.ID)
+	}
+	if src.Agent != "" {
+		if fi, err := os.Stat(src.Agent); err != nil || !fi.Mode().IsRegular() || fi.Size() > maxAgentBytes {
+			return Artifact{}, fault.New(fault.Invalid, "push snapshot %s: agent %s is not a regular file of at most %d bytes (%v)", src.ID, src.Agent, maxAgentBytes, err)
+		}
 	}
 	fi, err := os.Lstat(src.Disk)
 	if err != nil {
@@ -274,6 +305,25 @@ func (c *Client) pushSnapshot(ctx context.Context, src SnapshotSource, format Di
 	}
 	cfg.CheckpointBytes = cp.Bytes
 	layers = append(layers, cp.Layers...)
+	if src.Agent != "" {
+		// The same binary makes the same blobs: the registry has them after the first
+		// snapshot that carries it, and later pushes only check that.
+		h := sha256.New()
+		ag, err := o.pushStream(ctx, p, c.snapshots, partAgent, mediaAgent, func(ctx context.Context, w io.Writer) error {
+			f, err := os.Open(src.Agent)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, err = io.Copy(io.MultiWriter(w, h), f)
+			return err
+		})
+		if err != nil {
+			return Artifact{}, err
+		}
+		cfg.Agent = &agentRecord{SHA256: hex.EncodeToString(h.Sum(nil)), Bytes: ag.Bytes}
+		layers = append(layers, ag.Layers...)
+	}
 
 	cfgData, err := jsonBytes(cfg)
 	if err != nil {
@@ -529,14 +579,19 @@ func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, dige
 	if err := c.checkSnapshotConfig(ref.String(), &cfg); err != nil {
 		return Snapshot{}, err
 	}
-	ps, err := parts(f.manifest, partBase, partDisk, partCheckpoint)
+	ps, err := parts(f.manifest, partBase, partDisk, partCheckpoint, partAgent)
 	if err != nil {
 		return Snapshot{}, fault.New(fault.BadGateway, "registry %s: %s: %v", c.registry, ref, err)
 	}
-	if len(ps[partDisk]) == 0 || (cfg.Parent.Source == parentBase) != (len(ps[partBase]) > 0) {
+	if len(ps[partDisk]) == 0 || (cfg.Parent.Source == parentBase) != (len(ps[partBase]) > 0) ||
+		(cfg.Agent != nil) != (len(ps[partAgent]) > 0) {
 		return Snapshot{}, fault.New(fault.BadGateway, "registry %s: %s: its parts do not match its config", c.registry, ref)
 	}
-	if err := c.st.CheckSpace(cfg.Disk.Bytes + cfg.CheckpointBytes); err != nil {
+	var agentBytes int64
+	if cfg.Agent != nil {
+		agentBytes = cfg.Agent.Bytes
+	}
+	if err := c.st.CheckSpace(cfg.Disk.Bytes + cfg.CheckpointBytes + agentBytes); err != nil {
 		return Snapshot{}, err
 	}
 	parent, err := c.parentFor(ctx, o, p, &cfg, ps[partBase])
@@ -574,6 +629,16 @@ func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, dige
 	}
 	if err := c.st.MarkComplete(cpDir); err != nil {
 		return Snapshot{}, noSpace(err)
+	}
+	if cfg.Agent != nil {
+		err = pipeInto(func(w io.Writer) error {
+			return o.pullStream(ctx, p, c.snapshots, ps[partAgent], w)
+		}, func(r io.Reader) error {
+			return writeAgent(filepath.Join(b.Dir(), agentFile), r, *cfg.Agent)
+		})
+		if err != nil {
+			return Snapshot{}, err
+		}
 	}
 	pushed, _ := time.Parse(time.RFC3339Nano, f.manifest.Annotations[annCreated])
 	if err := writeJSON(filepath.Join(b.Dir(), snapshotFile), pulledFile{Digest: digest, PushedAt: pushed, Config: cfg}); err != nil {
@@ -615,8 +680,39 @@ func (c *Client) checkSnapshotConfig(what string, cfg *snapshotConfig) error {
 		return bad("invalid parent identity %q", cfg.Parent.Identity)
 	case cfg.Disk.Bytes < 0 || cfg.CheckpointBytes < 0 || cfg.Parent.Bytes < 0:
 		return bad("negative sizes")
+	case cfg.Agent != nil && (cfg.Agent.Bytes < 1 || cfg.Agent.Bytes > maxAgentBytes || !sha256RE.MatchString(cfg.Agent.SHA256)):
+		return bad("invalid agent (%d bytes, sha256 %q)", cfg.Agent.Bytes, cfg.Agent.SHA256)
 	}
 	return nil
+}
+
+// sha256RE is a hex sha256.
+var sha256RE = regexp.MustCompile(`^[0-9a-f]{64}$`)
+
+// writeAgent writes the agent binary r streams to path (executable, synced), checking
+// it against what the snapshot's config says of it: no byte of another binary stays.
+func writeAgent(path string, r io.Reader, want agentRecord) (err error) {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o755)
+	if err != nil {
+		return noSpace(err)
+	}
+	defer func() {
+		if cerr := f.Close(); err == nil && cerr != nil {
+			err = noSpace(cerr)
+		}
+		if err != nil {
+			_ = os.Remove(path)
+		}
+	}()
+	h := sha256.New()
+	n, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(r, want.Bytes+1))
+	if err != nil {
+		return noSpace(err)
+	}
+	if got := hex.EncodeToString(h.Sum(nil)); n != want.Bytes || got != want.SHA256 {
+		return fault.New(fault.BadGateway, "the agent binary is %d bytes with sha256 %s, not the %d bytes with sha256 %s its snapshot names", n, got, want.Bytes, want.SHA256)
+	}
+	return noSpace(f.Sync())
 }
 
 // uuidRE is a subvolume UUID as storage.SendIdentity writes it.
@@ -771,6 +867,9 @@ func snapshotAt(dir string) (Snapshot, error) {
 	}
 	if s.Format == DiskExt4 {
 		s.Disk = filepath.Join(s.Disk, imageName)
+	}
+	if a := pf.Config.Agent; a != nil {
+		s.Agent, s.AgentSHA256 = filepath.Join(dir, agentFile), a.SHA256
 	}
 	return s, nil
 }

@@ -3,6 +3,7 @@ package artifact_test
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -439,4 +440,86 @@ func TestSnapshotPullFailsCleanly(t *testing.T) {
 	wantKind(t, err, fault.BadGateway)
 	t.Logf("tampered: %v", err)
 	nothingPulled()
+}
+
+// TestSnapshotCarriesAgent: a snapshot pushed with the agent binary its checkpoint
+// restores with carries it; the registry holds one copy for every snapshot that names
+// it (later pushes upload none of it, and it is not counted as the artifact's own);
+// a pull gets it back byte for byte, executable, and a snapshot without one has none.
+// Pushing a directory as the agent is refused.
+func TestSnapshotCarriesAgent(t *testing.T) {
+	reg := startRegistry(t)
+	a, b := templatetest.Store(t), templatetest.Store(t)
+	ctx := testCtx(t)
+	rel := makeRelease(t, a, "base", releaseFiles(2))
+	ca, cb := client(t, a, reg.addr), client(t, b, reg.addr)
+	agent := filepath.Join(t.TempDir(), "space-agent")
+	if err := os.WriteFile(agent, random(3<<20), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	push := func(id string, withAgent bool) artifact.Artifact {
+		t.Helper()
+		root, err := a.CreateSandboxRoot(ctx, id, rel.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		writeSandbox(t, root)
+		cp, _ := a.CheckpointDir(id)
+		fakeCheckpoint(t, a, cp)
+		src := artifact.SnapshotSource{ID: id, Release: rel.Digest, Disk: root, Checkpoint: cp}
+		if withAgent {
+			src.Agent = agent
+		}
+		art, err := ca.PushSnapshot(ctx, src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return art
+	}
+	first := push("sb1", true)
+	second := push("sb2", true)
+	plain := push("sb3", false)
+	agentBlobs := partSizes(t, reg, first.Digest)["agent"]
+	if agentBlobs < 3<<20 {
+		t.Fatalf("the agent part is %d bytes; want the (incompressible) 3 MiB binary", agentBlobs)
+	}
+	if got := partSizes(t, reg, second.Digest)["agent"]; got != agentBlobs {
+		t.Errorf("the second snapshot's agent part is %d bytes, the first's %d", got, agentBlobs)
+	}
+	if second.Uploaded >= agentBlobs {
+		t.Errorf("the second push uploaded %d bytes: the agent (%d) again", second.Uploaded, agentBlobs)
+	}
+	if second.OwnSize != second.Size-agentBlobs {
+		t.Errorf("own size %d of %d: the shared agent (%d) is counted as the snapshot's own", second.OwnSize, second.Size, agentBlobs)
+	}
+	if partSizes(t, reg, plain.Digest)["agent"] != 0 {
+		t.Error("a snapshot pushed without an agent carries one")
+	}
+	t.Logf("agent part %d bytes; first push uploaded %d, second %d", agentBlobs, first.Uploaded, second.Uploaded)
+
+	s, err := cb.PullSnapshot(ctx, "", second.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Agent == "" || sha(t, s.Agent) != sha(t, agent) {
+		t.Fatalf("pulled agent %q differs from the pushed one", s.Agent)
+	}
+	if want := sha(t, agent); s.AgentSHA256 != hex.EncodeToString(want[:]) {
+		t.Errorf("pulled agent sha256 %s", s.AgentSHA256)
+	}
+	if fi, err := os.Stat(s.Agent); err != nil || fi.Mode().Perm()&0o111 == 0 {
+		t.Errorf("pulled agent is not executable: %v %v", fi.Mode(), err)
+	}
+	if cached, err := cb.CachedSnapshots(); err != nil || len(cached) != 1 || cached[0].Agent != s.Agent {
+		t.Errorf("cached snapshots %+v (%v)", cached, err)
+	}
+	if s, err := cb.PullSnapshot(ctx, "", plain.Digest); err != nil || s.Agent != "" || s.AgentSHA256 != "" {
+		t.Errorf("snapshot without an agent pulled with %q (%v)", s.Agent, err)
+	}
+	tmpEmpty(t, b)
+
+	cp, _ := a.CheckpointDir("sb1")
+	root, _ := a.SandboxRoot("sb1")
+	_, err = ca.PushSnapshot(ctx, artifact.SnapshotSource{ID: "sb4", Release: rel.Digest, Disk: root, Checkpoint: cp, Agent: t.TempDir()})
+	wantKind(t, err, fault.Invalid)
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -106,7 +107,10 @@ func startMoveFleet(t *testing.T) *moveFleet {
 		return []string{"--roles", "node", "--node-name", name, "--registry", f.reg.ln.Addr().String() + "/space"}
 	}
 	f.a = start(t, options{DBURL: db, Args: nodeArgs("a")})
-	f.b = start(t, options{DBURL: db, Args: nodeArgs("b")})
+	// Node b runs another space build's agent: every sandbox that moves between the
+	// two restores with an agent binary the receiving node does not run (a rolling
+	// upgrade), which the snapshot carries.
+	f.b = start(t, options{DBURL: db, Args: nodeArgs("b"), OtherAgent: true})
 	f.api = start(t, options{DBURL: db, NoBase: true, Args: []string{"--roles", "api,controller", "--node-timeout", "5s"}})
 	waitFor(t, time.Minute, "both nodes to register", func() bool {
 		nodes, err := f.api.C.ListNodes(ctx(t, time.Minute))
@@ -146,6 +150,9 @@ func (f *moveFleet) cordon(t *testing.T, node string, on bool) {
 // suspended on the other node whose process is killed -9, a wake brings it back on the
 // first node with its files and its processes' memory; the killed node, restarted,
 // only reclaims what it held. A stopped sandbox on the dead node cannot wake elsewhere.
+// The two nodes run different agent binaries (as during a rolling upgrade): each move
+// restores with the binary the sandbox's checkpoint was taken with, carried by its
+// snapshot.
 func TestFleetMove(t *testing.T) {
 	f := startMoveFleet(t)
 	c := ctx(t, 5*time.Minute)
@@ -203,6 +210,16 @@ func TestFleetMove(t *testing.T) {
 	}
 	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
 		t.Fatalf("file after the drain: %d %q", code, out)
+	}
+	// Node b keeps the agent binary the snapshot carried beside its own, under the
+	// content-addressed name node a gave it, and restored the sandbox with it (not with
+	// node a's file, which it can see only because the test runs both on one host).
+	aAgents, bAgents := dirNames(t, filepath.Join(f.a.DataDir, "agents")), dirNames(t, filepath.Join(f.b.DataDir, "agents"))
+	if len(aAgents) != 1 || len(bAgents) != 2 || !slices.Contains(bAgents, aAgents[0]) {
+		t.Fatalf("agents: node a %v, node b %v; want b to hold a's beside its own", aAgents, bAgents)
+	}
+	if carried := filepath.Join(f.b.DataDir, "agents", aAgents[0], "space-agent"); !strings.Contains(f.b.Log(), "agent="+carried) {
+		t.Fatalf("node b did not restore the sandbox with the agent binary it carried (%s):\n%s", carried, f.b.Log())
 	}
 	// The node a left holds nothing of it any more.
 	waitFor(t, time.Minute, "node a to drop the moved sandbox's files", func() bool {
@@ -364,6 +381,27 @@ for line in sys.stdin:
 	if out, _, code := f.api.exec(t, sb.ID, "cat", "/root/moved.txt"); code != 0 || out != "kept\n" {
 		t.Fatalf("file after node b returned: %d %q", code, out)
 	}
+	// No restore on either node fell back to a boot (as one with the receiving node's
+	// own agent binary would).
+	for name, s := range map[string]*srv{"a": f.a, "b": f.b} {
+		if log := s.Log(); strings.Contains(log, "lost its memory") || strings.Contains(log, "restoring with this node's") {
+			t.Errorf("node %s restored a sandbox without its agent binary:\n%s", name, log)
+		}
+	}
+}
+
+// dirNames lists the names in dir.
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range entries {
+		out = append(out, e.Name())
+	}
+	return out
 }
 
 // firstLine returns the value the memory process printed first.

@@ -1,12 +1,17 @@
 package node
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
+
+	"github.com/spacedev/space/internal/artifact"
+	"github.com/spacedev/space/internal/runtime"
 )
 
 // installAgent copies the agent binary to <data-dir>/agents/<sha256>/space-agent and
@@ -57,4 +62,39 @@ func installAgent(dataDir, src string) (string, string, error) {
 		return "", "", err
 	}
 	return dst, sum[:16], os.Rename(tmp.Name(), dst)
+}
+
+// checkpointAgent returns the agent binary a restore of the checkpoint in dir needs
+// from the host (runtime.AgentMapper; "" for a runtime whose checkpoints hold their
+// agent): a push sends it along, so that a node running another space build restores
+// the snapshot with the binary it was taken with instead of its own, which the
+// restored agent cannot run on. Unknown, it is "" and the push goes without it.
+func (n *Node) checkpointAgent(ctx context.Context, dir string) string {
+	m, ok := n.rt.(runtime.AgentMapper)
+	if !ok {
+		return ""
+	}
+	p, err := m.RestoreAgent(dir, n.cfg.AgentPath)
+	if err != nil {
+		n.log.WarnContext(ctx, "the checkpoint's agent binary is unknown; it is pushed without it", "checkpoint", dir, "err", err)
+		return ""
+	}
+	return p
+}
+
+// installPulledAgent puts the agent binary a pulled snapshot carries among this node's
+// agents (installAgent), where a restore of its checkpoint finds it by its
+// content-addressed name.
+func (n *Node) installPulledAgent(snap artifact.Snapshot) error {
+	if snap.Agent == "" {
+		return nil
+	}
+	p, hash, err := installAgent(n.cfg.DataDir, snap.Agent)
+	if err != nil {
+		return fmt.Errorf("install the agent binary its snapshot carries: %w", err)
+	}
+	if !strings.HasPrefix(snap.AgentSHA256, hash) {
+		return fmt.Errorf("installed agent %s does not hash to its snapshot's %s", p, snap.AgentSHA256)
+	}
+	return nil
 }

@@ -168,7 +168,7 @@ func (n *Node) pushSnapshot(ctx context.Context, id string) (bool, error) {
 		return moving, err
 	}
 	a, err := n.cfg.Artifacts.PushSnapshot(ctx, artifact.SnapshotSource{ID: snapshotTag(id, gen),
-		Release: sb.TemplateDigest, Disk: disk, Checkpoint: cp, Meta: meta})
+		Release: sb.TemplateDigest, Disk: disk, Checkpoint: cp, Agent: n.checkpointAgent(ctx, cp), Meta: meta})
 	if err != nil {
 		return moving, err
 	}
@@ -255,6 +255,9 @@ func (n *Node) materializeFrom(ctx context.Context, sb *store.Sandbox) error {
 	var meta pushMeta
 	if json.Unmarshal(snap.Meta, &meta) == nil && meta.Runtime != "" && meta.Runtime != n.info.Name {
 		return fault.New(fault.Conflict, "its snapshot was taken by runtime %s; this node runs %s", meta.Runtime, n.info.Name)
+	}
+	if err := n.installPulledAgent(snap); err != nil {
+		return err
 	}
 	if _, err := n.createDiskFrom(ctx, sb.ID, snap.Disk); err != nil {
 		return fmt.Errorf("disk from its snapshot: %w", err)
@@ -480,8 +483,9 @@ func (n *Node) periodicCheckpoint(ctx context.Context, sb *store.Sandbox) {
 			_ = n.disk.RemoveAll(context.WithoutCancel(pctx), diskCopy)
 		}()
 		start := time.Now()
+		cpDir := filepath.Join(tmp, "checkpoint")
 		a, err := n.cfg.Artifacts.PushSnapshot(pctx, artifact.SnapshotSource{ID: fmt.Sprintf("%s-cp%d", sb.ID, at.Unix()),
-			Release: sb.TemplateDigest, Disk: diskCopy, Checkpoint: filepath.Join(tmp, "checkpoint")})
+			Release: sb.TemplateDigest, Disk: diskCopy, Checkpoint: cpDir, Agent: n.checkpointAgent(pctx, cpDir)})
 		ok := false
 		if err == nil {
 			ok, err = n.st.RecordCheckpointPush(context.WithoutCancel(pctx), sb.ID, n.cfg.ID, a.Digest, at)

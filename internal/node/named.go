@@ -222,8 +222,9 @@ func (n *Node) pushNamedLater(id, release, dir string) {
 	go func() {
 		defer n.wg.Done()
 		start := time.Now()
+		cp := filepath.Join(dir, "checkpoint")
 		a, err := n.cfg.Artifacts.PushSnapshot(n.work, artifact.SnapshotSource{ID: "named-" + id, Release: release,
-			Disk: filepath.Join(dir, "disk"), Checkpoint: filepath.Join(dir, "checkpoint")})
+			Disk: filepath.Join(dir, "disk"), Checkpoint: cp, Agent: n.checkpointAgent(n.work, cp)})
 		if err == nil {
 			_, err = n.st.RecordSnapshotArtifact(context.WithoutCancel(n.work), id, a.Digest)
 		}
@@ -405,6 +406,9 @@ func (n *Node) startFromSnapshot(ctx context.Context, sb *store.Sandbox) (string
 		pulled, err := n.cfg.Artifacts.PullSnapshot(ctx, "", digest)
 		if err != nil {
 			return "", fmt.Errorf("pull snapshot %s: %w", sn.ID, err)
+		}
+		if err := n.installPulledAgent(pulled); err != nil {
+			return "", fmt.Errorf("snapshot %s: %w", sn.ID, err)
 		}
 		cp, disk = pulled.Checkpoint, pulled.Disk
 	}

@@ -183,6 +183,18 @@ type Snapshotter interface {
 	Restore(ctx context.Context, spec Spec, dir string) error
 }
 
+// AgentMapper is implemented by Snapshotters whose checkpoints need a host file to
+// restore: gVisor's restored agent maps its code from the agent binary it was started
+// with, so a restore must mount that same binary (a VM's agent lives in guest memory,
+// in the checkpoint itself). The node sends that binary with a checkpoint it pushes to
+// another node, and installs a pulled one under <data-dir>/agents/.
+type AgentMapper interface {
+	// RestoreAgent returns the host file of the agent binary a restore of the
+	// checkpoint in dir mounts on a node whose own agent is own: the binary the
+	// checkpoint was taken with where it is found, else own.
+	RestoreAgent(dir, own string) (string, error)
+}
+
 // LiveCheckpointer is implemented by Snapshotters that can checkpoint an instance
 // without stopping it: a clone source or a named snapshot's source then needs no
 // restore of its own.

@@ -60,6 +60,10 @@ type state struct {
 	fpDir   string
 	fpErr   error
 	binErr  error
+	// binaries with an agent of another build, on first need.
+	otherBuilt bool
+	otherDir   string
+	otherErr   error
 }
 
 // Main runs the before hooks (e.g. a re-exec gate that turns the test binary into
@@ -101,9 +105,11 @@ func (s *state) teardown() error {
 		errs = append(errs, os.RemoveAll(s.pgDir))
 		s.pgDir = ""
 	}
-	if s.fpDir != "" {
-		errs = append(errs, os.RemoveAll(s.fpDir))
-		s.fpDir = ""
+	for _, d := range []*string{&s.fpDir, &s.otherDir} {
+		if *d != "" {
+			errs = append(errs, os.RemoveAll(*d))
+			*d = ""
+		}
 	}
 	if s.binDir != "" {
 		errs = append(errs, os.RemoveAll(s.binDir))
@@ -233,7 +239,7 @@ func FailpointBinaries(t testing.TB) (spacePath, agentPath string) {
 	env.mu.Lock()
 	if !env.fpBuilt {
 		env.fpBuilt = true
-		env.fpDir, env.fpErr = buildInto(failpointsTag)
+		env.fpDir, env.fpErr = buildInto(failpointsTag, "")
 	}
 	dir, err := env.fpDir, env.fpErr
 	env.mu.Unlock()
@@ -245,6 +251,29 @@ func FailpointBinaries(t testing.TB) (spacePath, agentPath string) {
 
 const failpointsTag = "failpoints"
 
+// OtherAgentBinaries is Binaries with the agent of another build: the same source
+// compiled without optimizations (-gcflags=all=-N -l), so that its code differs as
+// another space release's does. A server run from them is a node of another space
+// build, for tests of what crosses builds (a snapshot restored on a node whose own
+// agent is another binary).
+func OtherAgentBinaries(t testing.TB) (spacePath, agentPath string) {
+	t.Helper()
+	requireMain(t, "OtherAgentBinaries")
+	env.mu.Lock()
+	if !env.otherBuilt {
+		env.otherBuilt = true
+		env.otherDir, env.otherErr = buildInto("", otherAgentGCFlags)
+	}
+	dir, err := env.otherDir, env.otherErr
+	env.mu.Unlock()
+	if err != nil {
+		t.Fatalf("testenv: %v", err)
+	}
+	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
+}
+
+const otherAgentGCFlags = "all=-N -l"
+
 func (s *state) binaries() (string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -252,13 +281,13 @@ func (s *state) binaries() (string, error) {
 		return s.binDir, s.binErr
 	}
 	s.built = true
-	s.binDir, s.binErr = buildInto("")
+	s.binDir, s.binErr = buildInto("", "")
 	return s.binDir, s.binErr
 }
 
-// buildInto builds the two commands (with the build tags, if any) into a new
-// temporary directory and returns it.
-func buildInto(tags string) (string, error) {
+// buildInto builds the two commands (with the build tags, if any; the agent with
+// agentGC as its -gcflags, if set) into a new temporary directory and returns it.
+func buildInto(tags, agentGC string) (string, error) {
 	var out string
 	err := func() error {
 		wd, err := os.Getwd()
@@ -275,7 +304,7 @@ func buildInto(tags string) (string, error) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		defer cancel()
-		if err := build(ctx, root, dir, tags); err != nil {
+		if err := build(ctx, root, dir, tags, agentGC); err != nil {
 			_ = os.RemoveAll(dir)
 			return err
 		}
@@ -297,9 +326,10 @@ func moduleRoot(dir string) (string, error) {
 	}
 }
 
-// build compiles the module's two commands into out. space finds space-agent beside
-// its own executable, hence one directory.
-func build(ctx context.Context, root, out, tags string) error {
+// build compiles the module's two commands into out (the agent with agentGC as its
+// -gcflags, if set). space finds space-agent beside its own executable, hence one
+// directory.
+func build(ctx context.Context, root, out, tags, agentGC string) error {
 	// go test puts its own toolchain first on PATH.
 	goBin, err := exec.LookPath("go")
 	if err != nil {
@@ -312,6 +342,9 @@ func build(ctx context.Context, root, out, tags string) error {
 		args := []string{"build", "-o", filepath.Join(out, b.name)}
 		if tags != "" {
 			args = append(args, "-tags", tags)
+		}
+		if agentGC != "" && b.name == "space-agent" {
+			args = append(args, "-gcflags", agentGC)
 		}
 		cmd := exec.CommandContext(ctx, goBin, append(args, b.pkg)...)
 		cmd.Dir = root

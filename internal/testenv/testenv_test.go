@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"debug/elf"
 	"errors"
@@ -299,7 +300,7 @@ func TestBuild(t *testing.T) {
 	out := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	if err := build(ctx, root, out, ""); err != nil {
+	if err := build(ctx, root, out, "", ""); err != nil {
 		t.Fatal(err)
 	}
 	for name, want := range map[string]string{"space": "space\n", "space-agent": "agent 4\n"} {
@@ -319,11 +320,23 @@ func TestBuild(t *testing.T) {
 		}
 	}
 
+	// The agent of another build: it runs, and its code is not the first one's.
+	other := t.TempDir()
+	if err := build(ctx, root, other, "", otherAgentGCFlags); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := exec.Command(filepath.Join(other, "space-agent")).Output(); err != nil || string(got) != "agent 4\n" {
+		t.Errorf("the other agent printed %q, %v", got, err)
+	}
+	if bytes.Equal(textOf(t, filepath.Join(out, "space-agent")), textOf(t, filepath.Join(other, "space-agent"))) {
+		t.Error("the other agent's code is the same as the first's")
+	}
+
 	broken := t.TempDir()
 	if err := os.WriteFile(filepath.Join(broken, "go.mod"), []byte("module example.com/broken\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := build(ctx, broken, t.TempDir(), ""); err == nil || !strings.Contains(err.Error(), "cmd/space-agent") {
+	if err := build(ctx, broken, t.TempDir(), "", ""); err == nil || !strings.Contains(err.Error(), "cmd/space-agent") {
 		t.Errorf("build of a module without the commands: %v", err)
 	}
 }
@@ -407,4 +420,23 @@ func TestFreeAddr(t *testing.T) {
 	if lo <= eHi && hi >= eLo {
 		t.Fatalf("range %d-%d overlaps the ephemeral %d-%d", lo, hi, eLo, eHi)
 	}
+}
+
+// textOf returns the code (.text) of an ELF executable.
+func textOf(t *testing.T, path string) []byte {
+	t.Helper()
+	f, err := elf.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sec := f.Section(".text")
+	if sec == nil {
+		t.Fatalf("%s has no .text", path)
+	}
+	data, err := sec.Data()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
 }

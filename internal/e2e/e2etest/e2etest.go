@@ -47,6 +47,9 @@ type Options struct {
 	// Failpoints runs a -tags failpoints build (its crash points are configured by Env,
 	// internal/crash).
 	Failpoints bool
+	// OtherAgent runs the server with the agent of another build
+	// (testenv.OtherAgentBinaries): a node of another space release, to its sandboxes.
+	OtherAgent bool
 	// Env is extra environment of the server process (kept across restarts).
 	Env []string
 	// DBURL shares a database with another server (a fleet).
@@ -96,8 +99,13 @@ func Start(t testing.TB, o Options) *Server { return StartWith(t, o, nil) }
 func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 	RequireHost(t)
 	bin, _ := testenv.Binaries(t)
-	if o.Failpoints {
+	switch {
+	case o.Failpoints && o.OtherAgent:
+		t.Fatal("e2etest: Failpoints and OtherAgent are not built together")
+	case o.Failpoints:
 		bin, _ = testenv.FailpointBinaries(t)
+	case o.OtherAgent:
+		bin, _ = testenv.OtherAgentBinaries(t)
 	}
 	dataDir := t.TempDir()
 	s := &Server{t: t, Bin: bin, DataDir: dataDir, Addr: FreeAddr(t), opts: o}

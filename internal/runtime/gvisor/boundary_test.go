@@ -1011,9 +1011,9 @@ func TestRestoreKeepsItsAgent(t *testing.T) {
 	}
 }
 
-// TestRestoreAgentChoice: the checkpointed agent where it was; else the one of the same
-// content-addressed name in this node's agents dir (a checkpoint made on another node);
-// else this node's own.
+// TestRestoreAgentChoice: the one of the checkpointed agent's content-addressed name in
+// this node's agents dir (a checkpoint made on another node, its agent pulled with it);
+// else the checkpointed file where it is; else this node's own.
 func TestRestoreAgentChoice(t *testing.T) {
 	rt := &Runtime{log: slog.New(slog.DiscardHandler)}
 	dir := t.TempDir()
@@ -1030,12 +1030,14 @@ func TestRestoreAgentChoice(t *testing.T) {
 	own := put("node/agents/bbbb/space-agent")
 	kept := put("node/agents/aaaa/space-agent")
 	there := put("other/agents/cccc/space-agent")
+	put("other/agents/aaaa/space-agent")
 	spec := runtime.Spec{ID: "x", AgentPath: own}
 	for _, tc := range []struct{ checkpointed, want string }{
 		{"", own},
 		{own, own},
 		{there, there},
 		{filepath.Join(dir, "elsewhere/agents/aaaa/space-agent"), kept},
+		{filepath.Join(dir, "other/agents/aaaa/space-agent"), kept}, // this node's copy first
 		{filepath.Join(dir, "elsewhere/agents/dddd/space-agent"), own},
 	} {
 		if got := rt.restoreAgent(spec, tc.checkpointed); got != tc.want {

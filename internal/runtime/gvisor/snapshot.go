@@ -275,32 +275,55 @@ func (r *Runtime) waitStopped(ctx context.Context, id string) error {
 	}
 }
 
-// restoreAgent returns the agent binary a restore of a checkpoint taken with the agent
-// at checkpointed mounts: that file when it is still there, else the file of the same
-// content-addressed name among spec.AgentPath's (node.installAgent keeps every agent
-// it ran under <data-dir>/agents/<hash>/: a checkpoint pushed by another node, whose
-// data dir differs), else spec.AgentPath, the node's own. A restored agent given
+// chooseAgent returns the agent binary a restore of a checkpoint taken with the agent
+// at checkpointed mounts on a node whose own agent is own: the file of the same
+// content-addressed name among own's (node.installAgent keeps every agent it ran, or
+// pulled with a checkpoint, under <data-dir>/agents/<hash>/), else the checkpointed
+// file itself where it still is (a checkpoint from before agents were kept so), else
+// own. This node's copy comes first: a checkpoint pulled from another node names a
+// file in that node's data dir, which is not this node's to rely on even when the two
+// share a host. It reports whether it found the checkpointed binary. A restored agent given
 // another binary dies when it touches a code page it has not loaded yet (its text is
-// mapped from the file), and the node waits for its identity until it gives up and
-// boots the sandbox from its disk, losing its memory: measured, every restore of a
-// sandbox started by a space build other than the restoring one's took 60 s and booted
-// (2026-12-07).
-func (r *Runtime) restoreAgent(spec runtime.Spec, checkpointed string) string {
-	if checkpointed == "" || checkpointed == spec.AgentPath {
-		return spec.AgentPath // the node's own, or unknown (a checkpoint from before it was recorded)
+// mapped from the file), and the restore falls back to a boot from its disk, losing its
+// memory: measured, every restore of a sandbox started by a space build other than the
+// restoring one's did (2026-12-07).
+func chooseAgent(own, checkpointed string) (string, bool) {
+	if checkpointed == "" || checkpointed == own {
+		return own, checkpointed != "" // the node's own, or unknown (a checkpoint from before it was recorded)
 	}
-	candidates := []string{checkpointed, filepath.Join(filepath.Dir(filepath.Dir(spec.AgentPath)),
-		filepath.Base(filepath.Dir(checkpointed)), filepath.Base(checkpointed))}
+	candidates := []string{filepath.Join(filepath.Dir(filepath.Dir(own)),
+		filepath.Base(filepath.Dir(checkpointed)), filepath.Base(checkpointed)), checkpointed}
 	for _, p := range candidates {
 		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() {
-			if p != spec.AgentPath {
-				r.log.Info("restoring with the agent the checkpoint was taken with", "id", spec.ID, "agent", p)
-			}
-			return p
+			return p, true
 		}
 	}
-	r.log.Warn("the agent the checkpoint was taken with is gone; restoring with this node's", "id", spec.ID, "checkpointed", checkpointed)
-	return spec.AgentPath
+	return own, false
+}
+
+// restoreAgent is chooseAgent for a restore of spec, saying what it chose.
+func (r *Runtime) restoreAgent(spec runtime.Spec, checkpointed string) string {
+	p, found := chooseAgent(spec.AgentPath, checkpointed)
+	switch {
+	case !found && checkpointed != "":
+		r.log.Warn("the agent the checkpoint was taken with is gone; restoring with this node's", "id", spec.ID, "checkpointed", checkpointed)
+	case p != spec.AgentPath:
+		r.log.Info("restoring with the agent the checkpoint was taken with", "id", spec.ID, "agent", p)
+	}
+	return p
+}
+
+var _ runtime.AgentMapper = (*Runtime)(nil)
+
+// RestoreAgent implements runtime.AgentMapper: the binary Restore would mount for the
+// checkpoint in dir on a node whose own agent is own.
+func (r *Runtime) RestoreAgent(dir, own string) (string, error) {
+	meta, err := readMeta(dir)
+	if err != nil {
+		return "", err
+	}
+	p, _ := chooseAgent(own, meta.AgentPath)
+	return p, nil
 }
 
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
