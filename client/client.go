@@ -88,7 +88,8 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 }
 
 // doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
-// (creates, lifecycle verbs, clones, snapshots, command sessions, template builds): it
+// (creates, lifecycle verbs, clones, snapshots, command sessions, template builds,
+// deletes of sandboxes and snapshots): it
 // sends key, a new random one when key is "", and repeats a request that failed
 // transiently as do repeats reads. The server
 // answers a repeat with the first request's answer and makes nothing twice, also when
@@ -210,10 +211,12 @@ func (c *Client) ListSandboxes(ctx context.Context, o ListOptions) ([]api.Sandbo
 	return out.Sandboxes, c.do(ctx, http.MethodGet, path, nil, &out, nil)
 }
 
-// DeleteSandbox requests deletion and returns the operation.
+// DeleteSandbox requests deletion and returns the operation. It is sent again on a
+// transient failure under an Idempotency-Key of its own (doKeyed): a repeat whose first
+// attempt took effect gets that attempt's operation, not a 404.
 func (c *Client) DeleteSandbox(ctx context.Context, id string) (*api.Operation, error) {
 	var op api.Operation
-	return &op, c.do(ctx, http.MethodDelete, "/v1/sandboxes/"+url.PathEscape(id), nil, &op, nil)
+	return &op, c.doKeyed(ctx, http.MethodDelete, "/v1/sandboxes/"+url.PathEscape(id), nil, &op, "")
 }
 
 // GetOperation returns an operation.

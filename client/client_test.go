@@ -16,10 +16,10 @@ import (
 )
 
 // TestWritesRepeatUnderOneKey: the writes the server makes safe with an Idempotency-Key
-// (create, verbs, clone, snapshot, session, template build) carry one (the caller's, or
-// one of the client's own per call) and are sent again under it after a transient
-// failure; another call gets another key. A delete is not sent again, nor is a write
-// that met a client error.
+// (create, verbs, clone, snapshot, session, template build, deletes of sandboxes and
+// snapshots) carry one (the caller's, or one of the client's own per call) and are sent
+// again under it after a transient failure; another call gets another key. A write
+// that met a client error is not sent again.
 func TestWritesRepeatUnderOneKey(t *testing.T) {
 	var mu sync.Mutex
 	keys := map[string][]string{} // path → Idempotency-Key of each attempt
@@ -70,8 +70,11 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if _, err := c.BuildTemplate(ctx, []byte("name: x\nfrom:\n  template: base\n"), "application/yaml"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.DeleteSandbox(ctx, "sb1"); err == nil {
-		t.Fatal("a delete that met a 503 was sent again")
+	if _, err := c.DeleteSandbox(ctx, "sb1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.DeleteSnapshot(ctx, "snap1"); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := c.Lifecycle(ctx, "sb1", "bad"); err == nil {
 		t.Fatal("a 400 succeeded")
@@ -81,16 +84,13 @@ func TestWritesRepeatUnderOneKey(t *testing.T) {
 	if got := keys["/v1/sandboxes"]; len(got) != 2 || got[0] != "mine" || got[1] != "mine" {
 		t.Errorf("create: keys %q, want the caller's twice", got)
 	}
-	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause", "/v1/sandboxes/sb1/sessions", "/v1/templates"} {
+	for _, p := range []string{"/v1/sandboxes/sb1/pause", "/v1/sandboxes/sb1/clone", "/v1/sandboxes/sb1/snapshots", "/v1/sandboxes/sb2/pause", "/v1/sandboxes/sb1/sessions", "/v1/templates", "/v1/sandboxes/sb1", "/v1/snapshots/snap1"} {
 		if got := keys[p]; len(got) != 2 || got[0] == "" || got[0] != got[1] {
 			t.Errorf("%s: keys %q, want one key of the client's, twice", p, got)
 		}
 	}
 	if keys["/v1/sandboxes/sb1/pause"][0] == keys["/v1/sandboxes/sb2/pause"][0] {
 		t.Error("two calls share a key")
-	}
-	if got := keys["/v1/sandboxes/sb1"]; len(got) != 1 || got[0] != "" {
-		t.Errorf("delete: attempts %q, want one without a key", got)
 	}
 	if got := keys["/v1/sandboxes/sb1/bad"]; len(got) != 1 {
 		t.Errorf("a 400: %d attempts, want 1", len(got))

@@ -70,10 +70,11 @@ func (c *Client) GetSnapshot(ctx context.Context, ref string) (*api.Snapshot, er
 	return &out, c.do(ctx, http.MethodGet, "/v1/snapshots/"+url.PathEscape(ref), nil, &out, nil)
 }
 
-// DeleteSnapshot asks for a snapshot to be deleted (by id or name).
+// DeleteSnapshot asks for a snapshot to be deleted (by id or name). It is sent again on
+// a transient failure under an Idempotency-Key of its own (doKeyed).
 func (c *Client) DeleteSnapshot(ctx context.Context, ref string) (*api.Snapshot, error) {
 	var out api.Snapshot
-	return &out, c.do(ctx, http.MethodDelete, "/v1/snapshots/"+url.PathEscape(ref), nil, &out, nil)
+	return &out, c.doKeyed(ctx, http.MethodDelete, "/v1/snapshots/"+url.PathEscape(ref), nil, &out, "")
 }
 
 // SandboxMetrics returns a sandbox's resource samples from start to end (zero times:

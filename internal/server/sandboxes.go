@@ -119,12 +119,18 @@ func (a *API) listSandboxes(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
+// deleteSandbox handles DELETE /v1/sandboxes/{id}: 202 with the delete's operation.
+// With an Idempotency-Key, a repeat gets the first answer.
 func (a *API) deleteSandbox(w http.ResponseWriter, r *http.Request) error {
-	op, err := a.svc.Delete(r.Context(), principalFrom(r.Context()), r.PathValue("id"))
+	idem, err := idempotency(w, r)
 	if err != nil {
 		return err
 	}
-	rest.WriteJSON(w, http.StatusAccepted, op.API())
+	ans, err := a.svc.DeleteKeyed(r.Context(), principalFrom(r.Context()), r.PathValue("id"), idem)
+	if err != nil {
+		return err
+	}
+	writeAnswer(w, ans)
 	return nil
 }
 

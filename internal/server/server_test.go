@@ -314,6 +314,82 @@ func TestIdempotentVerbsClonesSnapshots(t *testing.T) {
 
 }
 
+// TestIdempotentDeletes: a delete of a sandbox or a snapshot sent again with its
+// Idempotency-Key gets the first answer (one operation), also once the deletion is
+// done and the same request without the key, or with another key, is a 404.
+func TestIdempotentDeletes(t *testing.T) {
+	s := spacetest.Start(t, spacetest.Options{})
+	c := ctx(t)
+	sb := s.Create(api.CreateSandboxRequest{})
+	keeper := s.Create(api.CreateSandboxRequest{})
+	sn, err := s.C.CreateSnapshotAndWait(c, keeper.ID, api.CreateSnapshotRequest{Name: "to-delete"})
+	if err != nil || sn.State != api.SnapshotReady {
+		t.Fatalf("snapshot: %+v %v", sn, err)
+	}
+	keyed := func(method, path, key string) (int, string, http.Header) {
+		t.Helper()
+		return s.Request(method, path, "", "Idempotency-Key", key)
+	}
+
+	// Four twins at once: one answer, one operation.
+	answers := make([]string, 4)
+	var wg sync.WaitGroup
+	for i := range answers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			code, body, _ := keyed("DELETE", "/v1/sandboxes/"+sb.ID, "del-1")
+			answers[i] = strconv.Itoa(code) + " " + body
+		}()
+	}
+	wg.Wait()
+	for _, a := range answers {
+		if a != answers[0] || !strings.HasPrefix(a, "202 ") {
+			t.Fatalf("twin deletes answered differently: %q", answers)
+		}
+	}
+	first := strings.TrimPrefix(answers[0], "202 ")
+	var op api.Operation
+	if err := json.Unmarshal([]byte(first), &op); err != nil || op.Kind != api.OpDelete {
+		t.Fatalf("delete answer: %s %v", first, err)
+	}
+	s.WaitOp(op.ID, api.OpSucceeded)
+	s.Eventually(time.Minute, "the sandbox to be deleted", func() bool {
+		got, err := s.C.GetSandbox(c, sb.ID)
+		return err != nil || got.State == api.StateDeleted
+	})
+	if code, again, h := keyed("DELETE", "/v1/sandboxes/"+sb.ID, "del-1"); code != 202 || again != first || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("delete sent again with its key once done: %d %s %v", code, again, h)
+	}
+	if code, body := do(t, s, "DELETE", "/v1/sandboxes/"+sb.ID, ""); code != 404 {
+		t.Fatalf("delete sent again without a key: %d %s", code, body)
+	}
+	if code, body, _ := keyed("DELETE", "/v1/sandboxes/"+sb.ID, "del-2"); code != 404 {
+		t.Fatalf("delete sent again with another key: %d %s", code, body)
+	}
+	if code, body, _ := keyed("DELETE", "/v1/sandboxes/"+keeper.ID, "del-1"); code != 422 {
+		t.Fatalf("the delete's key on another sandbox: %d %s", code, body)
+	}
+
+	// A snapshot's delete.
+	path := "/v1/snapshots/" + sn.ID
+	code, first, _ := keyed("DELETE", path, "sdel-1")
+	var gone api.Snapshot
+	if code != 202 || json.Unmarshal([]byte(first), &gone) != nil || gone.ID != sn.ID || gone.State != api.SnapshotDeleting {
+		t.Fatalf("snapshot delete: %d %s", code, first)
+	}
+	s.Eventually(time.Minute, "the snapshot to be gone", func() bool {
+		code, _ := do(t, s, "GET", path, "")
+		return code == 404
+	})
+	if code, again, h := keyed("DELETE", path, "sdel-1"); code != 202 || again != first || h.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("snapshot delete sent again with its key once done: %d %s %v", code, again, h)
+	}
+	if code, body := do(t, s, "DELETE", path, ""); code != 404 {
+		t.Fatalf("snapshot delete sent again without a key: %d %s", code, body)
+	}
+}
+
 func TestLifecycleVerbs(t *testing.T) {
 	s := spacetest.Start(t, spacetest.Options{})
 	c := ctx(t)

@@ -70,13 +70,18 @@ func (a *API) getSnapshot(w http.ResponseWriter, r *http.Request) error {
 }
 
 // deleteSnapshot handles DELETE /v1/snapshots/{ref}: 202 with the snapshot, now
-// deleting (its node removes its files).
+// deleting (its node removes its files). With an Idempotency-Key, a repeat gets the
+// first answer.
 func (a *API) deleteSnapshot(w http.ResponseWriter, r *http.Request) error {
-	sn, err := a.svc.DeleteSnapshot(r.Context(), principalFrom(r.Context()), r.PathValue("ref"))
+	idem, err := idempotency(w, r)
 	if err != nil {
 		return err
 	}
-	rest.WriteJSON(w, http.StatusAccepted, sn.API())
+	ans, err := a.svc.DeleteSnapshotKeyed(r.Context(), principalFrom(r.Context()), r.PathValue("ref"), idem)
+	if err != nil {
+		return err
+	}
+	writeAnswer(w, ans)
 	return nil
 }
 

@@ -540,8 +540,24 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 // Delete requests deletion of a sandbox. Asking again while it is being deleted gives
 // another operation that completes with the deletion.
 func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.Operation, error) {
+	op, _, err := s.delete(ctx, p, id, nil)
+	return op, err
+}
+
+// DeleteKeyed is Delete for the API's endpoint: it answers with the operation (202),
+// and with idem a retry gets the first answer, also once the sandbox is gone and the
+// same request without the key would be a 404.
+func (s *Service) DeleteKeyed(ctx context.Context, p *Principal, id string, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, a, err := s.delete(ctx, p, id, idem)
+		return a, err
+	})
+}
+
+func (s *Service) delete(ctx context.Context, p *Principal, id string, idem *Idempotency) (*store.Operation, *Answer, error) {
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpDelete}
 	var changed *store.Sandbox
+	var a *Answer
 	err := s.st.InTx(ctx, func(tx *store.Tx) error {
 		sb, err := tx.GetSandboxForUpdate(ctx, id)
 		if err != nil {
@@ -557,19 +573,23 @@ func (s *Service) Delete(ctx context.Context, p *Principal, id string) (*store.O
 		// On a dead node nothing would act on it: the delete completes now (the node
 		// reclaims what is left when it returns).
 		done, err := tx.DeleteIfNodeDead(ctx, sb)
+		if err != nil {
+			return err
+		}
 		if done {
 			op.State, op.Message = api.OpSucceeded, "deleted at once: its node is dead"
 		}
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, op.API())
 		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	s.log.Info("sandbox delete requested", "sandbox", id, "op", op.ID)
 	if op.State != api.OpSucceeded {
 		s.kickLocal(changed)
 	}
-	return op, nil
+	return op, a, nil
 }
 
 // Clone records count new sandboxes with the source's memory and disk,

@@ -162,11 +162,27 @@ func (s *Service) Snapshots(ctx context.Context, p *Principal, f SnapshotFilter)
 // Deleting a snapshot being taken fails its operation. Deleting one already being
 // deleted returns it as it is.
 func (s *Service) DeleteSnapshot(ctx context.Context, p *Principal, ref string) (*store.Snapshot, error) {
+	sn, _, err := s.deleteSnapshot(ctx, p, ref, nil)
+	return sn, err
+}
+
+// DeleteSnapshotKeyed is DeleteSnapshot for the API's endpoint: it answers with the
+// snapshot, now deleting (202), and with idem a retry gets the first answer, also once
+// the snapshot is gone and the same request without the key would be a 404.
+func (s *Service) DeleteSnapshotKeyed(ctx context.Context, p *Principal, ref string, idem *Idempotency) (*Answer, error) {
+	return s.once(ctx, p, idem, func() (*Answer, error) {
+		_, a, err := s.deleteSnapshot(ctx, p, ref, idem)
+		return a, err
+	})
+}
+
+func (s *Service) deleteSnapshot(ctx context.Context, p *Principal, ref string, idem *Idempotency) (*store.Snapshot, *Answer, error) {
 	found, err := s.findSnapshot(ctx, p, ref)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var out *store.Snapshot
+	var a *Answer
 	err = s.st.InTx(ctx, func(tx *store.Tx) error {
 		sn, err := tx.FindSnapshotForUpdate(ctx, found.Tenant, found.ID)
 		if fault.Is(err, fault.NotFound) {
@@ -176,23 +192,26 @@ func (s *Service) DeleteSnapshot(ctx context.Context, p *Principal, ref string) 
 			return err
 		}
 		out = sn
-		if sn.State == api.SnapshotDeleting {
-			return nil
+		if sn.State != api.SnapshotDeleting {
+			users, err := tx.SnapshotUsers(ctx, sn.ID)
+			if err != nil {
+				return err
+			}
+			if len(users) > 0 {
+				return fault.New(fault.Conflict, "snapshot %s is in use: sandbox %v is being created from it; delete it once they run", sn.Name, users)
+			}
+			if err := tx.MarkSnapshotDeleting(ctx, sn); err != nil {
+				return err
+			}
 		}
-		users, err := tx.SnapshotUsers(ctx, sn.ID)
-		if err != nil {
-			return err
-		}
-		if len(users) > 0 {
-			return fault.New(fault.Conflict, "snapshot %s is in use: sandbox %v is being created from it; delete it once they run", sn.Name, users)
-		}
-		return tx.MarkSnapshotDeleting(ctx, sn)
+		a, err = answer(ctx, tx, p, idem, http.StatusAccepted, sn.API())
+		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	s.log.Info("snapshot delete requested", "snapshot", out.ID, "name", out.Name)
-	return out, nil
+	return out, a, nil
 }
 
 // SnapshotBytes is the disk space the tenant's snapshots hold (what they add to its
