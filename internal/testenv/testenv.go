@@ -53,17 +53,26 @@ type state struct {
 	adminDB string // URL of a database to issue CREATE/DROP DATABASE from
 	pgErr   error
 
-	built  bool
-	binDir string
-	// failpoint binaries (built with -tags failpoints), on first need.
-	fpBuilt bool
-	fpDir   string
-	fpErr   error
-	binErr  error
-	// binaries with an agent of another build, on first need.
-	otherBuilt bool
-	otherDir   string
-	otherErr   error
+	// builds of the two commands, each made on first need (a failure is not retried).
+	builds map[flavor]*built
+}
+
+// flavor is a build of the two commands: its build tags and the agent's -gcflags.
+type flavor struct{ tags, agentGC string }
+
+// The flavors the tests use.
+var (
+	plainBuild      = flavor{}
+	failpointsBuild = flavor{tags: "failpoints"}
+	// otherAgentBuild's agent is compiled without optimizations, so that its code
+	// differs as another space release's does.
+	otherAgentBuild = flavor{agentGC: "all=-N -l"}
+)
+
+// built is a flavor's directory of binaries, or why it could not be built.
+type built struct {
+	dir string
+	err error
 }
 
 // Main runs the before hooks (e.g. a re-exec gate that turns the test binary into
@@ -105,15 +114,11 @@ func (s *state) teardown() error {
 		errs = append(errs, os.RemoveAll(s.pgDir))
 		s.pgDir = ""
 	}
-	for _, d := range []*string{&s.fpDir, &s.otherDir} {
-		if *d != "" {
-			errs = append(errs, os.RemoveAll(*d))
-			*d = ""
+	for f, b := range s.builds {
+		if b.dir != "" {
+			errs = append(errs, os.RemoveAll(b.dir))
 		}
-	}
-	if s.binDir != "" {
-		errs = append(errs, os.RemoveAll(s.binDir))
-		s.binDir = ""
+		delete(s.builds, f)
 	}
 	return errors.Join(errs...)
 }
@@ -223,33 +228,15 @@ func randomHex(n int) string {
 // returns their paths.
 func Binaries(t testing.TB) (spacePath, agentPath string) {
 	t.Helper()
-	requireMain(t, "Binaries")
-	dir, err := env.binaries()
-	if err != nil {
-		t.Fatalf("testenv: %v", err)
-	}
-	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
+	return binariesOf(t, "Binaries", plainBuild)
 }
 
 // FailpointBinaries is Binaries built with -tags failpoints: crash points act on the
 // SPACE_CRASH_* environment (internal/crash) and space serve offers --runtime fake.
 func FailpointBinaries(t testing.TB) (spacePath, agentPath string) {
 	t.Helper()
-	requireMain(t, "FailpointBinaries")
-	env.mu.Lock()
-	if !env.fpBuilt {
-		env.fpBuilt = true
-		env.fpDir, env.fpErr = buildInto(failpointsTag, "")
-	}
-	dir, err := env.fpDir, env.fpErr
-	env.mu.Unlock()
-	if err != nil {
-		t.Fatalf("testenv: %v", err)
-	}
-	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
+	return binariesOf(t, "FailpointBinaries", failpointsBuild)
 }
-
-const failpointsTag = "failpoints"
 
 // OtherAgentBinaries is Binaries with the agent of another build: the same source
 // compiled without optimizations (-gcflags=all=-N -l), so that its code differs as
@@ -258,31 +245,32 @@ const failpointsTag = "failpoints"
 // agent is another binary).
 func OtherAgentBinaries(t testing.TB) (spacePath, agentPath string) {
 	t.Helper()
-	requireMain(t, "OtherAgentBinaries")
-	env.mu.Lock()
-	if !env.otherBuilt {
-		env.otherBuilt = true
-		env.otherDir, env.otherErr = buildInto("", otherAgentGCFlags)
-	}
-	dir, err := env.otherDir, env.otherErr
-	env.mu.Unlock()
+	return binariesOf(t, "OtherAgentBinaries", otherAgentBuild)
+}
+
+// binariesOf returns the paths of flavor f's binaries, building them on first need.
+func binariesOf(t testing.TB, what string, f flavor) (spacePath, agentPath string) {
+	t.Helper()
+	requireMain(t, what)
+	dir, err := env.binaries(f)
 	if err != nil {
 		t.Fatalf("testenv: %v", err)
 	}
 	return filepath.Join(dir, "space"), filepath.Join(dir, "space-agent")
 }
 
-const otherAgentGCFlags = "all=-N -l"
-
-func (s *state) binaries() (string, error) {
+func (s *state) binaries(f flavor) (string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.built {
-		return s.binDir, s.binErr
+	if b, ok := s.builds[f]; ok {
+		return b.dir, b.err
 	}
-	s.built = true
-	s.binDir, s.binErr = buildInto("", "")
-	return s.binDir, s.binErr
+	if s.builds == nil {
+		s.builds = map[flavor]*built{}
+	}
+	dir, err := buildInto(f.tags, f.agentGC)
+	s.builds[f] = &built{dir, err}
+	return dir, err
 }
 
 // buildInto builds the two commands (with the build tags, if any; the agent with

@@ -322,7 +322,7 @@ func TestBuild(t *testing.T) {
 
 	// The agent of another build: it runs, and its code is not the first one's.
 	other := t.TempDir()
-	if err := build(ctx, root, other, "", otherAgentGCFlags); err != nil {
+	if err := build(ctx, root, other, otherAgentBuild.tags, otherAgentBuild.agentGC); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := exec.Command(filepath.Join(other, "space-agent")).Output(); err != nil || string(got) != "agent 4\n" {
