@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -39,6 +40,9 @@ type Error struct {
 	Status  int
 	Code    string
 	Message string
+	// RetryAfter is the answer's Retry-After (0 without one): the server says the
+	// refusal passes on its own, as a 409 for a transition in flight does.
+	RetryAfter time.Duration
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("%s (%d %s)", e.Message, e.Status, e.Code) }
@@ -51,11 +55,15 @@ func IsNotFound(err error) bool {
 
 func decodeError(resp *http.Response) error {
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	out := &Error{Status: resp.StatusCode, Code: http.StatusText(resp.StatusCode), Message: strings.TrimSpace(string(b))}
 	var e api.Error
 	if json.Unmarshal(b, &e) == nil && e.Error.Message != "" {
-		return &Error{Status: resp.StatusCode, Code: e.Error.Code, Message: e.Error.Message}
+		out.Code, out.Message = e.Error.Code, e.Error.Message
 	}
-	return &Error{Status: resp.StatusCode, Code: http.StatusText(resp.StatusCode), Message: strings.TrimSpace(string(b))}
+	if n, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && n >= 0 {
+		out.RetryAfter = max(time.Duration(n)*time.Second, readRetryFirst)
+	}
+	return out
 }
 
 // Retries of reads that failed transiently (the server or its database restarting).
@@ -89,17 +97,38 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, hdr h
 
 // doKeyed is do for the writes the server makes safe to repeat with an Idempotency-Key
 // (creates, lifecycle verbs, clones, snapshots, command sessions, template builds,
-// deletes of sandboxes and snapshots): it
-// sends key, a new random one when key is "", and repeats a request that failed
-// transiently as do repeats reads. The server
+// deletes of sandboxes and snapshots): it sends key, a new random one when key is "",
+// and repeats a request that failed transiently as do repeats reads. The server
 // answers a repeat with the first request's answer and makes nothing twice, also when
-// the first request took effect and only its answer was lost.
+// the first request took effect and only its answer was lost. A 409 with Retry-After
+// (the sandbox is in a transition that another verb must wait for: an idle suspend, a
+// pause) is sent again once that has passed, for up to BusyWait in all.
 func (c *Client) doKeyed(ctx context.Context, method, path string, in, out any, key string) error {
 	if key == "" {
 		key = newKey()
 	}
 	hdr := http.Header{"Idempotency-Key": {key}}
-	return repeatTransient(ctx, func() error { return c.doOnce(ctx, method, path, in, out, hdr) })
+	return repeatBusy(ctx, func() error {
+		return repeatTransient(ctx, func() error { return c.doOnce(ctx, method, path, in, out, hdr) })
+	})
+}
+
+// BusyWait bounds how long a keyed write waits for a transition in flight.
+const BusyWait = time.Minute
+
+// repeatBusy calls f again while it answers a 409 with Retry-After, after that delay,
+// for up to BusyWait and while ctx allows.
+func repeatBusy(ctx context.Context, f func() error) error {
+	deadline := time.Now().Add(BusyWait)
+	for {
+		err := f()
+		var e *Error
+		if !errors.As(err, &e) || e.Status != http.StatusConflict || e.RetryAfter <= 0 ||
+			time.Now().Add(e.RetryAfter).After(deadline) || ctx.Err() != nil {
+			return err
+		}
+		sleepCtx(ctx, e.RetryAfter)
+	}
 }
 
 // newKey returns a new random Idempotency-Key.
@@ -208,7 +237,8 @@ func (c *Client) ListSandboxes(ctx context.Context, o ListOptions) ([]api.Sandbo
 	if len(q) > 0 {
 		path += "?" + q.Encode()
 	}
-	return out.Sandboxes, c.do(ctx, http.MethodGet, path, nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, path, nil, &out, nil)
+	return out.Sandboxes, err
 }
 
 // DeleteSandbox requests deletion and returns the operation. It is sent again on a
@@ -288,7 +318,8 @@ func (c *Client) ListProcesses(ctx context.Context, sandboxID string) ([]api.Pro
 	var out struct {
 		Processes []api.Process `json:"processes"`
 	}
-	return out.Processes, c.do(ctx, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/processes", nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/processes", nil, &out, nil)
+	return out.Processes, err
 }
 
 // GetProcess returns one process.
@@ -319,7 +350,8 @@ func (c *Client) ListAPIKeysOf(ctx context.Context, tenant string) ([]api.APIKey
 	var out struct {
 		Keys []api.APIKey `json:"api_keys"`
 	}
-	return out.Keys, c.do(ctx, http.MethodGet, "/v1/apikeys"+tenantQuery(tenant), nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/apikeys"+tenantQuery(tenant), nil, &out, nil)
+	return out.Keys, err
 }
 
 func tenantQuery(tenant string) string {
@@ -340,7 +372,8 @@ func (c *Client) ListTenants(ctx context.Context) ([]api.Tenant, error) {
 	var out struct {
 		Tenants []api.Tenant `json:"tenants"`
 	}
-	return out.Tenants, c.do(ctx, http.MethodGet, "/v1/tenants", nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/tenants", nil, &out, nil)
+	return out.Tenants, err
 }
 
 // GetTenant describes a tenant: its quotas and usage.
@@ -372,7 +405,8 @@ func (c *Client) ListNodes(ctx context.Context) ([]api.Node, error) {
 	var out struct {
 		Nodes []api.Node `json:"nodes"`
 	}
-	return out.Nodes, c.do(ctx, http.MethodGet, "/v1/nodes", nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/nodes", nil, &out, nil)
+	return out.Nodes, err
 }
 
 // CordonNode cordons (on) or uncordons a node by name or id: a cordoned node gets no
@@ -405,7 +439,8 @@ func (c *Client) ListTemplates(ctx context.Context) ([]api.Template, error) {
 	var out struct {
 		Templates []api.Template `json:"templates"`
 	}
-	return out.Templates, c.do(ctx, http.MethodGet, "/v1/templates", nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/templates", nil, &out, nil)
+	return out.Templates, err
 }
 
 // Health checks /healthz.
@@ -447,7 +482,8 @@ func (c *Client) LifecycleAndWait(ctx context.Context, sandboxID, verb string) (
 // same Idempotency-Key, so they are made once: doKeyed).
 func (c *Client) Clone(ctx context.Context, sandboxID string, req api.CloneRequest) ([]api.Sandbox, error) {
 	var out api.CloneResponse
-	return out.Sandboxes, c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/clone", req, &out, "")
+	err := c.doKeyed(ctx, http.MethodPost, "/v1/sandboxes/"+url.PathEscape(sandboxID)+"/clone", req, &out, "")
+	return out.Sandboxes, err
 }
 
 // SetPool sets a warm pool's size (0 removes it).
@@ -461,5 +497,6 @@ func (c *Client) ListPools(ctx context.Context) ([]api.Pool, error) {
 	var out struct {
 		Pools []api.Pool `json:"pools"`
 	}
-	return out.Pools, c.do(ctx, http.MethodGet, "/v1/pools", nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, "/v1/pools", nil, &out, nil)
+	return out.Pools, err
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -140,5 +141,50 @@ func TestRunRepeatsUnderOneKey(t *testing.T) {
 	defer mu.Unlock()
 	if len(keys) != 4 || keys[0] == "" || keys[0] != keys[1] || keys[2] != keys[3] || keys[0] == keys[2] {
 		t.Fatalf("keys of the attempts: %q, want one per call, twice each", keys)
+	}
+}
+
+// TestBusyWritesWait: a keyed write answered 409 with Retry-After (a transition in
+// flight) is sent again under its key once that has passed, until it is accepted; a 409
+// without Retry-After is returned at once, as is one whose wait would pass BusyWait.
+func TestBusyWritesWait(t *testing.T) {
+	var mu sync.Mutex
+	keys := map[string][]string{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		keys[r.URL.Path] = append(keys[r.URL.Path], r.Header.Get("Idempotency-Key"))
+		n := len(keys[r.URL.Path])
+		mu.Unlock()
+		switch {
+		case strings.HasPrefix(r.URL.Path, "/v1/sandboxes/busy/") && n <= 2:
+			w.Header().Set("Retry-After", "0")
+			http.Error(w, `{"error":{"code":"conflict","message":"sandbox busy is suspending (desired suspended); wait for that to finish"}}`, http.StatusConflict)
+		case r.URL.Path == "/v1/sandboxes/long/pause":
+			w.Header().Set("Retry-After", "3600")
+			http.Error(w, `{"error":{"code":"conflict","message":"busy for an hour"}}`, http.StatusConflict)
+		case strings.HasPrefix(r.URL.Path, "/v1/sandboxes/stuck/"):
+			http.Error(w, `{"error":{"code":"conflict","message":"cannot pause a sandbox that is stopped"}}`, http.StatusConflict)
+		default:
+			_, _ = w.Write([]byte(`{"id":"op1"}`))
+		}
+	}))
+	defer srv.Close()
+	c := New(srv.URL, "k")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := c.Lifecycle(ctx, "busy", api.OpPause); err != nil {
+		t.Fatalf("a pause that met a transition in flight: %v", err)
+	}
+	if got := keys["/v1/sandboxes/busy/pause"]; len(got) != 3 || got[0] == "" || got[0] != got[1] || got[1] != got[2] {
+		t.Errorf("busy pause: keys %q, want one key three times", got)
+	}
+	_, err := c.Lifecycle(ctx, "stuck", api.OpPause)
+	var e *Error
+	if !errors.As(err, &e) || e.Status != http.StatusConflict || e.RetryAfter != 0 || len(keys["/v1/sandboxes/stuck/pause"]) != 1 {
+		t.Errorf("a 409 without Retry-After: %v, %d attempts", err, len(keys["/v1/sandboxes/stuck/pause"]))
+	}
+	_, err = c.Lifecycle(ctx, "long", api.OpPause)
+	if !errors.As(err, &e) || e.RetryAfter != time.Hour || len(keys["/v1/sandboxes/long/pause"]) != 1 {
+		t.Errorf("a 409 to retry after an hour: %v, %d attempts", err, len(keys["/v1/sandboxes/long/pause"]))
 	}
 }

@@ -61,7 +61,8 @@ func (c *Client) ListSnapshots(ctx context.Context, o SnapshotListOptions) ([]ap
 		path += "?" + q.Encode()
 	}
 	var out api.SnapshotList
-	return out.Snapshots, c.do(ctx, http.MethodGet, path, nil, &out, nil)
+	err := c.do(ctx, http.MethodGet, path, nil, &out, nil)
+	return out.Snapshots, err
 }
 
 // GetSnapshot returns a snapshot by id or name.

@@ -6,6 +6,7 @@ package fault
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Kind classifies an error for callers and for the HTTP status mapping.
@@ -59,6 +60,10 @@ type Error struct {
 	// Detail is structured data for the client (e.g. the limit a request ran into);
 	// the HTTP layer puts what it knows of it in the error body.
 	Detail any
+	// RetryAfter, when positive, says that the condition passes on its own (a
+	// transition in flight): the same request is worth sending again after about this
+	// long. The HTTP layer sends it as Retry-After.
+	RetryAfter time.Duration
 }
 
 func (e *Error) Error() string {
@@ -89,6 +94,28 @@ func Wrap(k Kind, err error) error {
 // WithDetail attaches structured detail to err (which keeps its kind and message).
 func WithDetail(err error, detail any) error {
 	return &Error{Kind: KindOf(err), Err: err, Detail: detail}
+}
+
+// Later marks err (which keeps its kind and message) as passing on its own: the same
+// request may succeed when sent again after d.
+func Later(err error, d time.Duration) error {
+	return &Error{Kind: KindOf(err), Err: err, RetryAfter: d}
+}
+
+// RetryAfterOf returns the RetryAfter of the outermost *Error in err's chain that has
+// one, 0 when none does.
+func RetryAfterOf(err error) time.Duration {
+	for err != nil {
+		var e *Error
+		if !errors.As(err, &e) {
+			return 0
+		}
+		if e.RetryAfter > 0 {
+			return e.RetryAfter
+		}
+		err = e.Err
+	}
+	return 0
 }
 
 // DetailOf returns the detail of the outermost *Error in err's chain that has one.

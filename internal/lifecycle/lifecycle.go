@@ -15,6 +15,7 @@ package lifecycle
 import (
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
@@ -103,8 +104,12 @@ type Sandbox struct {
 // reported.
 func (s Sandbox) Settled() bool { return s.ObservedGeneration >= s.Generation }
 
+// InFlightRetry is the Retry-After of a verb refused because a transition is in flight:
+// transitions take from tens of milliseconds to a few seconds.
+const InFlightRetry = time.Second
+
 // Check explains, as a fault.Conflict, why verb v cannot be asked of sb now; nil when
-// it can.
+// it can. A conflict with a transition in flight passes on its own (fault.Later).
 func Check(sb Sandbox, v Verb) error {
 	if sb.Deleted || sb.Desired == api.StateDeleted {
 		return fault.New(fault.Conflict, "sandbox %s is deleted; it cannot %s", sb.ID, v.Kind)
@@ -113,7 +118,7 @@ func Check(sb Sandbox, v Verb) error {
 		return fault.New(fault.Conflict, "sandbox %s failed (%s); delete it", sb.ID, sb.Error)
 	}
 	if !sb.Settled() {
-		return fault.New(fault.Conflict, "sandbox %s is %s (desired %s); wait for that to finish", sb.ID, sb.State, sb.Desired)
+		return fault.Later(fault.New(fault.Conflict, "sandbox %s is %s (desired %s); wait for that to finish", sb.ID, sb.State, sb.Desired), InFlightRetry)
 	}
 	if !slices.Contains(v.From, sb.State) {
 		if v.Kind == api.OpClone && sb.State == api.StateStopped {

@@ -77,10 +77,18 @@ func TestCheckMessages(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "no memory to clone") {
 		t.Fatalf("clone of stopped: %v", err)
 	}
+	if fault.RetryAfterOf(err) != 0 {
+		t.Error("a clone of a stopped sandbox says it passes on its own")
+	}
 	pause, _ := VerbOf(api.OpPause)
 	err = Check(Sandbox{ID: "x", State: api.StateFailed, Desired: api.StateRunning, Error: "boom", Generation: 1, ObservedGeneration: 1}, pause)
 	if err == nil || !strings.Contains(err.Error(), "boom") {
 		t.Fatalf("pause of failed: %v", err)
+	}
+	// A transition in flight: a conflict that passes on its own.
+	err = Check(Sandbox{ID: "x", State: api.StateSuspending, Desired: api.StateSuspended, Generation: 2, ObservedGeneration: 1}, clone)
+	if !fault.Is(err, fault.Conflict) || !strings.Contains(err.Error(), "wait for that to finish") || fault.RetryAfterOf(err) != InFlightRetry {
+		t.Fatalf("clone during a suspend: %v (retry after %v)", err, fault.RetryAfterOf(err))
 	}
 	wake, _ := VerbOf(api.OpWake)
 	if !AlreadyThere(Sandbox{State: api.StateRunning}, wake) || AlreadyThere(Sandbox{State: api.StatePaused}, wake) {

@@ -11,7 +11,9 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/fault"
@@ -81,7 +83,9 @@ func WriteError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err er
 	if l, ok := fault.DetailOf(err).(*api.LimitExceeded); ok {
 		body.Limit = l
 	}
-	if k == fault.TooManyRequests {
+	if d := fault.RetryAfterOf(err); d > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(int((d+time.Second-1)/time.Second)))
+	} else if k == fault.TooManyRequests {
 		w.Header().Set("Retry-After", "1")
 	}
 	WriteJSON(w, statusOf(k), api.Error{Error: body})

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -387,6 +388,66 @@ func TestIdempotentDeletes(t *testing.T) {
 	}
 	if code, body := do(t, s, "DELETE", path, ""); code != 404 {
 		t.Fatalf("snapshot delete sent again without a key: %d %s", code, body)
+	}
+}
+
+// TestVerbDuringTransitionWaits: a clone asked for while the sandbox is being suspended
+// (an idle suspend as its user comes back) is a 409 that says when to ask again
+// (Retry-After); the Go client waits for the suspend to finish and then clones the
+// suspended sandbox.
+func TestVerbDuringTransitionWaits(t *testing.T) {
+	release := make(chan struct{})
+	var blocking atomic.Bool
+	s := spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) {
+		if blocking.Load() {
+			<-release
+		}
+	}})
+	var once sync.Once
+	unblock := func() { once.Do(func() { blocking.Store(false); close(release) }) }
+	t.Cleanup(unblock) // before the space stops, which waits for the suspend
+	sb := s.Create(api.CreateSandboxRequest{})
+	blocking.Store(true)
+	c := ctx(t)
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(30*time.Second, "the suspend to be under way", func() bool {
+		got, err := s.C.GetSandbox(c, sb.ID)
+		return err == nil && got.State == api.StateSuspending
+	})
+	code, body, h := s.Request("POST", "/v1/sandboxes/"+sb.ID+"/clone", `{"count":1}`)
+	if code != http.StatusConflict || h.Get("Retry-After") != "1" || !strings.Contains(body, "wait for that to finish") {
+		t.Fatalf("a clone during the suspend: %d %s, Retry-After %q", code, body, h.Get("Retry-After"))
+	}
+	type result struct {
+		out []api.Sandbox
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		out, err := s.C.Clone(c, sb.ID, api.CloneRequest{Count: 1})
+		done <- result{out, err}
+	}()
+	select {
+	case r := <-done:
+		t.Fatalf("the client's clone returned while the suspend was under way: %+v %v", r.out, r.err)
+	case <-time.After(1500 * time.Millisecond):
+		// Still waiting (without Retry-After it returned the 409 at once).
+	}
+	unblock()
+	s.WaitOp(op.ID, api.OpSucceeded)
+	r := <-done
+	if r.err != nil || len(r.out) != 1 {
+		t.Fatalf("the client's clone after the suspend: %+v %v", r.out, r.err)
+	}
+	s.Eventually(time.Minute, "the clone to run", func() bool {
+		got, err := s.C.GetSandbox(c, r.out[0].ID)
+		return err == nil && got.State == api.StateRunning
+	})
+	if got, err := s.C.GetSandbox(c, sb.ID); err != nil || got.State != api.StateSuspended {
+		t.Fatalf("the source after the clone: %+v %v", got, err)
 	}
 }
 

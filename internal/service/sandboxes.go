@@ -478,7 +478,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			// Moving off a node being drained: a wake sends it on at once when its
 			// snapshot is pushed; anything else waits for the move.
 			if sb.MoveFrom != sb.NodeID || !canRehome(sb, v) {
-				return fault.New(fault.Conflict, "sandbox %s is moving to another node (its node is drained); it runs there shortly", sb.ID)
+				return fault.Later(fault.New(fault.Conflict, "sandbox %s is moving to another node (its node is drained); it runs there shortly", sb.ID), lifecycle.InFlightRetry)
 			}
 			rehome = true
 		}

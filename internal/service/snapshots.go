@@ -198,7 +198,7 @@ func (s *Service) deleteSnapshot(ctx context.Context, p *Principal, ref string, 
 				return err
 			}
 			if len(users) > 0 {
-				return fault.New(fault.Conflict, "snapshot %s is in use: sandbox %v is being created from it; delete it once they run", sn.Name, users)
+				return fault.Later(fault.New(fault.Conflict, "snapshot %s is in use: sandbox %v is being created from it; delete it once they run", sn.Name, users), lifecycle.InFlightRetry)
 			}
 			if err := tx.MarkSnapshotDeleting(ctx, sn); err != nil {
 				return err
