@@ -89,6 +89,9 @@ type Client struct {
 	// bases caches the blob descriptors of base streams already pushed, by identity.
 	basesMu sync.Mutex
 	bases   map[string]streamRecord
+	// agents caches the agent binaries already pushed (their blobs and sha256), by
+	// file (path, size, modification time): a binary is compressed once per process.
+	agents map[agentFileKey]agentPushed
 	// baseMake serializes choosing and making disk bases.
 	baseMake sync.Mutex
 
@@ -174,7 +177,7 @@ func New(cfg Config, st *storage.Store) (*Client, error) {
 		st: st, log: log, registry: strings.TrimSpace(cfg.Registry), host: host,
 		releases: releases, snapshots: snapshots, auth: auth, base: base,
 		allowHTTP: cfg.Insecure, chunk: chunk, jobs: jobs,
-		bases: map[string]streamRecord{},
+		bases: map[string]streamRecord{}, agents: map[agentFileKey]agentPushed{},
 	}, nil
 }
 

@@ -19,8 +19,11 @@
 // with the snapshot), "disk" (the increment), "checkpoint" (a tar of the checkpoint
 // directory) and "agent" (only when the checkpoint needs a host file to restore: the
 // agent binary gVisor maps the restored agent's code from; its sha256 and length are in
-// the config, checked on pull). Like a base, an agent's blobs are shared by every
-// snapshot that carries the same binary: uploaded once, and not counted in OwnSize.
+// the config). Like a base, an agent's blobs are shared by every snapshot that carries
+// the same binary: uploaded once (a pusher compresses a binary once and then only checks
+// that its blobs are there), and not counted in OwnSize. A pull does not download the
+// agent: the snapshot names it (Snapshot.AgentSHA256), and PullAgent downloads and
+// checks it for a caller that lacks that binary.
 // Manifests carry the push time (org.opencontainers.image.created), the
 // release and the snapshot id as annotations, so that List needs no config.
 //

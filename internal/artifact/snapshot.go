@@ -53,10 +53,9 @@ const (
 	checkpointDir = "checkpoint"
 	snapshotFile  = "snapshot.json"
 	baseFile      = "base.json"
-	agentFile     = "space-agent"
 
 	// maxAgentBytes bounds the agent binary a snapshot carries (space-agent is about
-	// 15 MB).
+	// 14 MB).
 	maxAgentBytes = 256 << 20
 )
 
@@ -130,10 +129,12 @@ type Snapshot struct {
 	Disk string
 	// Checkpoint is the complete checkpoint directory.
 	Checkpoint string
-	// Agent is the agent binary the checkpoint restores with, verified against the
-	// sha256 AgentSHA256 (hex) its pusher recorded; "" when the snapshot carries none.
-	Agent       string
+	// AgentSHA256 is the sha256 (hex) of the agent binary the checkpoint restores with,
+	// which the snapshot carries ("" when it carries none). A pull does not download it:
+	// PullAgent does, for a caller that lacks that binary.
 	AgentSHA256 string
+	agent       agentRecord
+	agentLayers []v1.Descriptor
 	Meta        json.RawMessage
 	// Downloaded is the bytes this pull downloaded (0: the store had it).
 	Downloaded int64
@@ -144,6 +145,9 @@ type pulledFile struct {
 	Digest   string         `json:"digest"`
 	PushedAt time.Time      `json:"pushed_at"`
 	Config   snapshotConfig `json:"config"`
+	// AgentLayers are the blobs of its part "agent", which PullAgent downloads when the
+	// caller lacks the binary.
+	AgentLayers []v1.Descriptor `json:"agent_layers,omitempty"`
 }
 
 // baseInfo is the metadata file of a disk base.
@@ -306,23 +310,12 @@ func (c *Client) pushSnapshot(ctx context.Context, src SnapshotSource, format Di
 	cfg.CheckpointBytes = cp.Bytes
 	layers = append(layers, cp.Layers...)
 	if src.Agent != "" {
-		// The same binary makes the same blobs: the registry has them after the first
-		// snapshot that carries it, and later pushes only check that.
-		h := sha256.New()
-		ag, err := o.pushStream(ctx, p, c.snapshots, partAgent, mediaAgent, func(ctx context.Context, w io.Writer) error {
-			f, err := os.Open(src.Agent)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			_, err = io.Copy(io.MultiWriter(w, h), f)
-			return err
-		})
+		rec, sum, err := o.pushAgent(ctx, p, pl, src.Agent)
 		if err != nil {
 			return Artifact{}, err
 		}
-		cfg.Agent = &agentRecord{SHA256: hex.EncodeToString(h.Sum(nil)), Bytes: ag.Bytes}
-		layers = append(layers, ag.Layers...)
+		cfg.Agent = &agentRecord{SHA256: sum, Bytes: rec.Bytes}
+		layers = append(layers, rec.Layers...)
 	}
 
 	cfgData, err := jsonBytes(cfg)
@@ -396,25 +389,9 @@ func (o *op) pushBase(ctx context.Context, p *remote.Pusher, pl *remote.Puller, 
 		}
 	}
 	if ok {
-		all := true
-		for _, d := range rec.Layers {
-			l, err := pl.Layer(ctx, c.snapshots.Digest(d.Digest.String()))
-			if err != nil {
-				return streamRecord{}, c.fail(ctx, "check base blob", err)
-			}
-			ex, ok := l.(interface{ Exists() (bool, error) })
-			if !ok {
-				all = false
-				break
-			}
-			found, err := ex.Exists()
-			if err != nil {
-				return streamRecord{}, c.fail(ctx, "check base blob", err)
-			}
-			if !found {
-				all = false
-				break
-			}
+		all, err := o.haveBlobs(ctx, pl, rec.Layers, "base")
+		if err != nil {
+			return streamRecord{}, err
 		}
 		if all {
 			return rec, nil
@@ -430,6 +407,87 @@ func (o *op) pushBase(ctx context.Context, p *remote.Pusher, pl *remote.Puller, 
 	c.bases[ident] = rec
 	c.basesMu.Unlock()
 	return rec, nil
+}
+
+// haveBlobs reports whether the snapshots repository has every one of blobs.
+func (o *op) haveBlobs(ctx context.Context, pl *remote.Puller, blobs []v1.Descriptor, what string) (bool, error) {
+	c := o.c
+	for _, d := range blobs {
+		l, err := pl.Layer(ctx, c.snapshots.Digest(d.Digest.String()))
+		if err != nil {
+			return false, c.fail(ctx, "check "+what+" blob", err)
+		}
+		ex, ok := l.(interface{ Exists() (bool, error) })
+		if !ok {
+			return false, nil
+		}
+		found, err := ex.Exists()
+		if err != nil {
+			return false, c.fail(ctx, "check "+what+" blob", err)
+		}
+		if !found {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// agentFileKey names an agent binary on this host as pushed: node.installAgent keeps
+// them content-addressed and never rewrites one, and size and modification time catch
+// a file replaced all the same.
+type agentFileKey struct {
+	path  string
+	size  int64
+	mtime time.Time
+}
+
+// agentPushed is an agent binary as pushed: its stream's blobs and its sha256 (hex).
+type agentPushed struct {
+	rec    streamRecord
+	sha256 string
+}
+
+// pushAgent uploads the agent binary at path as a snapshot's part "agent" and returns
+// its blobs and sha256. The same binary makes the same blobs, so the registry has them
+// after the first snapshot that carries it; a binary this client pushed before is only
+// checked (one HEAD per blob), not compressed again.
+func (o *op) pushAgent(ctx context.Context, p *remote.Pusher, pl *remote.Puller, path string) (streamRecord, string, error) {
+	c := o.c
+	fi, err := os.Stat(path)
+	if err != nil {
+		return streamRecord{}, "", err
+	}
+	key := agentFileKey{path, fi.Size(), fi.ModTime()}
+	c.basesMu.Lock()
+	prev, ok := c.agents[key]
+	c.basesMu.Unlock()
+	if ok {
+		all, err := o.haveBlobs(ctx, pl, prev.rec.Layers, "agent")
+		if err != nil {
+			return streamRecord{}, "", err
+		}
+		if all {
+			return prev.rec, prev.sha256, nil
+		}
+	}
+	h := sha256.New()
+	rec, err := o.pushStream(ctx, p, c.snapshots, partAgent, mediaAgent, func(ctx context.Context, w io.Writer) error {
+		f, err := os.Open(path)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		_, err = io.Copy(io.MultiWriter(w, h), f)
+		return err
+	})
+	if err != nil {
+		return streamRecord{}, "", err
+	}
+	sum := hex.EncodeToString(h.Sum(nil))
+	c.basesMu.Lock()
+	c.agents[key] = agentPushed{rec, sum}
+	c.basesMu.Unlock()
+	return rec, sum, nil
 }
 
 // diskBase returns the disk base (its subvolume and identity) to send an ext4 disk of
@@ -587,11 +645,7 @@ func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, dige
 		(cfg.Agent != nil) != (len(ps[partAgent]) > 0) {
 		return Snapshot{}, fault.New(fault.BadGateway, "registry %s: %s: its parts do not match its config", c.registry, ref)
 	}
-	var agentBytes int64
-	if cfg.Agent != nil {
-		agentBytes = cfg.Agent.Bytes
-	}
-	if err := c.st.CheckSpace(cfg.Disk.Bytes + cfg.CheckpointBytes + agentBytes); err != nil {
+	if err := c.st.CheckSpace(cfg.Disk.Bytes + cfg.CheckpointBytes); err != nil {
 		return Snapshot{}, err
 	}
 	parent, err := c.parentFor(ctx, o, p, &cfg, ps[partBase])
@@ -630,18 +684,8 @@ func (c *Client) pullSnapshot(ctx context.Context, o *op, p *remote.Puller, dige
 	if err := c.st.MarkComplete(cpDir); err != nil {
 		return Snapshot{}, noSpace(err)
 	}
-	if cfg.Agent != nil {
-		err = pipeInto(func(w io.Writer) error {
-			return o.pullStream(ctx, p, c.snapshots, ps[partAgent], w)
-		}, func(r io.Reader) error {
-			return writeAgent(filepath.Join(b.Dir(), agentFile), r, *cfg.Agent)
-		})
-		if err != nil {
-			return Snapshot{}, err
-		}
-	}
 	pushed, _ := time.Parse(time.RFC3339Nano, f.manifest.Annotations[annCreated])
-	if err := writeJSON(filepath.Join(b.Dir(), snapshotFile), pulledFile{Digest: digest, PushedAt: pushed, Config: cfg}); err != nil {
+	if err := writeJSON(filepath.Join(b.Dir(), snapshotFile), pulledFile{Digest: digest, PushedAt: pushed, Config: cfg, AgentLayers: ps[partAgent]}); err != nil {
 		return Snapshot{}, err
 	}
 	if _, _, err := b.Publish(ctx, hex); err != nil {
@@ -689,30 +733,41 @@ func (c *Client) checkSnapshotConfig(what string, cfg *snapshotConfig) error {
 // sha256RE is a hex sha256.
 var sha256RE = regexp.MustCompile(`^[0-9a-f]{64}$`)
 
-// writeAgent writes the agent binary r streams to path (executable, synced), checking
-// it against what the snapshot's config says of it: no byte of another binary stays.
-func writeAgent(path string, r io.Reader, want agentRecord) (err error) {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o755)
-	if err != nil {
-		return noSpace(err)
+// PullAgent writes the agent binary snapshot s carries to w, downloading it from the
+// registry, and checks it against the sha256 and length its pusher recorded: on an
+// error, what w received must be discarded. fault.NotFound when s carries none.
+func (c *Client) PullAgent(ctx context.Context, s Snapshot, w io.Writer) error {
+	if s.AgentSHA256 == "" || len(s.agentLayers) == 0 {
+		return fault.New(fault.NotFound, "snapshot %s carries no agent binary", s.ID)
 	}
-	defer func() {
-		if cerr := f.Close(); err == nil && cerr != nil {
-			err = noSpace(cerr)
-		}
-		if err != nil {
-			_ = os.Remove(path)
-		}
-	}()
+	o := c.newOp(ctx)
+	p, err := o.puller()
+	if err != nil {
+		return err
+	}
+	err = pipeInto(func(w io.Writer) error {
+		return o.pullStream(ctx, p, c.snapshots, s.agentLayers, w)
+	}, func(r io.Reader) error {
+		return copyAgent(w, r, s.agent)
+	})
+	if err != nil {
+		return fmt.Errorf("pull the agent binary of snapshot %s: %w", s.ID, err)
+	}
+	return nil
+}
+
+// copyAgent copies the agent binary r streams to w, checking it against want: a
+// binary of other bytes, or of more or fewer, is refused.
+func copyAgent(w io.Writer, r io.Reader, want agentRecord) error {
 	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(r, want.Bytes+1))
+	n, err := io.Copy(io.MultiWriter(w, h), io.LimitReader(r, want.Bytes+1))
 	if err != nil {
 		return noSpace(err)
 	}
 	if got := hex.EncodeToString(h.Sum(nil)); n != want.Bytes || got != want.SHA256 {
 		return fault.New(fault.BadGateway, "the agent binary is %d bytes with sha256 %s, not the %d bytes with sha256 %s its snapshot names", n, got, want.Bytes, want.SHA256)
 	}
-	return noSpace(f.Sync())
+	return nil
 }
 
 // uuidRE is a subvolume UUID as storage.SendIdentity writes it.
@@ -868,8 +923,8 @@ func snapshotAt(dir string) (Snapshot, error) {
 	if s.Format == DiskExt4 {
 		s.Disk = filepath.Join(s.Disk, imageName)
 	}
-	if a := pf.Config.Agent; a != nil {
-		s.Agent, s.AgentSHA256 = filepath.Join(dir, agentFile), a.SHA256
+	if a := pf.Config.Agent; a != nil && len(pf.AgentLayers) > 0 {
+		s.AgentSHA256, s.agent, s.agentLayers = a.SHA256, *a, pf.AgentLayers
 	}
 	return s, nil
 }

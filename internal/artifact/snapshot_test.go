@@ -3,6 +3,7 @@ package artifact_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"os"
@@ -444,15 +445,16 @@ func TestSnapshotPullFailsCleanly(t *testing.T) {
 
 // TestSnapshotCarriesAgent: a snapshot pushed with the agent binary its checkpoint
 // restores with carries it; the registry holds one copy for every snapshot that names
-// it (later pushes upload none of it, and it is not counted as the artifact's own);
-// a pull gets it back byte for byte, executable, and a snapshot without one has none.
-// Pushing a directory as the agent is refused.
+// it (later pushes upload none of it, and it is not counted as the artifact's own); a
+// pull names it without downloading it, and PullAgent gets it byte for byte; a
+// snapshot without one names none. Pushing a directory as the agent is refused.
 func TestSnapshotCarriesAgent(t *testing.T) {
 	reg := startRegistry(t)
+	px := newProxy(t, reg.addr)
 	a, b := templatetest.Store(t), templatetest.Store(t)
 	ctx := testCtx(t)
 	rel := makeRelease(t, a, "base", releaseFiles(2))
-	ca, cb := client(t, a, reg.addr), client(t, b, reg.addr)
+	ca, cb := client(t, a, px.addr()), client(t, b, px.addr())
 	agent := filepath.Join(t.TempDir(), "space-agent")
 	if err := os.WriteFile(agent, random(3<<20), 0o755); err != nil {
 		t.Fatal(err)
@@ -497,25 +499,38 @@ func TestSnapshotCarriesAgent(t *testing.T) {
 	}
 	t.Logf("agent part %d bytes; first push uploaded %d, second %d", agentBlobs, first.Uploaded, second.Uploaded)
 
+	// A pull gets the snapshot without its agent; PullAgent then gets the binary.
+	px.reset()
 	s, err := cb.PullSnapshot(ctx, "", second.Digest)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Agent == "" || sha(t, s.Agent) != sha(t, agent) {
-		t.Fatalf("pulled agent %q differs from the pushed one", s.Agent)
-	}
 	if want := sha(t, agent); s.AgentSHA256 != hex.EncodeToString(want[:]) {
-		t.Errorf("pulled agent sha256 %s", s.AgentSHA256)
+		t.Fatalf("pulled snapshot names agent sha256 %q", s.AgentSHA256)
 	}
-	if fi, err := os.Stat(s.Agent); err != nil || fi.Mode().Perm()&0o111 == 0 {
-		t.Errorf("pulled agent is not executable: %v %v", fi.Mode(), err)
+	if s.Downloaded >= agentBlobs {
+		t.Errorf("the pull downloaded %d bytes: the agent (%d) with it", s.Downloaded, agentBlobs)
 	}
-	if cached, err := cb.CachedSnapshots(); err != nil || len(cached) != 1 || cached[0].Agent != s.Agent {
-		t.Errorf("cached snapshots %+v (%v)", cached, err)
+	var got bytes.Buffer
+	if err := cb.PullAgent(ctx, s, &got); err != nil {
+		t.Fatal(err)
 	}
-	if s, err := cb.PullSnapshot(ctx, "", plain.Digest); err != nil || s.Agent != "" || s.AgentSHA256 != "" {
-		t.Errorf("snapshot without an agent pulled with %q (%v)", s.Agent, err)
+	if sum := sha256.Sum256(got.Bytes()); sum != sha(t, agent) {
+		t.Fatalf("pulled agent differs from the pushed one (%d bytes)", got.Len())
 	}
+	cached, err := cb.CachedSnapshots()
+	if err != nil || len(cached) != 1 || cached[0].AgentSHA256 != s.AgentSHA256 {
+		t.Fatalf("cached snapshots %+v (%v)", cached, err)
+	}
+	got.Reset()
+	if err := cb.PullAgent(ctx, cached[0], &got); err != nil || got.Len() != 3<<20 {
+		t.Errorf("agent of the cached snapshot: %d bytes (%v)", got.Len(), err)
+	}
+	ps, err := cb.PullSnapshot(ctx, "", plain.Digest)
+	if err != nil || ps.AgentSHA256 != "" {
+		t.Errorf("snapshot without an agent pulled naming %q (%v)", ps.AgentSHA256, err)
+	}
+	wantKind(t, cb.PullAgent(ctx, ps, &got), fault.NotFound)
 	tmpEmpty(t, b)
 
 	cp, _ := a.CheckpointDir("sb1")

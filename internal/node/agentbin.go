@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"github.com/spacedev/space/internal/artifact"
 	"github.com/spacedev/space/internal/runtime"
@@ -30,38 +29,48 @@ func installAgent(dataDir, src string) (string, string, error) {
 		return "", "", fmt.Errorf("hash agent binary: %w", err)
 	}
 	sum := hex.EncodeToString(h.Sum(nil))
+	dst, err := placeAgent(dataDir, sum, func(w io.Writer) error {
+		if _, err := f.Seek(0, io.SeekStart); err != nil {
+			return err
+		}
+		_, err := io.Copy(w, f)
+		return err
+	})
+	return dst, sum[:16], err
+}
+
+// placeAgent returns where the agent binary of sha256 sum (hex) is kept,
+// <data-dir>/agents/<sum[:16]>/space-agent, first writing it there with write when it
+// is not: into a new file beside it, synced and renamed into place only once write
+// succeeded (write checks what it writes), so the name never holds anything else.
+func placeAgent(dataDir, sum string, write func(w io.Writer) error) (string, error) {
 	dir := filepath.Join(dataDir, "agents", sum[:16])
 	dst := filepath.Join(dir, "space-agent")
 	if _, err := os.Stat(dst); err == nil {
-		return dst, sum[:16], nil
+		return dst, nil
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", "", err
-	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return "", "", err
+		return "", err
 	}
 	tmp, err := os.CreateTemp(dir, ".space-agent-*")
 	if err != nil {
-		return "", "", err
+		return "", err
 	}
 	defer os.Remove(tmp.Name())
-	if _, err := io.Copy(tmp, f); err != nil {
-		tmp.Close()
-		return "", "", err
+	err = write(tmp)
+	if err == nil {
+		err = tmp.Chmod(0o755)
 	}
-	if err := tmp.Chmod(0o755); err != nil {
-		tmp.Close()
-		return "", "", err
+	if err == nil {
+		err = tmp.Sync()
 	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return "", "", err
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
 	}
-	if err := tmp.Close(); err != nil {
-		return "", "", err
+	if err != nil {
+		return "", err
 	}
-	return dst, sum[:16], os.Rename(tmp.Name(), dst)
+	return dst, os.Rename(tmp.Name(), dst)
 }
 
 // checkpointAgent returns the agent binary a restore of the checkpoint in dir needs
@@ -82,19 +91,19 @@ func (n *Node) checkpointAgent(ctx context.Context, dir string) string {
 	return p
 }
 
-// installPulledAgent puts the agent binary a pulled snapshot carries among this node's
-// agents (installAgent), where a restore of its checkpoint finds it by its
-// content-addressed name.
-func (n *Node) installPulledAgent(snap artifact.Snapshot) error {
-	if snap.Agent == "" {
+// installPulledAgent makes sure this node has the agent binary a pulled snapshot
+// carries among its agents (placeAgent), where a restore of its checkpoint finds it by
+// its content-addressed name: a node that has it downloads nothing (the usual case: the
+// two nodes run the same space build).
+func (n *Node) installPulledAgent(ctx context.Context, snap artifact.Snapshot) error {
+	if snap.AgentSHA256 == "" {
 		return nil
 	}
-	p, hash, err := installAgent(n.cfg.DataDir, snap.Agent)
+	_, err := placeAgent(n.cfg.DataDir, snap.AgentSHA256, func(w io.Writer) error {
+		return n.cfg.Artifacts.PullAgent(ctx, snap, w)
+	})
 	if err != nil {
 		return fmt.Errorf("install the agent binary its snapshot carries: %w", err)
-	}
-	if !strings.HasPrefix(snap.AgentSHA256, hash) {
-		return fmt.Errorf("installed agent %s does not hash to its snapshot's %s", p, snap.AgentSHA256)
 	}
 	return nil
 }

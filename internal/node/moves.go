@@ -256,7 +256,7 @@ func (n *Node) materializeFrom(ctx context.Context, sb *store.Sandbox) error {
 	if json.Unmarshal(snap.Meta, &meta) == nil && meta.Runtime != "" && meta.Runtime != n.info.Name {
 		return fault.New(fault.Conflict, "its snapshot was taken by runtime %s; this node runs %s", meta.Runtime, n.info.Name)
 	}
-	if err := n.installPulledAgent(snap); err != nil {
+	if err := n.installPulledAgent(ctx, snap); err != nil {
 		return err
 	}
 	if _, err := n.createDiskFrom(ctx, sb.ID, snap.Disk); err != nil {

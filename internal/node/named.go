@@ -407,7 +407,7 @@ func (n *Node) startFromSnapshot(ctx context.Context, sb *store.Sandbox) (string
 		if err != nil {
 			return "", fmt.Errorf("pull snapshot %s: %w", sn.ID, err)
 		}
-		if err := n.installPulledAgent(pulled); err != nil {
+		if err := n.installPulledAgent(ctx, pulled); err != nil {
 			return "", fmt.Errorf("snapshot %s: %w", sn.ID, err)
 		}
 		cp, disk = pulled.Checkpoint, pulled.Disk
