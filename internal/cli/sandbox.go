@@ -12,7 +12,16 @@ import (
 )
 
 func (a *app) sandboxCmd() *cobra.Command {
-	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes"}
+	cmd := &cobra.Command{Use: "sandbox", Aliases: []string{"sandboxes", "sb"}, Short: "Create, list, inspect and delete sandboxes",
+		Long: `Create, list, inspect and delete sandboxes, and move them between their states
+(pause, resume, suspend, restore, stop, start, wake) or clone them.
+
+A verb sent while the sandbox is in another transition (an idle suspend, a pause in
+flight) waits for it to finish, for up to a minute, and then applies; a verb that does
+not apply to the state the sandbox ends in fails with the reason ("cannot pause a
+sandbox that is suspended"). Creates, verbs, clones and deletes are sent with an
+idempotency key and repeated if the server was briefly unreachable, so nothing happens
+twice.`}
 	cmd.AddCommand(a.sandboxCreate(), a.sandboxList(), a.sandboxGet(), a.sandboxRm(), a.cloneCmd(),
 		a.networkCmd(), a.netlogCmd(), a.sandboxMetrics())
 	cmd.AddCommand(a.lifecycleCmds()...)

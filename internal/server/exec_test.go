@@ -12,8 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -322,27 +320,8 @@ func jsonInt(n int64) string { b, _ := json.Marshal(n); return string(b) }
 // suspended (an idle suspend as its user returns) waits for the suspend to finish and
 // then wakes the sandbox; before, it failed with 409 "is suspending; it must be running".
 func TestRequestDuringSuspendWakes(t *testing.T) {
-	release := make(chan struct{})
-	var blocking atomic.Bool
-	s := spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) {
-		if blocking.Load() {
-			<-release
-		}
-	}})
-	var once sync.Once
-	unblock := func() { once.Do(func() { blocking.Store(false); close(release) }) }
-	t.Cleanup(unblock) // before the space stops, which waits for the suspend
-	sb := s.Create(api.CreateSandboxRequest{})
-	blocking.Store(true)
+	s, sb, op, unblock := suspendHeld(t)
 	c := ctx(t)
-	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Eventually(30*time.Second, "the suspend to be under way", func() bool {
-		got, err := s.C.GetSandbox(c, sb.ID)
-		return err == nil && got.State == api.StateSuspending
-	})
 	type result struct {
 		code int
 		body string

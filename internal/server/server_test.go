@@ -396,27 +396,8 @@ func TestIdempotentDeletes(t *testing.T) {
 // (Retry-After); the Go client waits for the suspend to finish and then clones the
 // suspended sandbox.
 func TestVerbDuringTransitionWaits(t *testing.T) {
-	release := make(chan struct{})
-	var blocking atomic.Bool
-	s := spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) {
-		if blocking.Load() {
-			<-release
-		}
-	}})
-	var once sync.Once
-	unblock := func() { once.Do(func() { blocking.Store(false); close(release) }) }
-	t.Cleanup(unblock) // before the space stops, which waits for the suspend
-	sb := s.Create(api.CreateSandboxRequest{})
-	blocking.Store(true)
+	s, sb, op, unblock := suspendHeld(t)
 	c := ctx(t)
-	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Eventually(30*time.Second, "the suspend to be under way", func() bool {
-		got, err := s.C.GetSandbox(c, sb.ID)
-		return err == nil && got.State == api.StateSuspending
-	})
 	code, body, h := s.Request("POST", "/v1/sandboxes/"+sb.ID+"/clone", `{"count":1}`)
 	if code != http.StatusConflict || h.Get("Retry-After") != "1" || !strings.Contains(body, "wait for that to finish") {
 		t.Fatalf("a clone during the suspend: %d %s, Retry-After %q", code, body, h.Get("Retry-After"))
@@ -582,4 +563,33 @@ func TestDiskLimitAndReserve(t *testing.T) {
 		code, _ := do(t, s, "POST", "/v1/sandboxes", `{}`)
 		return code == 202
 	})
+}
+
+// suspendHeld starts a space with a running sandbox whose suspend is under way and held
+// in the fake runtime's Checkpoint until unblock is called (an idle suspend as its user
+// comes back, frozen); it returns the suspend's operation.
+func suspendHeld(t *testing.T) (s *spacetest.Space, sb api.Sandbox, op *api.Operation, unblock func()) {
+	t.Helper()
+	release := make(chan struct{})
+	var blocking atomic.Bool
+	s = spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) {
+		if blocking.Load() {
+			<-release
+		}
+	}})
+	var once sync.Once
+	unblock = func() { once.Do(func() { blocking.Store(false); close(release) }) }
+	t.Cleanup(unblock) // before the space stops, which waits for the suspend
+	sb = s.Create(api.CreateSandboxRequest{})
+	blocking.Store(true)
+	c := ctx(t)
+	op, err := s.C.Lifecycle(c, sb.ID, api.OpSuspend)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Eventually(30*time.Second, "the suspend to be under way", func() bool {
+		got, err := s.C.GetSandbox(c, sb.ID)
+		return err == nil && got.State == api.StateSuspending
+	})
+	return s, sb, op, unblock
 }
