@@ -121,8 +121,17 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 	if !o.NoBase {
 		templatetest.SeedStore(t, dataDir, storeSize, o.Builtins...)
 	}
-	s.URL = "http://" + s.Addr
-	s.launch()
+	// FreeAddr's port was free when it was picked; a server of a test running beside
+	// this one may take it before serve binds it (seen once in CI). The first start
+	// then picks another; a restart keeps its address, which the clients know.
+	for attempt := 1; ; attempt++ {
+		s.URL = "http://" + s.Addr
+		if s.launch(attempt < 3) {
+			break
+		}
+		t.Logf("e2etest: %s was taken before space serve bound it; trying another address", s.Addr)
+		s.Addr = FreeAddr(t)
+	}
 	if b, err := os.ReadFile(filepath.Join(dataDir, "admin.key")); err == nil {
 		s.Key = strings.TrimSpace(string(b))
 	}
@@ -130,8 +139,10 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 	return s
 }
 
-// launch starts the process and waits for /healthz.
-func (s *Server) launch() {
+// launch starts the process and waits for /healthz. With orTaken, a process that
+// exits at start-up because its --listen address is taken is not a failure: launch
+// reports false instead.
+func (s *Server) launch(orTaken bool) bool {
 	s.t.Helper()
 	// Sandbox networking stays off unless a test turns it on (with a fake internet as
 	// the host: internal/e2e/network_test.go): the machine's own namespace is never
@@ -174,11 +185,14 @@ func (s *Server) launch() {
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				return
+				return true
 			}
 		}
 		select {
 		case <-done:
+			if orTaken && strings.Contains(w.String(), "--listen "+s.Addr+": the address is taken") {
+				return false
+			}
 			s.t.Fatalf("space serve exited during start-up:\n%s", w.String())
 		case <-time.After(50 * time.Millisecond):
 		}
@@ -273,7 +287,7 @@ func (s *Server) Kill() { s.signal(syscall.SIGKILL) }
 func (s *Server) Stop() { s.signal(syscall.SIGTERM) }
 
 // Restart starts the server again on the same data directory.
-func (s *Server) Restart() { s.launch() }
+func (s *Server) Restart() { s.launch(false) }
 
 // RunscRoot is where the server's runsc keeps its state.
 func (s *Server) RunscRoot() string {
