@@ -391,7 +391,7 @@ for line in sys.stdin:
 }
 
 // dirNames lists the names in dir.
-func dirNames(t *testing.T, dir string) []string {
+func dirNames(t testing.TB, dir string) []string {
 	t.Helper()
 	entries, err := os.ReadDir(dir)
 	if err != nil {

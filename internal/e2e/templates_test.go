@@ -324,15 +324,7 @@ func (s *srv) template(t testing.TB, name string) (int, *templateInfo) {
 // storeEntries lists a directory of the server's btrfs store.
 func (s *srv) storeEntries(t testing.TB, dir string) []string {
 	t.Helper()
-	ents, err := os.ReadDir(filepath.Join(s.DataDir, "store", dir))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, e := range ents {
-		names = append(names, e.Name())
-	}
-	return names
+	return dirNames(t, filepath.Join(s.DataDir, "store", dir))
 }
 
 // buildOps counts the template build operations in the database.
