@@ -177,8 +177,11 @@ type Node struct {
 	snapJobs  snapshotJobs
 	pushes    pushJobs
 	agentHash string // of the agent binary sandboxes run
-	marks     timelines
-	syncs     pendingSyncs // suspend checkpoints made durable in the background (durability.go)
+	// agentsMu is held while an agent binary is placed under <data-dir>/agents/ or
+	// those nothing needs are removed (agentbin.go).
+	agentsMu sync.Mutex
+	marks    timelines
+	syncs    pendingSyncs // suspend checkpoints made durable in the background (durability.go)
 
 	// builtins shares one wait for a builtin template among this node's creates
 	// (templates.go): one database connection waits for the fleet-wide build lock.
@@ -336,6 +339,13 @@ func (n *Node) Run(ctx context.Context) error {
 	g.Go(func() error { return n.heartbeat(gctx) })
 	g.Go(func() error { return n.runSnapshots(gctx) })
 	g.Go(func() error { return n.runSamples(gctx) })
+	g.Go(func() error {
+		n.pruneAgents(gctx)
+		return every(gctx, agentPrunePeriod, func(ctx context.Context) {
+			n.pruneBaseSnapshots(ctx)
+			n.pruneAgents(ctx)
+		})
+	})
 	g.Go(func() error {
 		<-gctx.Done()
 		n.health.set(func(h *healthState) { h.stopping = true })

@@ -26,14 +26,64 @@ import (
 
 // baseKey names the base snapshot of a size class for this node's runtime.
 func (n *Node) baseKey(spec store.SandboxSpec) string {
+	return fmt.Sprintf("%s%dcpu-%dmb", n.baseKeyPrefix(), spec.CPU, spec.MemoryMB)
+}
+
+// baseKeyPrefix is what the keys of this node's base snapshots start with: its runtime,
+// the runtime's version and its agent build. The agent binary is part of the snapshot's
+// memory: a new agent gets new snapshots.
+func (n *Node) baseKeyPrefix() string {
 	v := strings.Map(func(r rune) rune {
 		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '-' {
 			return r
 		}
 		return '_'
 	}, n.info.Version)
-	// The agent binary is part of the snapshot's memory: a new agent gets new snapshots.
-	return fmt.Sprintf("%s-%s-agent%s-%dcpu-%dmb", n.info.Name, v, n.agentHash[:8], spec.CPU, spec.MemoryMB)
+	return fmt.Sprintf("%s-%s-agent%s-", n.info.Name, v, n.agentHash[:8])
+}
+
+// pruneBaseSnapshots removes the base snapshots this node never restores again: those
+// of another runtime, runtime version or agent build (baseKeyPrefix), which an upgrade
+// leaves behind, one per release and size class, each a checkpoint of a booted sandbox
+// and a read-only copy of its disk (on btrfs mostly shared with the release: the 17 a
+// development node had gathered held 41 MiB of its store, 2026-12-07; a VM's memory
+// image is larger). It runs from the node's
+// hourly pass, the first an hour after the node started: a restore the previous process
+// began from one may still be reading it. Each goes out of the way with one rename
+// (RemoveLater); a release being removed meanwhile takes its snapshots with it.
+func (n *Node) pruneBaseSnapshots(ctx context.Context) {
+	rels, err := n.disk.ListReleases()
+	if err != nil {
+		n.log.WarnContext(ctx, "list releases", "err", err)
+		return
+	}
+	n.releaseUse.RLock()
+	defer n.releaseUse.RUnlock()
+	prefix := n.baseKeyPrefix()
+	for _, r := range rels {
+		one, err := n.disk.BaseSnapshotDir(r.Digest, "any")
+		if err != nil {
+			continue
+		}
+		ents, err := os.ReadDir(filepath.Dir(one))
+		if err != nil {
+			continue // none
+		}
+		for _, e := range ents {
+			if ctx.Err() != nil {
+				return
+			}
+			if strings.HasPrefix(e.Name(), prefix) {
+				continue
+			}
+			dir := filepath.Join(filepath.Dir(one), e.Name())
+			if err := n.disk.RemoveLater(ctx, dir); err != nil {
+				n.log.WarnContext(ctx, "remove a base snapshot of another build", "dir", dir, "err", err)
+				continue
+			}
+			n.log.InfoContext(ctx, "removed a base snapshot of another space build or runtime version", "digest", r.Digest, "key", e.Name())
+		}
+	}
 }
 
 // baseSnapshotFor returns the complete base snapshot that fits a new sandbox.

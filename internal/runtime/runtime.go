@@ -193,6 +193,9 @@ type AgentMapper interface {
 	// checkpoint in dir mounts on a node whose own agent is own: the binary the
 	// checkpoint was taken with where it is found, else own.
 	RestoreAgent(dir, own string) (string, error)
+	// InstanceAgents returns the host files of the agent binaries the runtime's
+	// instances run (a checkpoint of one records its own), so that the node keeps them.
+	InstanceAgents() ([]string, error)
 }
 
 // LiveCheckpointer is implemented by Snapshotters that can checkpoint an instance

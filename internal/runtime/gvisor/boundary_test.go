@@ -996,6 +996,10 @@ func TestRestoreKeepsItsAgent(t *testing.T) {
 	if got := bundleAgentPath(spec.StateDir); got != old {
 		t.Fatalf("the restore mounts the agent %s, want the checkpointed %s", got, old)
 	}
+	// The node keeps the binary a running instance maps (it prunes the others).
+	if got, err := rt.InstanceAgents(); err != nil || !slices.Contains(got, old) {
+		t.Fatalf("the runtime's instances run %v (%v), want %s among them", got, err, old)
+	}
 	if err := os.WriteFile(filepath.Join(spec.StateDir, runDir, "resume"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -1043,5 +1047,30 @@ func TestRestoreAgentChoice(t *testing.T) {
 		if got := rt.restoreAgent(spec, tc.checkpointed); got != tc.want {
 			t.Errorf("checkpointed %q: %s, want %s", tc.checkpointed, got, tc.want)
 		}
+	}
+}
+
+// TestInstanceAgents: the agents of the instances the runtime has records of, read
+// from the bundle for a record from before records kept it.
+func TestInstanceAgents(t *testing.T) {
+	rt := &Runtime{cfg: Config{RootDir: t.TempDir()}, log: slog.New(slog.DiscardHandler)}
+	if got, err := rt.InstanceAgents(); err != nil || len(got) != 0 {
+		t.Fatalf("no instances: %v %v", got, err)
+	}
+	recorded := record{ID: "a", StateDir: t.TempDir(), layout: layout{AgentPath: "/data/agents/aaaa/space-agent"}}
+	older := record{ID: "b", StateDir: t.TempDir()}
+	spec := runtime.Spec{ID: "b", RootFS: "/", StateDir: older.StateDir, AgentPath: "/data/agents/bbbb/space-agent"}
+	if err := writeBundle(older.StateDir, bundleSpec(spec, bundleOptions{})); err != nil {
+		t.Fatal(err)
+	}
+	for _, rec := range []record{recorded, older} {
+		if err := rt.records().Claim(rec.ID, rec); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := rt.InstanceAgents()
+	slices.Sort(got)
+	if err != nil || !slices.Equal(got, []string{"/data/agents/aaaa/space-agent", "/data/agents/bbbb/space-agent"}) {
+		t.Fatalf("instance agents %v (%v)", got, err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"time"
@@ -324,6 +325,33 @@ func (r *Runtime) RestoreAgent(dir, own string) (string, error) {
 	}
 	p, _ := chooseAgent(own, meta.AgentPath)
 	return p, nil
+}
+
+// InstanceAgents implements runtime.AgentMapper: the agent binary of every instance this
+// runtime has a record of (its bundle's, for a record from before records kept it).
+func (r *Runtime) InstanceAgents() ([]string, error) {
+	ids, err := r.recordIDs()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, id := range ids {
+		rec, err := r.readRecord(id)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // removed since it was listed
+		}
+		if err != nil {
+			return nil, err
+		}
+		p := rec.AgentPath
+		if p == "" {
+			p = bundleAgentPath(rec.StateDir)
+		}
+		if p != "" {
+			out = append(out, p)
+		}
+	}
+	return out, nil
 }
 
 // Restore starts an instance from a checkpoint in dir with spec's root filesystem
