@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -135,6 +136,29 @@ func TestStrictUmask(t *testing.T) {
 	}
 	if fi, err := os.Stat(filepath.Join(s.DataDir, "admin.key")); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("admin.key: %v %v, want mode 0600", fi, err)
+	}
+}
+
+// TestStartOnTakenAddress: the harness starts a server whose --listen address another
+// process holds (another test's server took it after FreeAddr picked it) on another
+// address, even when the holder answers /healthz: its clients reach this server, not
+// the holder. Before, the holder's answer was taken for this server's.
+func TestStartOnTakenAddress(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, `{"status":"ok"}`)
+	})}
+	go func() { _ = holder.Serve(ln) }()
+	t.Cleanup(func() { _ = holder.Close() })
+	s := start(t, options{Addr: ln.Addr().String()})
+	if s.Addr == ln.Addr().String() {
+		t.Fatalf("the server was taken to listen on %s, which another process holds", s.Addr)
+	}
+	if _, err := s.C.ListSandboxes(ctx(t, time.Minute), client.ListOptions{}); err != nil {
+		t.Fatalf("the server's client: %v", err)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -56,6 +57,9 @@ type Options struct {
 	DBURL string
 	// Umask, when set (e.g. "077"), is the umask the server process inherits.
 	Umask string
+	// Addr is the --listen address of the first start ("": a free one). Should it be
+	// taken, the server starts on another (the harness's own tests use that).
+	Addr string
 }
 
 // Server is a space serve process under test.
@@ -108,7 +112,10 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 		bin, _ = testenv.OtherAgentBinaries(t)
 	}
 	dataDir := t.TempDir()
-	s := &Server{t: t, Bin: bin, DataDir: dataDir, Addr: FreeAddr(t), opts: o}
+	s := &Server{t: t, Bin: bin, DataDir: dataDir, Addr: o.Addr, opts: o}
+	if s.Addr == "" {
+		s.Addr = FreeAddr(t)
+	}
 	if o.DBURL != "" {
 		s.DBURL = o.DBURL
 	} else if !o.Embedded {
@@ -169,7 +176,7 @@ func (s *Server) launch(orTaken bool) bool {
 	w := &lockedWriter{b: &bytes.Buffer{}}
 	cmd.Stdout, cmd.Stderr = w, w
 	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
-		cmd.Stderr = os.Stderr
+		cmd.Stderr = io.MultiWriter(os.Stderr, w)
 	}
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
@@ -180,11 +187,15 @@ func (s *Server) launch(orTaken bool) bool {
 	s.cmd, s.log, s.done = cmd, w, done
 	s.mu.Unlock()
 	deadline := time.Now().Add(90 * time.Second)
+	// Healthy is this process's answer: one that has logged binding the address holds
+	// it (another test's server that holds the port would answer too, while this one
+	// fails to bind it and exits).
+	serving := `msg="space is serving" listen=` + s.Addr
 	for {
 		resp, err := http.Get(s.URL + "/healthz")
 		if err == nil {
 			resp.Body.Close()
-			if resp.StatusCode == 200 {
+			if resp.StatusCode == 200 && strings.Contains(w.String(), serving) {
 				return true
 			}
 		}
