@@ -219,3 +219,41 @@ func unansweredOps(t *testing.T, s *srv, id string, clone bool) []string {
 	})
 	return ops
 }
+
+// TestCrashAfterClonePrepared: the server dies after it made the clones' disks and
+// memory images but before it marked them ready. After the restart the clones are
+// prepared again from a new snapshot of the source and start, with the source's disk.
+// Before, the second preparation failed on the first one's disk ("file exists"), and
+// so did the clones; a database that went away for the mark did the same.
+func TestCrashAfterClonePrepared(t *testing.T) {
+	dir := t.TempDir()
+	arm := filepath.Join(dir, "crash.arm")
+	s := start(t, options{Failpoints: true, Args: []string{"--base-snapshots=false"}, Env: []string{"SPACE_CRASH_ARM=" + arm}})
+	sb := s.create(t, api.CreateSandboxRequest{})
+	if _, _, code := s.exec(t, sb.ID, "sh", "-c", "echo kept > /root/marker"); code != 0 {
+		t.Fatal("marker")
+	}
+	if err := crash.Arm(arm, "clone.prepared", "kill", filepath.Join(dir, "once")); err != nil {
+		t.Fatal(err)
+	}
+	clones, err := s.C.Clone(ctx(t, time.Minute), sb.ID, api.CloneRequest{Count: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !s.WaitExit(2 * time.Minute) {
+		t.Fatal("the point was not reached")
+	}
+	if err := crash.Arm(arm, "", "", ""); err != nil {
+		t.Fatal(err)
+	}
+	s.Restart()
+	for _, c := range clones {
+		op, err := s.C.WaitOperation(ctx(t, 3*time.Minute), c.Operation.ID)
+		if err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("clone %s after the crash: %+v %v", c.ID, op, err)
+		}
+		if out, _, _ := s.exec(t, c.ID, "cat", "/root/marker"); strings.TrimSpace(out) != "kept" {
+			t.Errorf("clone %s: the disk lost its data: %q", c.ID, out)
+		}
+	}
+}

@@ -409,6 +409,18 @@ func (n *Node) prepareClone(ctx context.Context, c *store.Sandbox, memDir, disk 
 	if err := n.disk.CheckSpace(n.checkpointRoom(c)); err != nil {
 		return err
 	}
+	// A preparation of this clone that ended before the clone was marked ready (the
+	// node died, or the database was away for the mark) left a disk and memory image
+	// of an older snapshot of the source: they go, and the clone is made from this one.
+	// (Until 2026-12-07 the disk's copy then failed, "file exists", and so did the clone.)
+	if dir, err := n.disk.SandboxDir(c.ID); err == nil {
+		if _, err := os.Lstat(dir); err == nil {
+			n.log.InfoContext(ctx, "a clone's earlier preparation was cut off; it is made again", "sandbox", c.ID)
+			if err := n.disk.DeleteSandbox(ctx, c.ID); err != nil {
+				return err
+			}
+		}
+	}
 	if _, err := n.createDiskFrom(ctx, c.ID, disk); err != nil {
 		return err
 	}
