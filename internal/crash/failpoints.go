@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 )
 
 // Environment of a failpoints build:
@@ -70,11 +71,78 @@ func Point(name string) {
 		if b, err := os.ReadFile(filepath.Clean(c.pgPID)); err == nil {
 			first, _, _ := strings.Cut(string(b), "\n")
 			if pid, err := strconv.Atoi(strings.TrimSpace(first)); err == nil && pid > 1 {
-				_ = syscall.Kill(pid, syscall.SIGKILL)
+				killPostgres(pid)
 			}
 		}
 	default:
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {} // never returns
 	}
+}
+
+// killPostgres kills the postmaster pid and every process it started (the backends
+// serving this process's connections among them), as a crash of the whole server
+// would, and returns once they are all dead: the code after the point meets a database
+// that is gone, not backends that have yet to notice their postmaster died.
+func killPostgres(pid int) {
+	pids := append(childrenOf(pid), pid)
+	for _, p := range pids {
+		_ = syscall.Kill(p, syscall.SIGKILL)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for _, p := range pids {
+		for alive(p) && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
+
+// childrenOf lists the processes whose parent is pid.
+func childrenOf(pid int) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if st, ok := procStat(p); ok && st.ppid == pid {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// alive reports whether pid exists and has not exited (a zombie holds no descriptor
+// any more: its connections are closed).
+func alive(pid int) bool {
+	st, ok := procStat(pid)
+	return ok && st.state != "Z" && st.state != "X"
+}
+
+type stat struct {
+	state string
+	ppid  int
+}
+
+// procStat reads a process's state and parent from /proc/<pid>/stat.
+func procStat(pid int) (stat, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return stat{}, false
+	}
+	// pid (comm) state ppid ...; comm may hold spaces and parentheses.
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return stat{}, false
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return stat{}, false
+	}
+	ppid, err := strconv.Atoi(f[1])
+	if err != nil {
+		return stat{}, false
+	}
+	return stat{state: f[0], ppid: ppid}, true
 }

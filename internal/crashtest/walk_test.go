@@ -24,6 +24,9 @@ type world struct {
 	pid  int
 	ops  []string
 	keep bool // the scenario's outcome keeps memory: the process must survive unless a loss is recorded
+	// noLoss: nothing may record a loss of memory (PostgreSQL died, the host did not:
+	// every instance and snapshot is still there).
+	noLoss bool
 	// snaps are named snapshots the scenario made or acts on (checkSnapshots).
 	snaps []string
 	// done, when set, says whether the action has ended (for actions without an
@@ -501,6 +504,7 @@ func walk(t *testing.T, action string) {
 					// another path: whatever it took must still converge.
 					t.Logf("%s at %s: the point was not reached in this run", action, p)
 				}
+				w.noLoss = action == "pgkill"
 				if !checkWorld(t, s, w, sc.name+"@"+p) {
 					return
 				}
@@ -628,6 +632,9 @@ func checkWorld(t *testing.T, s *server, w *world, where string) bool {
 		// A failed sandbox says why.
 		if sb.State == api.StateFailed && sb.Error == "" {
 			return fail("sandbox %s failed without saying why", sb.ID)
+		}
+		if w.noLoss && lossRe.MatchString(sb.Error) {
+			return fail("sandbox %s recorded a loss though only PostgreSQL died: %s", sb.ID, sb.Error)
 		}
 	}
 	// Memory: a process survives where the state says memory was kept.

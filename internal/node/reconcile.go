@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"time"
 
@@ -183,10 +184,34 @@ func (n *Node) execute(ctx context.Context, sb *store.Sandbox, a lifecycle.Actio
 	if n.work.Err() != nil {
 		return false // shutting down: the next start resumes from what was recorded
 	}
+	if errors.Is(err, errNotRecorded) {
+		// Nothing was done; the next pass (the database's return starts one) tries again.
+		n.log.Warn("lifecycle step waits for the database", "sandbox", sb.ID, "step", a.Step, "err", err)
+		return false
+	}
 	if err != nil {
 		n.log.Error("lifecycle step failed", "sandbox", sb.ID, "step", a.Step, "from", sb.State, "to", sb.DesiredState, "err", err)
 	}
 	return true
+}
+
+// errNotRecorded is what a step returns when it could not record the transition it
+// was about to make (the database was away): it did nothing, and the sandbox waits for
+// the next pass.
+var errNotRecorded = errors.New("the transition could not be recorded; nothing was done")
+
+// record records a transition before the node acts on it (write-ahead: recovery reads
+// the recorded transition against what the host shows). Unlike report, it fails when
+// the record does not land (errNotRecorded), and then the step must not act: a row that
+// still shows the state before the transition, beside a host that shows the one after,
+// misleads the planner (a sandbox woken while PostgreSQL restarted, still recorded
+// suspended, had no snapshot any more and was taken for one that lost its memory).
+func (n *Node) record(ctx context.Context, sb *store.Sandbox, o store.Observed) (*store.Sandbox, error) {
+	got, err := n.st.ReportObserved(context.WithoutCancel(ctx), sb.ID, n.cfg.ID, o)
+	if err != nil {
+		return sb, fmt.Errorf("%w: %s: %w", errNotRecorded, o.Transition, err)
+	}
+	return got, nil
 }
 
 // report records observed state, logging failures (the next resync retries).

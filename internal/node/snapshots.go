@@ -236,6 +236,11 @@ func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) {
 		memDir, diskCopy = cp, root
 	} else {
 		restored, err := n.checkpointSource(ctx, snap, src, root, memDir, diskCopy)
+		if errors.Is(err, errNotRecorded) {
+			// Nothing was done: the clones wait for the next pass.
+			n.log.Warn("clone preparation waits for the database", "source", src.ID, "err", err)
+			return
+		}
 		if err != nil {
 			n.failClones(ctx, pending, err)
 			if !restored {
@@ -285,7 +290,10 @@ func (n *Node) checkpointSource(ctx context.Context, snap runtime.Snapshotter, s
 	wasPaused := src.State == api.StatePaused
 	// The data plane's requests meanwhile wait for the source to be back (gate.go).
 	defer n.pauseBriefly(ctx, src.ID)()
-	n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error, Transition: lifecycle.TCloneSource})
+	crash.Point("clone.source.begin")
+	if _, err := n.record(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error, Transition: lifecycle.TCloneSource}); err != nil {
+		return true, err
+	}
 	crash.Point("clone.source.recorded")
 	back := func() {
 		n.report(ctx, src, store.Observed{State: src.State, ObservedGeneration: src.ObservedGeneration, Error: src.Error})
@@ -475,9 +483,13 @@ func (n *Node) waitClone(ctx context.Context, sb *store.Sandbox) {
 
 // startClone starts a clone from the memory image and disk its source prepared.
 func (n *Node) startClone(ctx context.Context, sb *store.Sandbox) error {
-	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TClone})
+	crash.Point("clone.start.begin")
+	sb, err := n.record(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TClone})
+	if err != nil {
+		return err
+	}
 	crash.Point("clone.start.recorded")
-	err := func() error {
+	err = func() error {
 		snap, err := n.snapshotter()
 		if err != nil {
 			return err

@@ -48,8 +48,13 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 	start := time.Now()
 	n.marks.begin(sb.ID)
 	during := lifecycle.During(t)
-	sb = n.report(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t,
+	crash.Point(string(t) + ".begin")
+	sb, err := n.record(ctx, sb, store.Observed{State: during, ObservedGeneration: sb.ObservedGeneration, Error: sb.Error, Transition: t,
 		Progress: during})
+	if err != nil {
+		n.marks.take(sb.ID)
+		return err
+	}
 	n.marks.mark(sb.ID, "recorded")
 	crash.Point(string(t) + ".recorded")
 	out, err := fn()
@@ -79,15 +84,20 @@ func (n *Node) transition(ctx context.Context, sb *store.Sandbox, t lifecycle.Tr
 func (n *Node) create(ctx context.Context, sb *store.Sandbox) error {
 	n.log.Info("creating sandbox", "sandbox", sb.ID, "template", sb.TemplateRef)
 	n.marks.begin(sb.ID)
-	sb = n.report(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate,
+	crash.Point("create.begin")
+	sb, err := n.record(ctx, sb, store.Observed{State: api.StateCreating, ObservedGeneration: sb.ObservedGeneration, Transition: lifecycle.TCreate,
 		Progress: "creating on node " + n.cfg.Name})
+	if err != nil {
+		n.marks.take(sb.ID)
+		return err
+	}
 	n.marks.mark(sb.ID, "recorded")
 	crash.Point("create.recorded")
 	if err := n.cleanupLocal(ctx, sb.ID); err != nil {
 		n.log.Warn("clean up an earlier create attempt", "sandbox", sb.ID, "err", err)
 	}
 	path := "boot"
-	err := n.disk.CheckSpace(0)
+	err = n.disk.CheckSpace(0)
 	var digest string
 	switch {
 	case err != nil:
