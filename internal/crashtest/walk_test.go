@@ -307,7 +307,18 @@ func scenarios() []scenario {
 				return err
 			})
 			if err != nil {
-				t.Fatal(err)
+				unanswered(t, s, w, "snapshot", err, func(w *world) error {
+					list, err := s.C.ListSnapshots(ctx(t, time.Minute), client.SnapshotListOptions{Sandbox: w.ids[0]})
+					if err != nil {
+						return err
+					}
+					if len(list) == 0 {
+						return fmt.Errorf("no snapshot of %s", w.ids[0])
+					}
+					w.snaps = append(w.snaps, list[0].ID)
+					return nil
+				})
+				return
 			}
 			w.snaps = append(w.snaps, sn.ID)
 			w.ops = append(w.ops, sn.Operation.ID)
