@@ -201,6 +201,50 @@ print("allocated", len(held) * 16, "MiB")
 	}
 }
 
+// attackDiskWriteBeyondMemory: a 256 MiB sandbox writes a file of 1 GiB, four times its
+// memory, to its disk. The file passes through the host's page cache, charged to the
+// sandbox's cgroup: the write must finish whole, as on a Linux machine of that size,
+// with no process ended for memory (until 2026-12-07 the node took the dirty cache for
+// memory the sandbox held and its agent ended the writer), a program then gets memory
+// the file's cache holds, and the host's peak stays under the limit.
+func attackDiskWriteBeyondMemory(t *testing.T, su *suite) {
+	const memoryMB = 256
+	sb := su.create(t, api.CreateSandboxRequest{MemoryMB: memoryMB})
+	limit := readInt64(t, hostCgroupFile(sb.ID, "memory", "memory.limit_in_bytes", "memory.max"))
+	marker := strings.TrimSpace(su.mustSh(t, sb.ID, `sleep 100000 >/dev/null 2>&1 & echo $!`))
+	start := time.Now()
+	out, code := su.sh(t, sb.ID, `dd if=/dev/zero of=/root/big bs=1M count=1024 2>&1 && stat -c %s /root/big`)
+	took := time.Since(start)
+	// The file's pages still fill the cgroup: a program taking 160 MiB, well within the
+	// sandbox's size, gets it (the kernel reclaims the cache).
+	alloc, acode := su.sh(t, sb.ID, `python3 -c '
+b = bytearray(160 << 20)
+for j in range(0, len(b), 4096): b[j] = 1
+print("allocated")
+' 2>&1; rm /root/big`)
+	if acode != 0 || !strings.Contains(alloc, "allocated") {
+		t.Errorf("with the file's cache in its memory, a 160 MiB allocation in a %d MiB sandbox: exit %d: %q", memoryMB, acode, alloc)
+	}
+	peakFile := hostCgroupFile(sb.ID, "memory", "memory.max_usage_in_bytes", "memory.peak")
+	var peak int64 = -1
+	if b, err := os.ReadFile(peakFile); err == nil {
+		fmt.Sscan(string(b), &peak)
+	}
+	su.figure("  disk write 4x memory", fmt.Sprintf("1 GiB in %v; limit %d MiB, host peak %d MiB", took.Round(time.Millisecond), limit>>20, peak>>20))
+	if code != 0 || !strings.Contains(out, fmt.Sprint(1<<30)) {
+		t.Errorf("writing 1 GiB to the disk of a %d MiB sandbox: exit %d: %q", memoryMB, code, out)
+	}
+	if strings.Contains(out, "out of memory") {
+		t.Errorf("a process was ended for memory while the sandbox wrote a file: %q", out)
+	}
+	if peak < 0 || peak > limit+1<<20 {
+		t.Errorf("host memory peak %d above the limit %d (or the instance was ended)", peak, limit)
+	}
+	if got, code := su.sh(t, sb.ID, `kill -0 `+marker+` && echo alive`); code != 0 || got != "alive\n" {
+		t.Errorf("after the write the sandbox lost a process: exit %d, %q", code, got)
+	}
+}
+
 // attackMemoryFilesFill: a 256 MiB sandbox writes 400 MiB into each of its memory file
 // systems, /tmp and /dev/shm, keeping the first file while it writes the second. Their
 // files are the sandbox's memory: gVisor's default bound, half of the HOST's memory,

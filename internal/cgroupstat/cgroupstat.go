@@ -191,3 +191,52 @@ func fileExists(f string) bool {
 	_, err := os.Stat(f)
 	return err == nil
 }
+
+// FileMemory is the part of a cgroup's memory that holds file data (memory.stat).
+type FileMemory struct {
+	// Cache is the page cache charged to the cgroup, less shared memory (which the page
+	// cache counts but reclaim cannot free without swap; a gVisor Sentry's memory is
+	// shared memory): what the kernel frees at the limit once it is on disk.
+	Cache int64
+	// Dirty is the part of Cache not yet on disk (dirty or being written back).
+	Dirty int64
+}
+
+// ReadFileMemory reads the file data charged to the memory cgroup dir, with its
+// sub-cgroups (cgroup v1's total_* counters; v2's memory.stat counts them anyway).
+func ReadFileMemory(dir string) (FileMemory, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "memory.stat"))
+	if err != nil {
+		return FileMemory{}, err
+	}
+	v := map[string]int64{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, val, ok := strings.Cut(line, " "); ok {
+			if n, err := strconv.ParseInt(strings.TrimSpace(val), 10, 64); err == nil {
+				v[k] = n
+			}
+		}
+	}
+	var m FileMemory
+	if _, v1 := v["total_cache"]; v1 {
+		m = FileMemory{Cache: v["total_cache"] - v["total_shmem"], Dirty: v["total_dirty"] + v["total_writeback"]}
+	} else {
+		// v2: shared memory is counted in "file" as well.
+		m = FileMemory{Cache: v["file"] - v["shmem"], Dirty: v["file_dirty"] + v["file_writeback"]}
+	}
+	m.Cache, m.Dirty = max(m.Cache, 0), max(m.Dirty, 0)
+	return m, nil
+}
+
+// ReadMemoryUsage reads the memory charged to the memory cgroup dir (cgroup v1's
+// memory.usage_in_bytes, v2's memory.current).
+func ReadMemoryUsage(dir string) (int64, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "memory.usage_in_bytes"))
+	if errors.Is(err, os.ErrNotExist) {
+		b, err = os.ReadFile(filepath.Join(dir, "memory.current"))
+	}
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+}

@@ -53,3 +53,29 @@ func TestReadCPU(t *testing.T) {
 		t.Fatal("cpu.stat without usage_usec read")
 	}
 }
+
+// TestReadFileMemory: the file cache of a memory cgroup less its shared memory, and
+// the part of it not on disk, from a v1 and a v2 memory.stat.
+func TestReadFileMemory(t *testing.T) {
+	for _, tc := range []struct {
+		name, stat string
+		want       FileMemory
+	}{
+		{"v1", "cache 9000\nrss 100\nshmem 1000\ndirty 50\ntotal_cache 747634688\ntotal_rss 19357696\ntotal_shmem 5644288\ntotal_dirty 746586112\ntotal_writeback 4096\n",
+			FileMemory{Cache: 747634688 - 5644288, Dirty: 746586112 + 4096}},
+		{"v2", "anon 19357696\nfile 747634688\nshmem 5644288\nfile_dirty 700000000\nfile_writeback 8192\n",
+			FileMemory{Cache: 747634688 - 5644288, Dirty: 700000000 + 8192}},
+		{"shared memory only", "total_cache 5644288\ntotal_shmem 5644288\n", FileMemory{}},
+	} {
+		dir := t.TempDir()
+		if err := os.WriteFile(filepath.Join(dir, "memory.stat"), []byte(tc.stat), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := ReadFileMemory(dir); err != nil || got != tc.want {
+			t.Errorf("%s: %+v %v, want %+v", tc.name, got, err, tc.want)
+		}
+	}
+	if _, err := ReadFileMemory(t.TempDir()); err == nil {
+		t.Error("a directory without memory.stat read as a memory cgroup")
+	}
+}

@@ -42,7 +42,9 @@ func (n *Node) watchMemory(sb *store.Sandbox) {
 	ctx, cancel := context.WithCancel(n.work)
 	n.memWatches[sb.ID] = cancel
 	n.mu.Unlock()
-	spec, id := n.spec(sb, "", nil), sb.ID
+	// The root lets the runtime write out files the sandbox filled its memory with.
+	root, _ := n.diskPath(sb.ID)
+	spec, id := n.spec(sb, root, nil), sb.ID
 	// The entry stays when the watch ends by itself (its instance gone, or nothing to
 	// watch): every new instance is served again after the node stopped serving the old
 	// one, which ends the entry, and the reconcile loop's calls to serving do not start

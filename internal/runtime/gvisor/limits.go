@@ -8,7 +8,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/cgroupstat"
 	"github.com/spacedev/space/internal/cgroupwatch"
@@ -91,14 +95,95 @@ func pressureThreshold(spec runtime.Spec) int64 {
 }
 
 // WatchMemory reports each rise of the instance's host memory to pressureThreshold
-// (runtime.MemoryWatcher), through its host cgroup (cgroupwatch).
+// (runtime.MemoryWatcher), through its host cgroup (cgroupwatch), unless what fills it
+// is files the sandbox wrote.
+//
+// Files a sandbox writes to its disk pass through the host's page cache, charged to
+// its cgroup: they fill the cgroup as fast as they are written, and the kernel frees
+// them at the limit once they are on disk. On a cgroup v1 host nothing writes them out
+// before the host's own dirty limits (gigabytes on a large host), so a sandbox writing
+// a file of its memory's size reached the threshold with most of it dirty cache, and
+// the agent ended the writer (measured 2026-12-07: dd of 1.5 GB in a 512 MiB sandbox
+// killed at 740 MB, 712 MB of the cgroup dirty; and a process of 49 MiB ended in a
+// sandbox whose cgroup still held 680 MB of clean cache). Now the node is told only
+// when what the processes hold (the cgroup's memory less its file cache) comes within
+// the margin of the threshold. While file cache fills the cgroup above the threshold,
+// its dirty part is written out (syncfs of the sandbox's file system, one at a time)
+// so that the kernel can reclaim it at the limit, and the cgroup is looked at every
+// 10 ms until it is back under the threshold or its processes' share calls for the
+// node after all.
 func (r *Runtime) WatchMemory(ctx context.Context, spec runtime.Spec, near func(usage, limit int64)) error {
 	limit, threshold := hostMemoryLimit(spec), pressureThreshold(spec)
 	dir, _ := r.memoryLimitFile(spec.ID)
 	if threshold <= 0 || dir == "" {
 		return runtime.ErrUnsupported
 	}
-	return cgroupwatch.Memory(ctx, dir, threshold, func(usage int64) { near(usage, limit) })
+	held := threshold - (limit - threshold) // what the processes may hold before the node is told
+	var (
+		nearMu           sync.Mutex // near runs one call at a time
+		syncing, polling atomic.Bool
+	)
+	tell := func(usage int64) {
+		nearMu.Lock()
+		defer nearMu.Unlock()
+		near(usage, limit)
+	}
+	// filesFill reports whether file cache, not the processes, fills the cgroup, and
+	// starts writing the cache out when some of it is dirty.
+	filesFill := func(usage int64) bool {
+		files, err := cgroupstat.ReadFileMemory(dir)
+		if err != nil || usage-files.Cache >= held {
+			return false
+		}
+		if files.Dirty > 0 && syncing.CompareAndSwap(false, true) {
+			go func() {
+				defer syncing.Store(false)
+				if err := syncFS(spec.RootFS); err != nil {
+					r.log.Warn("write out a sandbox's files near its memory limit", "id", spec.ID, "err", err)
+				}
+			}()
+		}
+		return true
+	}
+	return cgroupwatch.Memory(ctx, dir, threshold, func(usage int64) {
+		if !filesFill(usage) {
+			tell(usage)
+			return
+		}
+		if !polling.CompareAndSwap(false, true) {
+			return
+		}
+		go func() {
+			defer polling.Store(false)
+			tick := time.NewTicker(10 * time.Millisecond)
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+				usage, err := cgroupstat.ReadMemoryUsage(dir)
+				if err != nil || usage < threshold {
+					return
+				}
+				if !filesFill(usage) {
+					tell(usage)
+					return
+				}
+			}
+		}()
+	})
+}
+
+// syncFS writes out the file system holding path (syncfs(2)).
+func syncFS(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return unix.Syncfs(fd)
 }
 
 // memoryLimitFile is the instance's limit file in the host's memory hierarchy, with the
