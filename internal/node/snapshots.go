@@ -235,6 +235,13 @@ func (n *Node) prepareClones(ctx context.Context, src *store.Sandbox) {
 		}
 		memDir, diskCopy = cp, root
 	} else {
+		// The source's memory image comes first: with no room for it, the clones fail
+		// at once, saying so, and the source is not touched (a full store made the
+		// checkpoint fail half-way, with the file system's error).
+		if err := n.disk.CheckSpace(n.checkpointRoom(src)); err != nil {
+			n.failClones(ctx, pending, err)
+			return
+		}
 		restored, err := n.checkpointSource(ctx, snap, src, root, memDir, diskCopy)
 		if errors.Is(err, errNotRecorded) {
 			// Nothing was done: the clones wait for the next pass.

@@ -558,11 +558,45 @@ func TestDiskLimitAndReserve(t *testing.T) {
 	if got, _ := s.C.GetSandbox(c, sb.ID); got.State != api.StateSuspended {
 		t.Fatalf("the refused wake changed the sandbox: %+v", got)
 	}
+	if code, body := do(t, s, "POST", "/v1/sandboxes/"+sb.ID+"/clone", `{}`); code != 507 || !strings.Contains(body, "clone sandboxes") {
+		t.Fatalf("clone on a full node: %d %s", code, body)
+	}
 	s.Disk.SetFull("")
 	s.Eventually(10*time.Second, "creates to be accepted again", func() bool {
 		code, _ := do(t, s, "POST", "/v1/sandboxes", `{}`)
 		return code == 202
 	})
+}
+
+// TestCloneWithoutRoomFailsCleanly: a clone accepted while its node still had room, but
+// whose source's memory image no longer fits when the node comes to take it, fails at
+// once with the store's reason (insufficient storage), and the source runs on
+// untouched. Before, the checkpoint was begun and failed half-way with the file
+// system's "no space left on device".
+func TestCloneWithoutRoomFailsCleanly(t *testing.T) {
+	var checkpoints atomic.Int64
+	s := spacetest.Start(t, spacetest.Options{BeforeCheckpoint: func(string) { checkpoints.Add(1) }})
+	c := ctx(t)
+	src := s.Create(api.CreateSandboxRequest{MemoryMB: 256})
+	s.Disk.SetFree(1 << 20) // room for small writes, not for a memory image
+	defer s.Disk.SetFree(-1)
+	clones, err := s.C.Clone(c, src.ID, api.CloneRequest{Count: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cl := range clones {
+		op := s.WaitOp(cl.Operation.ID, api.OpFailed)
+		if !strings.Contains(op.Error, "free above the reserve") {
+			t.Errorf("clone %s failed with %q, want the store's reason", cl.ID, op.Error)
+		}
+	}
+	got, err := s.C.GetSandbox(c, src.ID)
+	if err != nil || got.State != api.StateRunning || got.Error != "" {
+		t.Fatalf("the source after the refused clone: %+v %v", got, err)
+	}
+	if n := checkpoints.Load(); n != 0 {
+		t.Errorf("the source was checkpointed %d times for clones that had no room", n)
+	}
 }
 
 // suspendHeld starts a space with a running sandbox whose suspend is under way and held

@@ -483,7 +483,7 @@ func (s *Service) verb(ctx context.Context, p *Principal, id, kind, reason strin
 			rehome = true
 		}
 		if v.Desired == api.StateRunning && !lifecycle.AlreadyThere(sb.Lifecycle(), v) && sb.NodeID != "" && !rehome {
-			if err := roomOn(ctx, tx, sb.NodeID); err != nil {
+			if err := roomOn(ctx, tx, sb.NodeID, "wake sandboxes"); err != nil {
 				return err
 			}
 		}
@@ -651,6 +651,10 @@ func (s *Service) clone(ctx context.Context, p *Principal, id string, req api.Cl
 			return err
 		}
 		if err := nodeUp(ctx, tx, src); err != nil {
+			return err
+		}
+		// A clone writes a snapshot of the source's memory and the clones' own.
+		if err := roomOn(ctx, tx, src.NodeID, "clone sandboxes"); err != nil {
 			return err
 		}
 		meta := req.Metadata
@@ -853,13 +857,14 @@ func (s *Service) roomForNew(ctx context.Context) error {
 	return fault.New(fault.InsufficientStorage, "no node has disk space for a new sandbox: %s", reason)
 }
 
-// roomOn refuses to wake a sandbox (507) on a node whose disk is at its reserve.
-func roomOn(ctx context.Context, q nodeReader, nodeID string) error {
+// roomOn refuses (507) what would write a sandbox's memory or disk on a node whose disk
+// is at its reserve; what says what that is ("wake sandboxes").
+func roomOn(ctx context.Context, q nodeReader, nodeID, what string) error {
 	n, err := q.GetNode(ctx, nodeID)
 	if err != nil || n.DiskLow == "" {
 		return nil
 	}
-	return fault.New(fault.InsufficientStorage, "node %s has no disk space to wake sandboxes: %s", n.Name, n.DiskLow)
+	return fault.New(fault.InsufficientStorage, "node %s has no disk space to %s: %s", n.Name, what, n.DiskLow)
 }
 
 // RotateAccess replaces the E2B envd access token of a sandbox p may see (after an

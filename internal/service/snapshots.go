@@ -81,7 +81,7 @@ func (s *Service) createSnapshot(ctx context.Context, p *Principal, sandboxID st
 		if src.NodeID == "" {
 			return fault.New(fault.Conflict, "sandbox %s is not on a node yet", src.ID)
 		}
-		if err := roomOn(ctx, tx, src.NodeID); err != nil {
+		if err := roomOn(ctx, tx, src.NodeID, "take snapshots"); err != nil {
 			return err
 		}
 		spec := src.Spec
@@ -288,7 +288,7 @@ func (s *Service) createFromSnapshot(ctx context.Context, p *Principal, req *api
 		}
 		sb.NodeID, sb.Spec.Runtime = "", found.Runtime
 		msg = "restoring from snapshot " + found.Name + " (from the registry: node " + node.Name + " is down)"
-	} else if err := roomOn(ctx, s.st, found.NodeID); err != nil {
+	} else if err := roomOn(ctx, s.st, found.NodeID, "start sandboxes from snapshots"); err != nil {
 		return nil, err
 	}
 	op := &store.Operation{ID: ids.Operation(), Kind: api.OpCreate, Tenant: p.Tenant, Message: msg}

@@ -40,8 +40,8 @@ type Config struct {
 	AgentPath string
 	// FailCreate, when set, fails Create for matching sandbox ids (tests of undo).
 	FailCreate func(id string) error
-	// BeforeCheckpoint, when set, is called as Checkpoint starts (tests of requests that
-	// come during a suspend block in it).
+	// BeforeCheckpoint, when set, is called as Checkpoint and CheckpointPaused start
+	// (tests of requests that come during a suspend block in it; tests count them).
 	BeforeCheckpoint func(id string)
 	// DieAfterRestore, when set, kills the agent of a restored instance that matches
 	// as Restore returns (a restored agent that cannot run: tests of the fallback).
@@ -378,6 +378,9 @@ func (r *Runtime) Checkpoint(ctx context.Context, id, dir string) error {
 
 // CheckpointPaused writes a marker into dir and leaves the paused instance as it is.
 func (r *Runtime) CheckpointPaused(ctx context.Context, id, dir string) error {
+	if r.cfg.BeforeCheckpoint != nil {
+		r.cfg.BeforeCheckpoint(id)
+	}
 	if _, err := r.read(id); err != nil {
 		return err
 	}
