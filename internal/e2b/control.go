@@ -137,6 +137,7 @@ func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
 		g.log.Error("E2B request failed", "method", r.Method, "path", r.URL.Path, "err", err)
 		msg = "internal error"
 	}
+	rest.SetRetryAfter(w, err)
 	writeError(w, status, msg)
 }
 

@@ -3,6 +3,8 @@ package e2b
 import (
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/json"
+	"log/slog"
 	"maps"
 	"net/http"
 	"net/http/httptest"
@@ -12,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/store"
 )
@@ -214,5 +217,33 @@ func TestDomain(t *testing.T) {
 	g.cfg.Domain = "sandboxes.example.com"
 	if got := g.domain(httptest.NewRequest("GET", "/", nil)); got != "sandboxes.example.com" {
 		t.Errorf("configured domain: %q", got)
+	}
+}
+
+// TestFailRetryAfter: the E2B API's errors carry Retry-After as the native API's do: a
+// conflict that passes on its own (a transition in flight) and too many requests.
+func TestFailRetryAfter(t *testing.T) {
+	g := &Gateway{log: slog.New(slog.DiscardHandler)}
+	for _, tc := range []struct {
+		err    error
+		status int
+		after  string
+	}{
+		{fault.Later(fault.New(fault.Conflict, "sandbox x is suspending; wait for that to finish"), 1500*time.Millisecond), 409, "2"},
+		{fault.New(fault.TooManyRequests, "slow down"), 429, "1"},
+		{fault.New(fault.Conflict, "sandbox x is stopped"), 409, ""},
+	} {
+		w := httptest.NewRecorder()
+		g.fail(w, httptest.NewRequest("POST", "/sandboxes/x/pause", nil), tc.err)
+		var body struct {
+			Code    int    `json:"code"`
+			Message string `json:"message"`
+		}
+		if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || w.Code != tc.status || body.Code != tc.status {
+			t.Errorf("%v: %d %s", tc.err, w.Code, w.Body)
+		}
+		if got := w.Header().Get("Retry-After"); got != tc.after {
+			t.Errorf("%v: Retry-After %q, want %q", tc.err, got, tc.after)
+		}
 	}
 }

@@ -83,12 +83,20 @@ func WriteError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err er
 	if l, ok := fault.DetailOf(err).(*api.LimitExceeded); ok {
 		body.Limit = l
 	}
+	SetRetryAfter(w, err)
+	WriteJSON(w, statusOf(k), api.Error{Error: body})
+}
+
+// SetRetryAfter sets Retry-After on the answer to an error a client should send again
+// later: a conflict that passes on its own (fault.Later, in whole seconds rounded up)
+// or too many requests (1 s). Every API's error writer calls it; the E2B-compatible
+// API writes bodies of its own.
+func SetRetryAfter(w http.ResponseWriter, err error) {
 	if d := fault.RetryAfterOf(err); d > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((d+time.Second-1)/time.Second)))
-	} else if k == fault.TooManyRequests {
+	} else if fault.KindOf(err) == fault.TooManyRequests {
 		w.Header().Set("Retry-After", "1")
 	}
-	WriteJSON(w, statusOf(k), api.Error{Error: body})
 }
 
 // HandlerFunc is an HTTP handler that returns an error, written by Handle.
