@@ -10,6 +10,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 // Environment of a failpoints build:
@@ -99,15 +101,11 @@ func killPostgres(pid int) {
 
 // childrenOf lists the processes whose parent is pid.
 func childrenOf(pid int) []int {
-	ents, _ := os.ReadDir("/proc")
+	procs, _ := procfs.AllProcs()
 	var out []int
-	for _, e := range ents {
-		p, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if st, ok := procStat(p); ok && st.ppid == pid {
-			out = append(out, p)
+	for _, p := range procs {
+		if st, err := p.Stat(); err == nil && st.PPID == pid {
+			out = append(out, p.PID)
 		}
 	}
 	return out
@@ -116,33 +114,10 @@ func childrenOf(pid int) []int {
 // alive reports whether pid exists and has not exited (a zombie holds no descriptor
 // any more: its connections are closed).
 func alive(pid int) bool {
-	st, ok := procStat(pid)
-	return ok && st.state != "Z" && st.state != "X"
-}
-
-type stat struct {
-	state string
-	ppid  int
-}
-
-// procStat reads a process's state and parent from /proc/<pid>/stat.
-func procStat(pid int) (stat, bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	p, err := procfs.NewProc(pid)
 	if err != nil {
-		return stat{}, false
+		return false
 	}
-	// pid (comm) state ppid ...; comm may hold spaces and parentheses.
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return stat{}, false
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 2 {
-		return stat{}, false
-	}
-	ppid, err := strconv.Atoi(f[1])
-	if err != nil {
-		return stat{}, false
-	}
-	return stat{state: f[0], ppid: ppid}, true
+	st, err := p.Stat()
+	return err == nil && st.State != "Z" && st.State != "X"
 }

@@ -241,12 +241,13 @@ func (n *Node) checkpointDirs() ([]string, error) {
 		return nil, fmt.Errorf("list releases: %w", err)
 	}
 	for _, r := range rels {
-		one, err := n.disk.BaseSnapshotDir(r.Digest, "any")
+		dir, keys, err := n.baseSnapshots(r.Digest)
 		if err != nil {
 			return nil, err
 		}
-		bases, _ := filepath.Glob(filepath.Join(filepath.Dir(one), "*", "checkpoint"))
-		dirs = append(dirs, bases...)
+		for _, key := range keys {
+			dirs = append(dirs, filepath.Join(dir, key, "checkpoint"))
+		}
 	}
 	named, err := n.disk.ListSnapshotDirs()
 	if err != nil {

@@ -29,6 +29,19 @@ func (m mapperRuntime) RestoreAgent(dir, own string) (string, error) {
 
 func (m mapperRuntime) InstanceAgents() ([]string, error) { return m.running, nil }
 
+// diskWithRelease is a fake store under data holding one release.
+func diskWithRelease(t *testing.T, data, digest string) *fake.Disk {
+	t.Helper()
+	disk, err := fake.NewDisk(filepath.Join(data, "store"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := disk.AddRelease("base", digest, nil, map[string]string{"etc/hostname": "x"}); err != nil {
+		t.Fatal(err)
+	}
+	return disk
+}
+
 // TestPruneAgents: the node removes the agent binaries nothing on it needs, and keeps
 // its own, the ones its instances run, the ones its checkpoints (suspended sandboxes,
 // clone batches, base snapshots, named snapshots) would restore with, and any placed or
@@ -36,14 +49,8 @@ func (m mapperRuntime) InstanceAgents() ([]string, error) { return m.running, ni
 // nothing.
 func TestPruneAgents(t *testing.T) {
 	data := t.TempDir()
-	disk, err := fake.NewDisk(filepath.Join(data, "store"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	const digest = "sha256:" + "ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12ab12"
-	if _, err := disk.AddRelease("base", digest, nil, map[string]string{"etc/hostname": "x"}); err != nil {
-		t.Fatal(err)
-	}
+	disk := diskWithRelease(t, data, digest)
 	old := time.Now().Add(-2 * agentGrace)
 	agents := map[string]string{} // role -> path
 	for i, role := range []string{"own", "running", "suspended", "clone", "base", "named", "recent", "stale", "stale2"} {
@@ -177,14 +184,8 @@ func TestPruneAgents(t *testing.T) {
 // the agent binary only a removed one named goes with the next pass.
 func TestPruneBaseSnapshots(t *testing.T) {
 	data := t.TempDir()
-	disk, err := fake.NewDisk(filepath.Join(data, "store"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	const digest = "sha256:" + "cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34cd34"
-	if _, err := disk.AddRelease("base", digest, nil, map[string]string{"etc/hostname": "x"}); err != nil {
-		t.Fatal(err)
-	}
+	disk := diskWithRelease(t, data, digest)
 	own, err := placeAgent(data, "aaaaaaaaaaaaaaaa"+strings.Repeat("0", 48), func(w io.Writer) error { _, err := io.WriteString(w, "own"); return err })
 	if err != nil {
 		t.Fatal(err)

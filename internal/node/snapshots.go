@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -42,6 +43,27 @@ func (n *Node) baseKeyPrefix() string {
 	return fmt.Sprintf("%s-%s-agent%s-", n.info.Name, v, n.agentHash[:8])
 }
 
+// baseSnapshots returns the directory holding a release's base snapshots
+// (templates/<hex>/snapshots) and the keys of those in it (none when it is missing).
+func (n *Node) baseSnapshots(digest string) (string, []string, error) {
+	one, err := n.disk.BaseSnapshotDir(digest, "any")
+	if err != nil {
+		return "", nil, err
+	}
+	dir := filepath.Dir(one)
+	ents, err := os.ReadDir(dir)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return "", nil, err
+	}
+	var keys []string
+	for _, e := range ents {
+		if e.IsDir() {
+			keys = append(keys, e.Name())
+		}
+	}
+	return dir, keys, nil
+}
+
 // pruneBaseSnapshots removes the base snapshots this node never restores again: those
 // of another runtime, runtime version or agent build (baseKeyPrefix), which an upgrade
 // leaves behind, one per release and size class, each a checkpoint of a booted sandbox
@@ -61,27 +83,22 @@ func (n *Node) pruneBaseSnapshots(ctx context.Context) {
 	defer n.releaseUse.RUnlock()
 	prefix := n.baseKeyPrefix()
 	for _, r := range rels {
-		one, err := n.disk.BaseSnapshotDir(r.Digest, "any")
+		dir, keys, err := n.baseSnapshots(r.Digest)
 		if err != nil {
 			continue
 		}
-		ents, err := os.ReadDir(filepath.Dir(one))
-		if err != nil {
-			continue // none
-		}
-		for _, e := range ents {
+		for _, key := range keys {
 			if ctx.Err() != nil {
 				return
 			}
-			if strings.HasPrefix(e.Name(), prefix) {
+			if strings.HasPrefix(key, prefix) {
 				continue
 			}
-			dir := filepath.Join(filepath.Dir(one), e.Name())
-			if err := n.disk.RemoveLater(ctx, dir); err != nil {
-				n.log.WarnContext(ctx, "remove a base snapshot of another build", "dir", dir, "err", err)
+			if err := n.disk.RemoveLater(ctx, filepath.Join(dir, key)); err != nil {
+				n.log.WarnContext(ctx, "remove a base snapshot of another build", "dir", filepath.Join(dir, key), "err", err)
 				continue
 			}
-			n.log.InfoContext(ctx, "removed a base snapshot of another space build or runtime version", "digest", r.Digest, "key", e.Name())
+			n.log.InfoContext(ctx, "removed a base snapshot of another space build or runtime version", "digest", r.Digest, "key", key)
 		}
 	}
 }
