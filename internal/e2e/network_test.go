@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
+
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/bench"
@@ -486,5 +488,93 @@ func TestNetworkQEMU(t *testing.T) {
 	}
 	if p := netnsPin(t, s, sb.ID); p != "" {
 		t.Errorf("the deleted sandbox's namespace pin %s is still there", p)
+	}
+}
+
+// TestNetworkAfterHostReboot: the host goes down under a node with networked sandboxes
+// (e2etest.HostDown; the host's network state goes too: the sandboxes' namespace pins
+// and every nftables rule of the host namespace). After the restart a running sandbox,
+// booted again from its disk, and a suspended one, woken with its memory, each have
+// their network again under the same policy: the allowed host answers, the denied one
+// is not reached. Deleting them leaves no namespace pin or rule table.
+func TestNetworkAfterHostReboot(t *testing.T) {
+	s, fn := netServer(t)
+	policy := &api.Network{Egress: true, AllowOut: []string{"allowed.test"}, DenyOut: []string{"0.0.0.0/0"}}
+	running := s.create(t, api.CreateSandboxRequest{Network: policy})
+	suspended := s.create(t, api.CreateSandboxRequest{Network: policy})
+	if _, _, code := s.exec(t, suspended.ID, "sh", "-c", "echo mem > /dev/shm/m"); code != 0 {
+		t.Fatal("write /dev/shm/m")
+	}
+	s.verb(t, suspended.ID, api.OpSuspend)
+	waitFor(t, 2*time.Minute, "the suspend snapshot to be synced", func() bool {
+		_, err := os.Stat(filepath.Join(s.DataDir, "store", "sandboxes", suspended.ID, "checkpoint", "complete"))
+		return err == nil
+	})
+	pinDir := filepath.Dir(netnsPin(t, s, running.ID))
+
+	s.HostDown()
+	pins, _ := filepath.Glob(filepath.Join(pinDir, "*"))
+	for _, p := range pins {
+		if err := network.RemoveNamedNS(p); err != nil {
+			t.Fatalf("reboot: unpin %s: %v", p, err)
+		}
+	}
+	if err := fn.Host().Do(func() error {
+		c, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		c.FlushRuleset()
+		return c.Flush()
+	}); err != nil {
+		t.Fatalf("reboot: flush the host namespace's rules: %v", err)
+	}
+	s.Restart()
+
+	waitFor(t, 3*time.Minute, "the running sandbox to be booted again", func() bool {
+		got, err := s.C.GetSandbox(ctx(t, time.Minute), running.ID)
+		return err == nil && got.State == api.StateRunning && got.Operation == nil
+	})
+	for _, sb := range []*api.Sandbox{running, suspended} {
+		got := fetch(t, s, sb.ID, allowedURL, deniedURL) // wakes the suspended one
+		expect(t, "after the reboot", got, map[string]bool{allowedURL: true, deniedURL: false})
+	}
+	if out, _, code := s.exec(t, suspended.ID, "cat", "/dev/shm/m"); code != 0 || out != "mem\n" {
+		t.Errorf("the suspended sandbox woke without its memory: %d %q", code, out)
+	}
+	if fn.Hits("http "+fakenet.Web2Addr.String()+":80") != 0 {
+		t.Fatal("a denied destination was reached")
+	}
+	for _, sb := range []*api.Sandbox{running, suspended} {
+		op, err := s.C.DeleteSandbox(ctx(t, time.Minute), sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if op, err = s.C.WaitOperation(ctx(t, 2*time.Minute), op.ID); err != nil || op.State != api.OpSucceeded {
+			t.Fatalf("delete %s: %+v %v", sb.ID, op, err)
+		}
+		if p := netnsPin(t, s, sb.ID); p != "" {
+			t.Errorf("%s's namespace pin is left: %s", sb.ID, p)
+		}
+	}
+	if err := fn.Host().Do(func() error {
+		c, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		for _, f := range []nftables.TableFamily{nftables.TableFamilyIPv4, nftables.TableFamilyIPv6} {
+			ts, err := c.ListTablesOfFamily(f)
+			if err != nil {
+				return err
+			}
+			for _, tb := range ts {
+				if strings.Contains(tb.Name, running.ID) || strings.Contains(tb.Name, suspended.ID) {
+					t.Errorf("rule table %s is left after the deletion", tb.Name)
+				}
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -46,11 +46,14 @@ func (n *Node) Agent(ctx context.Context, id string) (*agentclient.Client, error
 		return nil, fault.New(fault.Unavailable, "node is still starting up")
 	}
 	// A sandbox the node pauses for a moment of its own (a periodic checkpoint) is
-	// waited for: a client's stream broken by the pause re-attaches at once.
+	// waited for: a client's stream broken by the pause re-attaches at once. So is one
+	// the node is booting again after it found it without its instance at start-up
+	// (recover): it was recorded running, and until its worker's first pass the API
+	// still says so.
 	deadline := time.Now().Add(startupTimeout)
 	for {
 		n.mu.Lock()
-		ready, brief := n.ready[id], n.brief[id]
+		ready, brief := n.ready[id], n.brief[id] || n.recovering[id]
 		if ready {
 			c := n.gated[id]
 			if c == nil {

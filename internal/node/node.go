@@ -147,6 +147,11 @@ type Node struct {
 	ready  map[string]bool
 	// brief marks sandboxes paused for a moment by the node itself (moves.go).
 	brief map[string]bool
+	// recovering marks the sandboxes that should run but that the node found without
+	// their instance when it started (a host reboot, a runtime crash): until their
+	// worker's first pass has booted them again (or found that it cannot), requests
+	// for them wait instead of being told that they do not run (Agent).
+	recovering map[string]bool
 	// gates hold the data plane's agent requests back while the node pauses a
 	// sandbox's agent (gate.go).
 	gates gates
@@ -225,7 +230,7 @@ func New(cfg Config) (*Node, error) {
 	return &Node{
 		cfg: cfg, st: cfg.Store, rt: cfg.Runtime, disk: cfg.Storage, net: cfg.Network, log: cfg.Logger,
 		works: map[string]chan struct{}{}, agents: map[string]*agentclient.Client{}, memWatches: map[string]context.CancelFunc{}, gated: map[string]*agentclient.Client{},
-		active: map[string]time.Time{}, ready: map[string]bool{}, adopted: make(chan struct{}),
+		active: map[string]time.Time{}, ready: map[string]bool{}, recovering: map[string]bool{}, adopted: make(chan struct{}),
 		seenOutput: map[string]time.Time{}, polled: map[string]time.Time{}, idleOf: map[string]time.Duration{}, looked: map[string]hostLook{}, toMeasure: map[string]bool{}, stopping: make(chan struct{}),
 		snapKick: make(chan struct{}, 1),
 	}, nil
@@ -561,6 +566,9 @@ func (n *Node) recover(ctx context.Context) error {
 		root, _ := n.diskPath(sb.ID)
 		if err := n.rt.Adopt(ctx, n.spec(sb, root, nil)); err != nil {
 			n.log.Warn("could not adopt sandbox; its worker will recover it", "sandbox", sb.ID, "err", err)
+			n.mu.Lock()
+			n.recovering[sb.ID] = true
+			n.mu.Unlock()
 			continue
 		}
 		n.serving(sb)

@@ -3,9 +3,11 @@ package node_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -112,6 +114,62 @@ func TestLostInstanceIsRebootedAndSaysSo(t *testing.T) {
 	})
 	intact()
 	run(t, s, sb.ID, "true")
+}
+
+// A sandbox that should run but that the node finds without its instance when it
+// starts (the host rebooted) is still recorded running until its worker's first pass:
+// a command sent then waits while the node boots it again from its disk, and runs,
+// instead of being told that the sandbox does not run (until 2026-12-07: 409).
+func TestRequestsWaitForASandboxBootedAfterARestart(t *testing.T) {
+	var hold atomic.Bool
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	s := spacetest.Start(t, spacetest.Options{FailCreate: func(string) error {
+		if hold.Load() {
+			select {
+			case entered <- struct{}{}:
+			default:
+			}
+			<-release
+		}
+		return nil
+	}})
+	var once sync.Once
+	t.Cleanup(func() { once.Do(func() { close(release) }) }) // before the node's stop
+	sb := s.Create(api.CreateSandboxRequest{})
+	s.StopNode()
+	if err := s.Runtime.Kill(sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	hold.Store(true)
+	s.StartNode()
+	select {
+	case <-entered: // the boot is under way, and held
+	case <-time.After(30 * time.Second):
+		t.Fatal("the node did not boot the sandbox again")
+	}
+	if got := get(t, s, sb.ID); got.State != api.StateRunning && got.State != api.StateStarting {
+		t.Fatalf("while it is booted again: %+v", got)
+	}
+	done := make(chan string, 1)
+	go func() {
+		var out bytes.Buffer
+		code, err := s.C.Exec(ctx(t), sb.ID, api.CreateSessionRequest{Command: "echo ran"}, client.Output{Stdout: &out, Stderr: &out})
+		done <- fmt.Sprintf("%d %v %s", code, err, out.String())
+	}()
+	select {
+	case got := <-done:
+		t.Fatalf("a command during the boot was answered before the boot ended: %s", got)
+	case <-time.After(300 * time.Millisecond): // it waits (an answer would come in milliseconds)
+	}
+	once.Do(func() { close(release) })
+	select {
+	case got := <-done:
+		if got != "0 <nil> ran\n" {
+			t.Fatalf("a command sent during the boot: %s", got)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("a command sent during the boot got no answer")
+	}
 }
 
 // A wake whose restored agent dies at once (given another binary than its own, say)

@@ -19,6 +19,7 @@ import (
 // repeats until the planner answers Nothing. It returns true when the sandbox no longer
 // exists on this node.
 func (n *Node) reconcile(ctx context.Context, id string) bool {
+	defer n.recovered(id)
 	for range maxStepsPerKick {
 		select {
 		case <-n.stopping:
@@ -74,6 +75,14 @@ func (n *Node) reconcile(ctx context.Context, id string) bool {
 		}
 	}
 	return false
+}
+
+// recovered ends the wait of requests for a sandbox found without its instance at
+// start-up (Node.recovering): its worker has taken every step it could.
+func (n *Node) recovered(id string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	delete(n.recovering, id)
 }
 
 // observe gathers the facts the planner needs about a sandbox: its row, and what the

@@ -736,7 +736,12 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 		sb = cur // the move ended without it running (aborted): as any sandbox
 	}
 	if !lifecycle.NeedsWake(sb.DesiredState) {
-		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning && sb.ObservedGeneration < sb.Generation {
+		// On its way to running: asked to (a start or resume under way), or brought back
+		// by its node (booted again from its disk after its instance was lost, a
+		// transition interrupted by a crash resumed). Until 2026-12-07 the second kind
+		// answered 409 "starting" while the node recovered it after a host reboot.
+		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning &&
+			(sb.ObservedGeneration < sb.Generation || !lifecycle.IsResting(sb.State)) {
 			return s.waitRunning(ctx, sb, "")
 		}
 		return sb, nil

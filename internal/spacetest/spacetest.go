@@ -45,7 +45,7 @@ type Options struct {
 	NoController bool
 	// BeforeCheckpoint is called as the fake runtime's Checkpoint starts.
 	BeforeCheckpoint func(id string)
-	// FailCreate makes the fake runtime fail Create for matching ids.
+	// FailCreate makes the fake runtime fail Create for matching ids (fake.Config).
 	FailCreate func(id string) error
 	// DieAfterRestore makes the fake runtime kill a restored instance's agent for
 	// matching ids.

@@ -27,6 +27,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/procfs"
+
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/runtime/gvisor"
@@ -299,6 +301,128 @@ func (s *Server) Stop() { s.signal(syscall.SIGTERM) }
 
 // Restart starts the server again on the same data directory.
 func (s *Server) Restart() { s.launch(false) }
+
+// HostDown simulates the host going down under the server; Restart then starts the
+// server on the host come back up. Everything that does not outlive a host goes as it
+// would: the server, its
+// PostgreSQL when embedded (the postmaster and every backend) and every runsc process
+// of its sandboxes are killed; the host state they leave is removed (every mount under
+// the data dir and the runsc root, the store's loop mount among them; the sandboxes'
+// host cgroups; the runsc root, which is on tmpfs). The data dir's files stay, as on a
+// disk. The kernel's boot id cannot change, so what a reboot does to a checkpoint that
+// was written but not yet made durable is done to the checkpoints: their "written"
+// mark names another boot. A test that wants a checkpoint caught before its sync
+// passes its directory in notDurable: its "complete" mark is removed as well. Host
+// state the server made outside its data dir and runsc root (sandbox network
+// namespaces and rules) is the test's to remove.
+func (s *Server) HostDown(notDurable ...string) {
+	s.t.Helper()
+	ids := s.RunscIDs()
+	s.Kill()
+	if s.opts.Embedded {
+		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
+			first, _, _ := strings.Cut(string(b), "\n")
+			if pid, err := strconv.Atoi(strings.TrimSpace(first)); err == nil && pid > 1 {
+				killTree(pid)
+			}
+		}
+	}
+	root := s.RunscRoot()
+	runsc := instances.Scan(func(argv []string) bool {
+		for i, a := range argv {
+			if a == "--root="+root || a == "--root" && i+1 < len(argv) && argv[i+1] == root {
+				return true
+			}
+		}
+		return false
+	})
+	for _, pid := range runsc {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+	waitGone(s.t, runsc)
+	s.killVMs()
+	// What the host's page cache held but no sync wrote is gone with the boot.
+	marks, _ := filepath.Glob(filepath.Join(s.DataDir, "store", "sandboxes", "*", "*", "written"))
+	more, _ := filepath.Glob(filepath.Join(s.DataDir, "store", "sandboxes", "*", "*", "*", "written")) // clone batches
+	for _, m := range append(marks, more...) {
+		if err := os.WriteFile(m, []byte("00000000-0000-0000-0000-000000000000\n"), 0o600); err != nil {
+			s.t.Fatalf("e2etest: reboot: %v", err)
+		}
+	}
+	for _, dir := range notDurable {
+		if err := os.Remove(filepath.Join(dir, "complete")); err != nil && !os.IsNotExist(err) {
+			s.t.Fatalf("e2etest: reboot: %v", err)
+		}
+	}
+	mounts, err := procfs.GetMounts()
+	if err != nil {
+		s.t.Fatalf("e2etest: reboot: %v", err)
+	}
+	var points []string
+	for _, m := range mounts {
+		if strings.HasPrefix(m.MountPoint, s.DataDir+"/") || strings.HasPrefix(m.MountPoint, root+"/") {
+			points = append(points, m.MountPoint)
+		}
+	}
+	slices.SortFunc(points, func(a, b string) int { return len(b) - len(a) }) // deepest first
+	for _, p := range points {
+		if err := syscall.Unmount(p, syscall.MNT_DETACH); err != nil && err != syscall.EINVAL && err != syscall.ENOENT {
+			s.t.Fatalf("e2etest: reboot: unmount %s: %v", p, err)
+		}
+	}
+	cgroups, err := procfs.GetMounts()
+	if err != nil {
+		s.t.Fatalf("e2etest: reboot: %v", err)
+	}
+	for _, m := range cgroups {
+		if m.FSType != "cgroup" && m.FSType != "cgroup2" {
+			continue
+		}
+		for _, id := range ids {
+			if err := os.Remove(filepath.Join(m.MountPoint, gvisor.DefaultCgroupParent, id)); err != nil && !os.IsNotExist(err) {
+				s.t.Fatalf("e2etest: reboot: %v", err)
+			}
+		}
+	}
+	if err := os.RemoveAll(root); err != nil {
+		s.t.Fatalf("e2etest: reboot: %v", err)
+	}
+	_ = os.RemoveAll(strings.Replace(root, "/runsc-", "/qemu-", 1))
+}
+
+// killTree kills pid and its children with SIGKILL, as a host going down would.
+func killTree(pid int) {
+	pids := []int{pid}
+	if procs, err := procfs.AllProcs(); err == nil {
+		for _, p := range procs {
+			if st, err := p.Stat(); err == nil && st.PPID == pid {
+				pids = append(pids, p.PID)
+			}
+		}
+	}
+	for _, p := range pids {
+		_ = syscall.Kill(p, syscall.SIGKILL)
+	}
+	waitGone(nil, pids)
+}
+
+// waitGone waits up to 10 s until the processes pids have exited; t (when not nil)
+// fails if one has not.
+func waitGone(t testing.TB, pids []int) {
+	for end := time.Now().Add(10 * time.Second); len(pids) > 0; {
+		pids = slices.DeleteFunc(pids, func(pid int) bool {
+			p, err := instances.ReadProc(pid)
+			return err != nil || !p.Live()
+		})
+		if len(pids) > 0 && time.Now().After(end) {
+			if t != nil {
+				t.Fatalf("e2etest: processes %v outlived SIGKILL", pids)
+			}
+			return
+		}
+		time.Sleep(20 * time.Millisecond) // poll interval
+	}
+}
 
 // RunscRoot is where the server's runsc keeps its state.
 func (s *Server) RunscRoot() string {

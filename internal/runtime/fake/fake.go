@@ -38,7 +38,9 @@ type Config struct {
 	Dir string
 	// AgentPath is the space-agent binary to run (instances ignore runtime.Spec's).
 	AgentPath string
-	// FailCreate, when set, fails Create for matching sandbox ids (tests of undo).
+	// FailCreate, when set, is called as Create starts and fails it for the sandbox ids
+	// it returns an error for (tests of undo); a test may also block in it (a boot
+	// that takes its time).
 	FailCreate func(id string) error
 	// BeforeCheckpoint, when set, is called as Checkpoint and CheckpointPaused start
 	// (tests of requests that come during a suspend block in it; tests count them).
