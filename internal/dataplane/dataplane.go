@@ -231,8 +231,13 @@ func (d *DataPlane) authorize(r *http.Request, right string) (*grant, error) {
 		return nil, fault.New(fault.Unauthorized, "token was revoked: it names no API key (minted by an older version)")
 	}
 	epoch, nodeID, keyLive, err := d.cfg.Store.TokenState(r.Context(), id, claims.Key)
-	if err != nil {
+	if fault.Is(err, fault.NotFound) {
 		return nil, fault.New(fault.Unauthorized, "token was revoked")
+	}
+	if err != nil {
+		// Not known now (the database is away: a 503 the client retries); until
+		// 2026-12-07 "token was revoked", which a client takes as final.
+		return nil, err
 	}
 	if !keyLive {
 		return nil, fault.New(fault.Unauthorized, "token was revoked: the API key that minted it was revoked")

@@ -129,7 +129,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // logged and not shown.
 func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
 	status := rest.StatusOf(err)
-	msg := err.Error()
+	msg := fault.Message(err)
 	if fault.KindOf(err) == fault.Internal {
 		if r.Context().Err() != nil {
 			return // the client is gone

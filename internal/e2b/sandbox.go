@@ -18,6 +18,7 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
@@ -170,7 +171,11 @@ func checkFiles(r *http.Request, token string, now time.Time, maxTTL time.Durati
 func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) (*store.Sandbox, *service.Principal, int, string) {
 	sb, err := g.st.GetSandbox(ctx, id)
 	if err != nil && !fault.Is(err, fault.NotFound) {
+		// The token cannot be checked (the database is away): a 503 the SDK retries,
+		// never envd's 401 for a token that does not match (until 2026-12-07), which
+		// tells the SDK the sandbox's credentials are wrong for good.
 		g.log.Warn("envd authentication: load sandbox", "sandbox", id, "err", err)
+		return nil, nil, rest.StatusOf(err), fault.Message(err)
 	}
 	tenant, epoch := "", int64(-1)
 	if sb != nil && sb.PoolKey == "" {

@@ -88,7 +88,7 @@ func (g *Gateway) awaitFork(r *http.Request, p *service.Principal, c api.Sandbox
 		if _, derr := g.api.Delete(context.WithoutCancel(ctx), p, c.ID); derr != nil && !fault.Is(derr, fault.NotFound) {
 			g.log.Warn("delete failed fork", "sandbox", c.ID, "err", derr)
 		}
-		return forkResult{Error: &errorJSON{Code: rest.StatusOf(err), Message: err.Error()}}
+		return forkResult{Error: &errorJSON{Code: rest.StatusOf(err), Message: fault.Message(err)}}
 	}
 	op, err := g.api.WaitDone(ctx, p, c.Operation.ID)
 	if err != nil {

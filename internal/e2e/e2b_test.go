@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/template"
 )
@@ -263,5 +264,107 @@ func TestE2BWire(t *testing.T) {
 	if code, _, _ := do("GET", "/health", nil, map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "49983", "X-API-KEY": "",
 		"X-Access-Token": token}); code != 502 {
 		t.Errorf("envd of a killed sandbox: %d", code)
+	}
+}
+
+// TestDatabaseOutageAnswers503: while the embedded PostgreSQL is down, requests that
+// need it are answered 503 (which clients and the SDKs retry), never as if a credential
+// were wrong, and no answer names the database's internals (its user, socket path,
+// the data dir). Until 2026-12-07 an envd request got E2B's 401 "access token present
+// in header but does not match" and an attach stream 401 "token was revoked" (seen as
+// E2B SDK file calls failing for good under PostgreSQL kills), and the 503s carried
+// the driver's message whole. Once PostgreSQL is back the same requests work.
+func TestDatabaseOutageAnswers503(t *testing.T) {
+	addr := freeAddr(t)
+	s := start(t, options{Embedded: true, Args: []string{"--e2b-listen", addr}})
+	e2bURL := "http://" + addr
+	out, errOut, code := s.cli(t, "apikey", "create", "outage", "--e2b", "--tenant", "default")
+	if code != 0 {
+		t.Fatalf("apikey create --e2b: %s", errOut)
+	}
+	key := strings.TrimSpace(out)
+	send := func(method, url string, body any, hdr map[string]string) (int, string) {
+		t.Helper()
+		var rd io.Reader
+		if body != nil {
+			b, _ := json.Marshal(body)
+			rd = bytes.NewReader(b)
+		}
+		req, err := http.NewRequestWithContext(ctx(t, 30*time.Second), method, url, rd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for k, v := range hdr {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+			return resp.StatusCode, "" // an open stream: its status is the answer
+		}
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := send("POST", e2bURL+"/v2/sandboxes", map[string]any{"templateID": "base"}, map[string]string{"X-API-KEY": key})
+	var sb struct{ SandboxID, EnvdAccessToken string }
+	if err := json.Unmarshal([]byte(body), &sb); code != 201 || err != nil {
+		t.Fatalf("E2B create: %d %s", code, body)
+	}
+	sess, err := s.C.CreateSession(ctx(t, time.Minute), sb.SandboxID, api.CreateSessionRequest{Command: "echo attached; sleep 600"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(sess.AttachURL, "http") {
+		sess.AttachURL = s.URL + sess.AttachURL
+	}
+	requests := map[string]func() (int, string){
+		"envd file read": func() (int, string) {
+			return send("GET", e2bURL+"/files?path=/etc/hostname", nil, map[string]string{
+				"E2b-Sandbox-Id": sb.SandboxID, "E2b-Sandbox-Port": "49983", "X-Access-Token": sb.EnvdAccessToken})
+		},
+		"attach": func() (int, string) {
+			return send("GET", sess.AttachURL, nil, map[string]string{"Authorization": "Bearer " + sess.Token, "Accept": "text/event-stream"})
+		},
+		"API read": func() (int, string) {
+			return send("GET", s.URL+"/v1/sandboxes/"+sb.SandboxID, nil, map[string]string{"Authorization": "Bearer " + s.Key})
+		},
+	}
+	internals := []string{".s.PGSQL", "user=", "database=", s.DataDir}
+	for attempt := 1; ; attempt++ {
+		s.KillPostgres() // back after about half a second: the requests take milliseconds
+		back := false
+		for name, do := range requests {
+			code, body := do()
+			if code < 300 {
+				back = true
+				continue
+			}
+			if code != http.StatusServiceUnavailable {
+				t.Errorf("%s while the database is down: %d %s, want 503", name, code, body)
+			}
+			for _, s := range internals {
+				if strings.Contains(body, s) {
+					t.Errorf("%s while the database is down: the answer names %q: %s", name, s, body)
+				}
+			}
+		}
+		if !back || t.Failed() {
+			break
+		}
+		if attempt == 5 {
+			t.Fatal("PostgreSQL was back before the requests every time")
+		}
+	}
+	waitFor(t, time.Minute, "the database to be back", func() bool {
+		code, _ := requests["API read"]()
+		return code == http.StatusOK
+	})
+	for name, do := range requests {
+		if code, body := do(); code != http.StatusOK {
+			t.Errorf("%s once the database is back: %d %s", name, code, body)
+		}
 	}
 }

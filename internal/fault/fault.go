@@ -64,6 +64,9 @@ type Error struct {
 	// transition in flight): the same request is worth sending again after about this
 	// long. The HTTP layer sends it as Retry-After.
 	RetryAfter time.Duration
+	// private says that Err's message is for the log only: clients are told Msg
+	// (Redacted, Message).
+	private bool
 }
 
 func (e *Error) Error() string {
@@ -89,6 +92,30 @@ func Wrap(k Kind, err error) error {
 		return nil
 	}
 	return &Error{Kind: k, Err: err}
+}
+
+// Redacted gives err the kind k and the client message msg: err's own message (which
+// names internals: a database's user, socket path, host) stays in Error, for the log,
+// and is never sent to a client (Message).
+func Redacted(k Kind, msg string, err error) error {
+	return &Error{Kind: k, Msg: msg, Err: err, private: true}
+}
+
+// Message returns what an API client is told of err: its message, or where err wraps a
+// Redacted error, that error's client message alone (what wraps it only adds where the
+// failure was met).
+func Message(err error) string {
+	for e := err; e != nil; {
+		var fe *Error
+		if !errors.As(e, &fe) {
+			break
+		}
+		if fe.private {
+			return fe.Msg
+		}
+		e = fe.Err
+	}
+	return err.Error()
 }
 
 // WithDetail attaches structured detail to err (which keeps its kind and message).

@@ -74,7 +74,7 @@ func WriteJSON(w http.ResponseWriter, status int, v any) {
 // details hidden from the client.
 func WriteError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err error) {
 	k := fault.KindOf(err)
-	msg := err.Error()
+	msg := fault.Message(err)
 	if k == fault.Internal {
 		log.Error("request failed", "method", r.Method, "path", r.URL.Path, "err", err)
 		msg = "internal error"

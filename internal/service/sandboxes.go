@@ -740,8 +740,9 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 		// by its node (booted again from its disk after its instance was lost, a
 		// transition interrupted by a crash resumed). Until 2026-12-07 the second kind
 		// answered 409 "starting" while the node recovered it after a host reboot.
+		// A node that is dead brings nothing back: its sandbox is answered at once.
 		if sb.DesiredState == api.StateRunning && sb.State != api.StateRunning &&
-			(sb.ObservedGeneration < sb.Generation || !lifecycle.IsResting(sb.State)) {
+			(sb.ObservedGeneration < sb.Generation || !lifecycle.IsResting(sb.State) && s.nodeAlive(ctx, sb)) {
 			return s.waitRunning(ctx, sb, "")
 		}
 		return sb, nil
@@ -768,6 +769,15 @@ func (s *Service) Awake(ctx context.Context, p *Principal, sb *store.Sandbox, no
 			return s.waitRunning(ctx, cur, "")
 		}
 	}
+}
+
+// nodeAlive reports whether sb is on a node that is not dead.
+func (s *Service) nodeAlive(ctx context.Context, sb *store.Sandbox) bool {
+	if sb.NodeID == "" {
+		return false
+	}
+	n, err := s.st.GetNode(ctx, sb.NodeID)
+	return err == nil && n.State != store.NodeDead
 }
 
 // wakeAttempts bounds how often Awake asks for a wake that conflicts with a transition

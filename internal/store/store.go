@@ -171,15 +171,22 @@ func unavailable(err error) error {
 		// A server error: 57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot
 		// connect now, 08xxx connection exceptions are the database going away.
 		if strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "08") {
-			return fault.Wrap(fault.Unavailable, fmt.Errorf("database unavailable: %w", err))
+			return dbUnavailable(err)
 		}
 		return err
 	case errors.As(err, &ce), errors.As(err, &ne), pgconn.SafeToRetry(err),
 		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.ECONNREFUSED),
 		errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE), strings.Contains(err.Error(), "conn closed"):
-		return fault.Wrap(fault.Unavailable, fmt.Errorf("database unavailable: %w", err))
+		return dbUnavailable(err)
 	}
 	return err
+}
+
+// dbUnavailable is the fault.Unavailable of a database that cannot be reached. Clients
+// are told only that (a 503 they retry); the driver's words, which name the database's
+// user, name and socket path, go to the log with the error.
+func dbUnavailable(err error) error {
+	return fault.Redacted(fault.Unavailable, "database unavailable, retry shortly", err)
 }
 
 // Config configures Open.

@@ -319,14 +319,7 @@ func (s *Server) HostDown(notDurable ...string) {
 	s.t.Helper()
 	ids := s.RunscIDs()
 	s.Kill()
-	if s.opts.Embedded {
-		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
-			first, _, _ := strings.Cut(string(b), "\n")
-			if pid, err := strconv.Atoi(strings.TrimSpace(first)); err == nil && pid > 1 {
-				killTree(pid)
-			}
-		}
-	}
+	s.KillPostgres()
 	root := s.RunscRoot()
 	runsc := instances.Scan(func(argv []string) bool {
 		for i, a := range argv {
@@ -388,6 +381,22 @@ func (s *Server) HostDown(notDurable ...string) {
 		s.t.Fatalf("e2etest: reboot: %v", err)
 	}
 	_ = os.RemoveAll(strings.Replace(root, "/runsc-", "/qemu-", 1))
+}
+
+// KillPostgres kills the server's embedded PostgreSQL (the postmaster and every
+// backend) with SIGKILL and returns once they are gone, as a crash of it would; the
+// server, when it runs, starts it again (after about half a second). It does nothing
+// for a server on a test database.
+func (s *Server) KillPostgres() {
+	if !s.opts.Embedded {
+		return
+	}
+	if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
+		first, _, _ := strings.Cut(string(b), "\n")
+		if pid, err := strconv.Atoi(strings.TrimSpace(first)); err == nil && pid > 1 {
+			killTree(pid)
+		}
+	}
 }
 
 // killTree kills pid and its children with SIGKILL, as a host going down would.
