@@ -117,6 +117,64 @@ func watchV1(ctx context.Context, dir string, threshold int64, above func(int64)
 	}
 }
 
+// ErrNoReclaimEvents is returned by Reclaim for a cgroup whose kernel interface has no
+// reclaim notifications (cgroup v2, whose Memory watch counts the charges above
+// memory.high instead).
+var ErrNoReclaimEvents = errors.New("cgroupwatch: no reclaim notifications")
+
+// CanReclaim reports (nil) whether Reclaim can watch the cgroup dir, else
+// ErrNoReclaimEvents.
+func CanReclaim(dir string) error {
+	if !exists(filepath.Join(dir, "memory.pressure_level")) {
+		return ErrNoReclaimEvents
+	}
+	return nil
+}
+
+// Reclaim calls reclaimed each time the kernel reclaims memory charged to the cgroup dir
+// (cgroup v1: a vmpressure notification of level "low" or above, registered through
+// cgroup.event_control on memory.pressure_level; the kernel sends one for every 512
+// pages it scans in the cgroup), one call at a time, notifications that come meanwhile
+// coalesced into one more. It returns when ctx is done or the cgroup is removed (nil),
+// or at once: ErrNoReclaimEvents where the cgroup has no such notifications.
+//
+// A cgroup that file cache holds at its limit stays there while its processes grow
+// into the cache: its usage does not move, so Memory's threshold says nothing, but
+// every page the processes take is reclaimed from the cache first.
+func Reclaim(ctx context.Context, dir string, reclaimed func()) error {
+	level, err := os.Open(filepath.Join(dir, "memory.pressure_level"))
+	if errors.Is(err, os.ErrNotExist) {
+		return ErrNoReclaimEvents
+	}
+	if err != nil {
+		return err
+	}
+	defer level.Close()
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return fmt.Errorf("cgroupwatch: eventfd: %w", err)
+	}
+	events := os.NewFile(uintptr(efd), "eventfd")
+	defer events.Close()
+	reg := fmt.Sprintf("%d %d low", efd, level.Fd())
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.event_control"), []byte(reg), 0); err != nil {
+		return fmt.Errorf("cgroupwatch: register for reclaim notifications on %s: %w", dir, err)
+	}
+	stop := closeOnDone(ctx, events)
+	defer stop()
+	var buf [8]byte
+	for {
+		if _, err := io.ReadFull(events, buf[:]); err != nil {
+			return quiet(ctx, err)
+		}
+		// The kernel signals the cgroup's removal too.
+		if _, err := os.Stat(filepath.Join(dir, "memory.pressure_level")); err != nil {
+			return nil
+		}
+		reclaimed()
+	}
+}
+
 // v1Growth is how much usage that stays above the threshold must grow before cgroup v1
 // reports it again.
 const v1Growth = 4 << 20

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -24,6 +25,25 @@ func TestMain(m *testing.M) {
 		var held [][]byte
 		in, out := bufio.NewScanner(os.Stdin), bufio.NewWriter(os.Stdout)
 		for in.Scan() {
+			if path, ok := strings.CutPrefix(in.Text(), "write "); ok {
+				// Writes 96 MiB to the file path and syncs it: file cache, clean.
+				f, err := os.Create(path)
+				if err == nil {
+					chunk := make([]byte, 1<<20)
+					for range 96 {
+						if _, err = f.Write(chunk); err != nil {
+							break
+						}
+					}
+					if err == nil {
+						err = f.Sync()
+					}
+					f.Close()
+				}
+				fmt.Fprintln(out, err)
+				out.Flush()
+				continue
+			}
 			b := make([]byte, 8<<20)
 			for i := range len(b) / 4096 {
 				b[i*4096] = 1
@@ -116,6 +136,57 @@ func (a *allocator) stop() {
 	if a.cmd.ProcessState == nil {
 		_ = a.cmd.Wait()
 	}
+}
+
+// Reclaim tells each reclaim of the cgroup's memory, and nothing while the cgroup rests:
+// a cgroup that file cache fills to its limit is told of the cache's reclaim as a
+// process grows into it (its usage stays at the limit, so no threshold would say so),
+// and the watch ends with the cgroup.
+func TestReclaimV1(t *testing.T) {
+	dir := v1Cgroup(t)
+	if err := os.WriteFile(filepath.Join(dir, "memory.limit_in_bytes"), []byte(strconv.Itoa(64<<20)), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := CanReclaim(dir); err != nil {
+		t.Skipf("no reclaim notifications: %v", err)
+	}
+	a := startAllocator(t, dir)
+	var events atomic.Int64
+	done := make(chan error, 1)
+	go func() { done <- Reclaim(context.Background(), dir, func() { events.Add(1) }) }()
+	file := filepath.Join(t.TempDir(), "cache")
+	if _, err := a.in.WriteString("write " + file + "\n"); err != nil {
+		t.Fatal(err)
+	}
+	if !a.out.Scan() || a.out.Text() != "<nil>" {
+		t.Fatalf("write 96 MiB in a 64 MiB cgroup: %q %v", a.out.Text(), a.out.Err())
+	}
+	usage, _ := readFileInt(filepath.Join(dir, "memory.usage_in_bytes"))
+	t.Logf("after writing 96 MiB: usage %d MiB of 64, %d reclaim notifications", usage>>20, events.Load())
+	// At rest nothing is told (a notification now would be the kernel's own late one).
+	time.Sleep(200 * time.Millisecond) // let a late notification of the write land
+	before := events.Load()
+	time.Sleep(time.Second) // at rest: a second of no reclaim
+	if n := events.Load(); n != before {
+		t.Errorf("%d reclaim notifications while the cgroup rested", n-before)
+	}
+	held := a.more(t) // 8 MiB more: the kernel takes it from the cache
+	deadline := time.Now().Add(5 * time.Second)
+	for events.Load() == before && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // poll interval
+	}
+	if events.Load() == before {
+		t.Fatalf("a process took %d MiB in a cgroup full of file cache and no reclaim was told", held)
+	}
+	a.stop()
+	deadline = time.Now().Add(10 * time.Second)
+	for err := os.Remove(dir); err != nil; err = os.Remove(dir) {
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ended(t, done, "the removal of its cgroup")
 }
 
 // A rise above the threshold is reported with the usage; the watch ends without an

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"net/http"
@@ -913,6 +914,73 @@ func TestWatchMemory(t *testing.T) {
 	if err := rt.WatchMemory(context.Background(), runtime.Spec{ID: spec.ID}, func(int64, int64) {}); !errors.Is(err, runtime.ErrUnsupported) {
 		t.Fatalf("a watch without a memory size: %v, want ErrUnsupported", err)
 	}
+}
+
+// TestWatchMemoryThroughFileCache: a sandbox writes a file larger than its memory, so
+// file cache fills its host cgroup up to the limit. That is not told (it is not memory
+// its processes hold); a process that then grows into the cache is told before the host
+// limit ends the sandbox (on cgroup v1 through the kernel's reclaim notifications, no
+// longer a timer).
+func TestWatchMemoryThroughFileCache(t *testing.T) {
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t)) // 256 MiB: threshold 368 MiB, host limit 416 MiB
+	if rt.ignoresCgroups() {
+		t.Skip("no host cgroups for sandboxes")
+	}
+	c := startSandbox(t, rt, spec)
+	reports := make(chan int64, 16)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = rt.WatchMemory(ctx, spec, func(usage, limit int64) { reports <- usage })
+	}()
+	resp, err := c.Post("http://agent/write?path=/big", "application/octet-stream", io.LimitReader(zeros{}, 600<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNoContent {
+		t.Fatalf("write 600 MiB in a 256 MiB sandbox: %d", resp.StatusCode)
+	}
+	dir, _ := rt.memoryLimitFile(spec.ID)
+	files, err := cgroupstat.ReadFileMemory(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	usage, _ := cgroupstat.ReadMemoryUsage(dir)
+	t.Logf("after the write: cgroup %d MiB, %d MiB of it file cache", usage>>20, files.Cache>>20)
+	select {
+	case u := <-reports:
+		t.Fatalf("file cache was told as memory the sandbox holds (%d MiB)", u>>20)
+	case <-time.After(time.Second): // nothing to tell: a report would come within it
+	}
+	var got int64
+	held := 0
+	for got == 0 && held < 400 {
+		post(t, c, "/hold?mib=16")
+		held += 16
+		select {
+		case got = <-reports:
+		default:
+		}
+	}
+	if got == 0 {
+		select { // the watch may report a moment after the charge
+		case got = <-reports:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the guest holds %d MiB in a cgroup full of file cache and nothing was told", held)
+		}
+	}
+	t.Logf("told at %d MiB with %d MiB held in the guest", got>>20, held)
+	get(t, c, "/v1/health") // told before the limit: the sandbox runs
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
 }
 
 // TestListeningAgentAcrossUpgrade: an instance started before 2026-12-06, whose agent
