@@ -18,7 +18,6 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/ids"
-	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
@@ -165,17 +164,18 @@ func checkFiles(r *http.Request, token string, now time.Time, maxTTL time.Durati
 // authenticate checks an envd request's access token — the X-Access-Token header, or
 // for GET and POST /files a signed URL — against sandbox id, and returns the sandbox and
 // the principal the request acts as (a member of the sandbox's tenant), or the status
-// and message of a refusal. It reads the sandbox's row only; it wakes nothing and
+// and message of a refusal, or the error that kept it from checking (the database is
+// away). It reads the sandbox's row only; it wakes nothing and
 // changes nothing. A sandbox that does not exist (or a warm-pool member) is checked
 // against a token nobody has, so it costs the same and answers the same.
-func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) (*store.Sandbox, *service.Principal, int, string) {
+func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) (*store.Sandbox, *service.Principal, int, string, error) {
 	sb, err := g.st.GetSandbox(ctx, id)
 	if err != nil && !fault.Is(err, fault.NotFound) {
 		// The token cannot be checked (the database is away): a 503 the SDK retries,
 		// never envd's 401 for a token that does not match (until 2026-12-07), which
 		// tells the SDK the sandbox's credentials are wrong for good.
 		g.log.Warn("envd authentication: load sandbox", "sandbox", id, "err", err)
-		return nil, nil, rest.StatusOf(err), fault.Message(err)
+		return nil, nil, 0, "", err
 	}
 	tenant, epoch := "", int64(-1)
 	if sb != nil && sb.PoolKey == "" {
@@ -192,9 +192,9 @@ func (g *Gateway) authenticate(ctx context.Context, r *http.Request, id string) 
 		status, msg = http.StatusUnauthorized, msgUnauthorized // unreachable: nobody has that token
 	}
 	if status != 0 {
-		return nil, nil, status, msg
+		return nil, nil, status, msg, nil
 	}
-	return sb, &service.Principal{Tenant: sb.Tenant, Role: store.RoleMember}, 0, ""
+	return sb, &service.Principal{Tenant: sb.Tenant, Role: store.RoleMember}, 0, "", nil
 }
 
 // serveUnroutedFiles serves a /files request that names no sandbox: a signed
@@ -250,7 +250,11 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		unauthorized(w)
 		return
 	}
-	sb, p, status, msg := g.authenticate(ctx, r, id)
+	sb, p, status, msg, err := g.authenticate(ctx, r, id)
+	if err != nil {
+		g.fail(w, r, err)
+		return
+	}
 	if status != 0 {
 		writeError(w, status, msg)
 		return
@@ -261,7 +265,6 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	}
 	// The row authenticate read says whether the sandbox runs; only one that does not
 	// is waited for (or resumed) with a fresh read.
-	var err error
 	if sb.State != api.StateRunning || sb.DesiredState != api.StateRunning || sb.DeletedAt != nil {
 		sb, err = g.runningSandbox(ctx, p, sb.ID)
 	}

@@ -283,7 +283,12 @@ func TestDatabaseOutageAnswers503(t *testing.T) {
 		t.Fatalf("apikey create --e2b: %s", errOut)
 	}
 	key := strings.TrimSpace(out)
-	send := func(method, url string, body any, hdr map[string]string) (int, string) {
+	type answer struct {
+		code       int
+		body       string
+		retryAfter string
+	}
+	send := func(method, url string, body any, hdr map[string]string) answer {
 		t.Helper()
 		var rd io.Reader
 		if body != nil {
@@ -303,15 +308,15 @@ func TestDatabaseOutageAnswers503(t *testing.T) {
 		}
 		defer resp.Body.Close()
 		if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
-			return resp.StatusCode, "" // an open stream: its status is the answer
+			return answer{code: resp.StatusCode} // an open stream: its status is the answer
 		}
 		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return answer{resp.StatusCode, string(b), resp.Header.Get("Retry-After")}
 	}
-	code, body := send("POST", e2bURL+"/v2/sandboxes", map[string]any{"templateID": "base"}, map[string]string{"X-API-KEY": key})
+	created := send("POST", e2bURL+"/v2/sandboxes", map[string]any{"templateID": "base"}, map[string]string{"X-API-KEY": key})
 	var sb struct{ SandboxID, EnvdAccessToken string }
-	if err := json.Unmarshal([]byte(body), &sb); code != 201 || err != nil {
-		t.Fatalf("E2B create: %d %s", code, body)
+	if err := json.Unmarshal([]byte(created.body), &sb); created.code != 201 || err != nil {
+		t.Fatalf("E2B create: %+v", created)
 	}
 	sess, err := s.C.CreateSession(ctx(t, time.Minute), sb.SandboxID, api.CreateSessionRequest{Command: "echo attached; sleep 600"})
 	if err != nil {
@@ -320,15 +325,15 @@ func TestDatabaseOutageAnswers503(t *testing.T) {
 	if !strings.HasPrefix(sess.AttachURL, "http") {
 		sess.AttachURL = s.URL + sess.AttachURL
 	}
-	requests := map[string]func() (int, string){
-		"envd file read": func() (int, string) {
+	requests := map[string]func() answer{
+		"envd file read": func() answer {
 			return send("GET", e2bURL+"/files?path=/etc/hostname", nil, map[string]string{
 				"E2b-Sandbox-Id": sb.SandboxID, "E2b-Sandbox-Port": "49983", "X-Access-Token": sb.EnvdAccessToken})
 		},
-		"attach": func() (int, string) {
+		"attach": func() answer {
 			return send("GET", sess.AttachURL, nil, map[string]string{"Authorization": "Bearer " + sess.Token, "Accept": "text/event-stream"})
 		},
-		"API read": func() (int, string) {
+		"API read": func() answer {
 			return send("GET", s.URL+"/v1/sandboxes/"+sb.SandboxID, nil, map[string]string{"Authorization": "Bearer " + s.Key})
 		},
 	}
@@ -337,17 +342,17 @@ func TestDatabaseOutageAnswers503(t *testing.T) {
 		s.KillPostgres() // back after about half a second: the requests take milliseconds
 		back := false
 		for name, do := range requests {
-			code, body := do()
-			if code < 300 {
+			a := do()
+			if a.code < 300 {
 				back = true
 				continue
 			}
-			if code != http.StatusServiceUnavailable {
-				t.Errorf("%s while the database is down: %d %s, want 503", name, code, body)
+			if a.code != http.StatusServiceUnavailable || a.retryAfter != "1" {
+				t.Errorf("%s while the database is down: %+v, want 503 with Retry-After: 1", name, a)
 			}
 			for _, s := range internals {
-				if strings.Contains(body, s) {
-					t.Errorf("%s while the database is down: the answer names %q: %s", name, s, body)
+				if strings.Contains(a.body, s) {
+					t.Errorf("%s while the database is down: the answer names %q: %s", name, s, a.body)
 				}
 			}
 		}
@@ -358,13 +363,10 @@ func TestDatabaseOutageAnswers503(t *testing.T) {
 			t.Fatal("PostgreSQL was back before the requests every time")
 		}
 	}
-	waitFor(t, time.Minute, "the database to be back", func() bool {
-		code, _ := requests["API read"]()
-		return code == http.StatusOK
-	})
+	waitFor(t, time.Minute, "the database to be back", func() bool { return requests["API read"]().code == http.StatusOK })
 	for name, do := range requests {
-		if code, body := do(); code != http.StatusOK {
-			t.Errorf("%s once the database is back: %d %s", name, code, body)
+		if a := do(); a.code != http.StatusOK {
+			t.Errorf("%s once the database is back: %+v", name, a)
 		}
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"net"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -183,10 +184,11 @@ func unavailable(err error) error {
 }
 
 // dbUnavailable is the fault.Unavailable of a database that cannot be reached. Clients
-// are told only that (a 503 they retry); the driver's words, which name the database's
+// are told only that, with a Retry-After of a second (a restart of the embedded
+// PostgreSQL takes about that long); the driver's words, which name the database's
 // user, name and socket path, go to the log with the error.
 func dbUnavailable(err error) error {
-	return fault.Redacted(fault.Unavailable, "database unavailable, retry shortly", err)
+	return fault.Later(fault.Redacted(fault.Unavailable, "database unavailable, retry shortly", err), time.Second)
 }
 
 // Config configures Open.
