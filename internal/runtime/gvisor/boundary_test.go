@@ -858,17 +858,24 @@ func TestUnpinNullNetNS(t *testing.T) {
 	}
 }
 
+// watchedSandbox starts a 256 MiB sandbox (threshold 368 MiB, host limit 416 MiB) for
+// the memory watch's tests, or skips where runsc or host cgroups are missing.
+func watchedSandbox(t *testing.T) (*Runtime, runtime.Spec, *http.Client) {
+	t.Helper()
+	needRunsc(t)
+	rt := newTestRuntime(t, testRootDir(t))
+	spec := testSpec(t, newID(t))
+	if rt.ignoresCgroups() {
+		t.Skip("no host cgroups for sandboxes")
+	}
+	return rt, spec, startSandbox(t, rt, spec)
+}
+
 // TestWatchMemory: the watch reports a sandbox whose guest holds memory up to the
 // pressure threshold, before the host limit (so the sandbox still runs), and ends with
 // the instance.
 func TestWatchMemory(t *testing.T) {
-	needRunsc(t)
-	rt := newTestRuntime(t, testRootDir(t))
-	spec := testSpec(t, newID(t)) // 256 MiB: threshold 368 MiB, host limit 416 MiB
-	if rt.ignoresCgroups() {
-		t.Skip("no host cgroups for sandboxes")
-	}
-	c := startSandbox(t, rt, spec)
+	rt, spec, c := watchedSandbox(t)
 	type report struct{ usage, limit int64 }
 	reports := make(chan report, 16)
 	done := make(chan error, 1)
@@ -922,13 +929,7 @@ func TestWatchMemory(t *testing.T) {
 // limit ends the sandbox (on cgroup v1 through the kernel's reclaim notifications, no
 // longer a timer).
 func TestWatchMemoryThroughFileCache(t *testing.T) {
-	needRunsc(t)
-	rt := newTestRuntime(t, testRootDir(t))
-	spec := testSpec(t, newID(t)) // 256 MiB: threshold 368 MiB, host limit 416 MiB
-	if rt.ignoresCgroups() {
-		t.Skip("no host cgroups for sandboxes")
-	}
-	c := startSandbox(t, rt, spec)
+	rt, spec, c := watchedSandbox(t)
 	reports := make(chan int64, 16)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
