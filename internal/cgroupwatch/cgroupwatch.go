@@ -64,18 +64,11 @@ func watchV1(ctx context.Context, dir string, threshold int64, above func(int64)
 		return err
 	}
 	defer usage.Close()
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	events, err := register(dir, usage, strconv.FormatInt(threshold, 10))
 	if err != nil {
-		return fmt.Errorf("cgroupwatch: eventfd: %w", err)
+		return err
 	}
-	// A non-blocking descriptor goes to the runtime's poller: a Read waits without a
-	// thread, and Close ends it.
-	events := os.NewFile(uintptr(efd), "eventfd")
 	defer events.Close()
-	reg := fmt.Sprintf("%d %d %d", efd, usage.Fd(), threshold)
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.event_control"), []byte(reg), 0); err != nil {
-		return fmt.Errorf("cgroupwatch: register a memory threshold on %s: %w", dir, err)
-	}
 	stop := closeOnDone(ctx, events)
 	defer stop()
 	var buf [8]byte
@@ -150,16 +143,11 @@ func Reclaim(ctx context.Context, dir string, reclaimed func()) error {
 		return err
 	}
 	defer level.Close()
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	events, err := register(dir, level, "low")
 	if err != nil {
-		return fmt.Errorf("cgroupwatch: eventfd: %w", err)
+		return err
 	}
-	events := os.NewFile(uintptr(efd), "eventfd")
 	defer events.Close()
-	reg := fmt.Sprintf("%d %d low", efd, level.Fd())
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.event_control"), []byte(reg), 0); err != nil {
-		return fmt.Errorf("cgroupwatch: register for reclaim notifications on %s: %w", dir, err)
-	}
 	stop := closeOnDone(ctx, events)
 	defer stop()
 	var buf [8]byte
@@ -173,6 +161,24 @@ func Reclaim(ctx context.Context, dir string, reclaimed func()) error {
 		}
 		reclaimed()
 	}
+}
+
+// register asks cgroup v1 to signal an eventfd on the events of the cgroup dir's file
+// (cgroup.event_control: "<eventfd> <file> <args>") and returns the eventfd. It is
+// non-blocking, so it goes to the runtime's poller: a Read waits without a thread, and
+// Close ends it.
+func register(dir string, file *os.File, args string) (*os.File, error) {
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("cgroupwatch: eventfd: %w", err)
+	}
+	events := os.NewFile(uintptr(efd), "eventfd")
+	reg := fmt.Sprintf("%d %d %s", efd, file.Fd(), args)
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.event_control"), []byte(reg), 0); err != nil {
+		events.Close()
+		return nil, fmt.Errorf("cgroupwatch: register for events of %s: %w", file.Name(), err)
+	}
+	return events, nil
 }
 
 // v1Growth is how much usage that stays above the threshold must grow before cgroup v1

@@ -363,11 +363,7 @@ func (s *Server) HostDown(notDurable ...string) {
 			s.t.Fatalf("e2etest: reboot: unmount %s: %v", p, err)
 		}
 	}
-	cgroups, err := procfs.GetMounts()
-	if err != nil {
-		s.t.Fatalf("e2etest: reboot: %v", err)
-	}
-	for _, m := range cgroups {
+	for _, m := range mounts { // the cgroup hierarchies, as listed before the unmounts
 		if m.FSType != "cgroup" && m.FSType != "cgroup2" {
 			continue
 		}
