@@ -95,6 +95,7 @@ type serveConfig struct {
 	net            netConfig
 	capacity       string
 	dbMaxConns     int32
+	dbWait         time.Duration
 	placement      string
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
@@ -150,6 +151,7 @@ that have none of their own (-1: unlimited).`,
 	f := cmd.Flags()
 	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
 	f.Int32Var(&c.dbMaxConns, "database-max-conns", 0, "size of this process's PostgreSQL connection pool (0: the URL's pool_max_conns, at least 16); the process opens up to 7 more connections of its own, by role (docs/operations.md, \"Connection budget\")")
+	f.DurationVar(&c.dbWait, "database-wait", store.DefaultWait, "how long a request waits for PostgreSQL to come back (a restart, a failover) before it answers 503; 0 answers at once")
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
@@ -281,7 +283,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		dbURL = pg.URL()
 		log.Info("embedded PostgreSQL running", "dir", filepath.Join(dataDir, "postgres"))
 	}
-	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log, MaxConns: c.dbMaxConns})
+	st, err := store.Open(ctx, store.Config{URL: dbURL, Logger: log, MaxConns: c.dbMaxConns, Wait: orNoWait(c.dbWait)})
 	if err != nil {
 		return err
 	}
@@ -766,4 +768,13 @@ func newFirecracker(c *serveConfig, dataDir string, log *slog.Logger) (runtime.R
 		cfg.GID, _ = strconv.Atoi(u.Gid)
 	}
 	return firecracker.New(cfg)
+}
+
+// orNoWait is the store's Wait for --database-wait d: the flag's 0 (or less) is the
+// store's "do not wait" (its 0 is its default).
+func orNoWait(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
 }

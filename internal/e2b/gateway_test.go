@@ -51,8 +51,17 @@ type gateway struct {
 
 func startGateway(t *testing.T, opts spacetest.Options) *gateway {
 	t.Helper()
+	return startGatewayOver(t, opts, func(c *e2b.Config) {})
+}
+
+// startGatewayOver is startGateway with the gateway's configuration changed by edit
+// (its API and store wrapped, say).
+func startGatewayOver(t *testing.T, opts spacetest.Options, edit func(*e2b.Config)) *gateway {
+	t.Helper()
 	s := spacetest.Start(t, opts)
-	g, err := e2b.New(s.Context(), e2b.Config{API: s.Service, Store: s.Store, BuiltinTemplates: []string{"base", "builtin-later"}})
+	cfg := e2b.Config{API: s.Service, Store: s.Store, BuiltinTemplates: []string{"base", "builtin-later"}}
+	edit(&cfg)
+	g, err := e2b.New(s.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

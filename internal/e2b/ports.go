@@ -85,7 +85,7 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 	if err == nil {
 		sb, err = g.runningSandbox(ctx, p, id)
 	}
-	if fault.Is(err, fault.QuotaExceeded) || fault.Is(err, fault.TooManyRequests) {
+	if fault.Is(err, fault.QuotaExceeded) || fault.Is(err, fault.TooManyRequests) || later(err) {
 		g.fail(w, r, err)
 		return
 	}
@@ -133,9 +133,13 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 			"sandboxId": id, "port": port, "code": http.StatusBadGateway, "detail": closed.msg})
 		return
 	}
+	if later(proxyErr) {
+		g.fail(w, r, proxyErr)
+		return
+	}
 	g.log.Warn("port relay failed", "sandbox", id, "port", port, "err", proxyErr)
 	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "port": port, "code": http.StatusBadGateway,
-		"message": fmt.Sprintf("The sandbox is not reachable on port %d: %v", port, proxyErr)})
+		"message": fmt.Sprintf("The sandbox is not reachable on port %d: %s", port, fault.Message(proxyErr))})
 }
 
 // dialPort opens a tunnel to addr, "<sandbox id>:<port>".

@@ -61,6 +61,11 @@ func route(r *http.Request) (id string, port int, ok bool, err error) {
 // notFound502 is E2B's answer for a sandbox that is unknown, paused or not reachable:
 // the SDKs read a 502 as "the sandbox is not running" (isRunning() false, timeout
 // errors). It is given only to requests whose access token was verified.
+// later reports whether err says when to try again (the database is restarting): such
+// a request is answered 503 with Retry-After, which clients retry, never a 502 that
+// says the sandbox is gone or unreachable.
+func later(err error) bool { return fault.RetryAfterOf(err) > 0 }
+
 func notFound502(w http.ResponseWriter, id string) {
 	writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox was not found", "code": http.StatusBadGateway})
 }
@@ -316,8 +321,12 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		if ctx.Err() != nil {
 			return
 		}
+		if later(err) {
+			g.fail(w, r, err)
+			return
+		}
 		g.log.Warn("envd relay failed", "sandbox", id, "path", r.URL.Path, "err", err)
-		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox is not reachable: " + err.Error(),
+		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "message": "The sandbox is not reachable: " + fault.Message(err),
 			"code": http.StatusBadGateway})
 	}
 }

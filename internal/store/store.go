@@ -41,10 +41,102 @@ type Store struct {
 
 // db is the connection pool, with connection failures turned into fault.Unavailable:
 // while PostgreSQL is down (restarting, failing over) requests fail with a 503 that
-// clients retry, not with a 500. A statement that meets a connection PostgreSQL
-// dropped before the statement reached it (lost) runs again, once, on a fresh
-// connection: after PostgreSQL is back, nobody sees the stale connections of before.
-type db struct{ p *pgxpool.Pool }
+// clients retry, not with a 500. Short outages are ridden out: a statement that cannot
+// connect (PostgreSQL refuses, is not there, or is still starting) tries again with a
+// growing pause, for up to wait since it was first tried, before it fails. A statement
+// that meets a connection PostgreSQL dropped before the statement reached it (lost)
+// runs again at once on a fresh connection: after PostgreSQL is back, nobody sees the
+// stale connections of before.
+type db struct {
+	p    *pgxpool.Pool
+	wait time.Duration
+}
+
+// DefaultWait is how long a statement waits for PostgreSQL to come back by default: an
+// embedded PostgreSQL killed is back in about a second (half a second before the
+// supervisor starts it again, a few hundred milliseconds of recovery).
+const DefaultWait = 5 * time.Second
+
+// Bounds of the pause between two tries while PostgreSQL is down.
+const (
+	firstPause = 20 * time.Millisecond
+	maxPause   = 250 * time.Millisecond
+)
+
+// try is one statement's tries, from its first.
+type try struct {
+	d     db
+	ctx   context.Context
+	start time.Time
+	n     int
+	read  bool // the statement only reads: it may run again whatever became of it
+}
+
+func (d db) try(ctx context.Context) *try { return &try{d: d, ctx: ctx, start: time.Now()} }
+
+// reading is a try of statement sql, which only reads if it is a SELECT.
+func (d db) reading(ctx context.Context, sql string) *try {
+	t := d.try(ctx)
+	sql = strings.TrimSpace(sql)
+	t.read = len(sql) >= 6 && strings.EqualFold(sql[:6], "select")
+	return t
+}
+
+// again reports whether the statement runs again after it failed with err: at once
+// if its connection was lost (the first time), after a pause while PostgreSQL is down
+// (and after a second loss), as long as d.wait has not passed since the first try and
+// ctx has not ended. A statement that only reads is lost with its connection whenever
+// the connection fails (dropped), even after it was sent.
+func (t *try) again(err error) bool {
+	if t.read {
+		return t.after(err, t.d.dropped)
+	}
+	return t.after(err, t.d.lost)
+}
+
+// after is again, with lost deciding which failures came before the statement reached
+// PostgreSQL (and drops the pool's stale connections).
+func (t *try) after(err error, lost func(context.Context, error) bool) bool {
+	if err == nil || t.ctx.Err() != nil {
+		return false
+	}
+	isDown := down(err)
+	if !isDown && !lost(t.ctx, err) {
+		return false
+	}
+	t.n++
+	if !isDown && t.n == 1 {
+		return true
+	}
+	left := t.d.wait - time.Since(t.start)
+	if left <= 0 {
+		return false
+	}
+	pause := time.NewTimer(min(firstPause<<min(t.n-1, 8), maxPause, left))
+	defer pause.Stop()
+	select {
+	case <-t.ctx.Done():
+		return false
+	case <-pause.C:
+		return true
+	}
+}
+
+// down reports whether err is a failure to connect that says PostgreSQL is not there
+// or not ready (refused, no socket, starting up, shutting down): nothing of the
+// statement was sent. A refusal (a wrong password, a database that does not exist) is
+// not down.
+func down(err error) bool {
+	var ce *pgconn.ConnectError
+	if !errors.As(err, &ce) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "08")
+	}
+	return true
+}
 
 // lost reports whether err is a pooled connection found dropped before anything of the
 // statement was sent (pgconn.SafeToRetry: PostgreSQL restarted, failed over, or ended
@@ -62,30 +154,39 @@ func (d db) lost(ctx context.Context, err error) bool {
 }
 
 func (d db) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := d.p.Exec(ctx, sql, args...)
-	if d.lost(ctx, err) {
-		tag, err = d.p.Exec(ctx, sql, args...)
+	t := d.try(ctx)
+	for {
+		tag, err := d.p.Exec(ctx, sql, args...)
+		if !t.again(err) {
+			return tag, unavailable(err)
+		}
 	}
-	return tag, unavailable(err)
 }
 
 func (d db) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	rows, err := d.p.Query(ctx, sql, args...)
-	if d.lost(ctx, err) {
-		rows, err = d.p.Query(ctx, sql, args...)
-	}
+	q := query{d.reading(ctx, sql), sql, args}
+	rows, err := q.run()
 	if err != nil {
 		return rows, unavailable(err)
 	}
-	return &classifiedRows{Rows: rows, q: query{d, ctx, sql, args}}, nil
+	return &classifiedRows{Rows: rows, q: q}, nil
 }
 
 // query is a statement as it was asked for, to run it again.
 type query struct {
-	d    db
-	ctx  context.Context
+	t    *try
 	sql  string
 	args []any
+}
+
+// run runs the query, again while its tries allow.
+func (q query) run() (pgx.Rows, error) {
+	for {
+		rows, err := q.t.d.p.Query(q.t.ctx, q.sql, q.args...)
+		if !q.t.again(err) {
+			return rows, err
+		}
+	}
 }
 
 // classifiedRows reports a connection lost while reading rows as fault.Unavailable too:
@@ -109,14 +210,15 @@ func (r *classifiedRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
-	if !first || !r.q.d.lost(r.q.ctx, r.Rows.Err()) {
+	if !first || !r.q.t.again(r.Rows.Err()) {
 		return false
 	}
 	r.Rows.Close()
-	if r.Rows, r.err = r.q.d.p.Query(r.q.ctx, r.q.sql, r.q.args...); r.err != nil {
+	if r.Rows, r.err = r.q.run(); r.err != nil {
 		return false
 	}
-	return r.Rows.Next()
+	r.started = false // its first row again
+	return r.Next()
 }
 
 func (r *classifiedRows) Err() error {
@@ -129,10 +231,10 @@ func (r *classifiedRows) Err() error {
 func (r *classifiedRows) Scan(dest ...any) error { return unavailable(r.Rows.Scan(dest...)) }
 
 func (d db) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return row{r: d.p.QueryRow(ctx, sql, args...), q: query{d, ctx, sql, args}}
+	return row{r: d.p.QueryRow(ctx, sql, args...), q: query{d.reading(ctx, sql), sql, args}}
 }
 
-// row is a QueryRow's row; a lost connection runs the statement again (db.lost).
+// row is a QueryRow's row; it runs again as a statement does (try.again).
 type row struct {
 	r pgx.Row
 	q query
@@ -140,22 +242,35 @@ type row struct {
 
 func (r row) Scan(dest ...any) error {
 	err := r.r.Scan(dest...)
-	if r.q.d.lost(r.q.ctx, err) {
-		err = r.q.d.p.QueryRow(r.q.ctx, r.q.sql, r.q.args...).Scan(dest...)
+	for r.q.t.again(err) {
+		err = r.q.t.d.p.QueryRow(r.q.t.ctx, r.q.sql, r.q.args...).Scan(dest...)
 	}
 	return unavailable(err)
 }
 
-// Begin starts a transaction (pgx.BeginFunc's way in), again on a fresh connection if
-// the first was lost: a BEGIN changes nothing, so it is also begun again when the
-// connection was lost after it was sent (PostgreSQL ended the session meanwhile).
+// Begin starts a transaction (pgx.BeginFunc's way in), waiting for PostgreSQL as a
+// statement does, and again on a fresh connection if the first was dropped: a BEGIN
+// changes nothing, so it is also begun again when the connection failed after it was
+// sent (PostgreSQL ended the session meanwhile).
 func (d db) Begin(ctx context.Context) (pgx.Tx, error) {
-	tx, err := d.p.Begin(ctx)
-	if err != nil && ctx.Err() == nil && fault.KindOf(unavailable(err)) == fault.Unavailable {
-		d.p.Reset()
-		tx, err = d.p.Begin(ctx)
+	t := d.try(ctx)
+	for {
+		tx, err := d.p.Begin(ctx)
+		if !t.after(err, d.dropped) {
+			return tx, err
+		}
 	}
-	return tx, err
+}
+
+// dropped reports whether err is the connection failing (PostgreSQL went away, before
+// or after the statement reached it), for statements that change nothing, and drops
+// the pool's stale connections.
+func (d db) dropped(ctx context.Context, err error) bool {
+	if ctx.Err() != nil || fault.KindOf(unavailable(err)) != fault.Unavailable {
+		return false
+	}
+	d.p.Reset()
+	return true
 }
 
 // unavailable marks errors that mean the database cannot be reached (as opposed to a
@@ -195,7 +310,10 @@ func dbUnavailable(err error) error {
 type Config struct {
 	URL      string
 	MaxConns int32
-	Logger   *slog.Logger
+	// Wait is how long a statement waits for PostgreSQL to come back before it fails
+	// as unavailable: 0 is DefaultWait, a negative value does not wait.
+	Wait   time.Duration
+	Logger *slog.Logger
 }
 
 // Open connects to PostgreSQL and applies pending migrations.
@@ -213,7 +331,10 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect database: %w", err)
 	}
-	s := &Store{pool: db{pool}, url: cfg.URL, log: cfg.Logger}
+	if cfg.Wait == 0 {
+		cfg.Wait = DefaultWait
+	}
+	s := &Store{pool: db{pool, cfg.Wait}, url: cfg.URL, log: cfg.Logger}
 	if err := s.migrate(ctx); err != nil {
 		pool.Close()
 		return nil, err

@@ -395,6 +395,54 @@ func (s *Server) KillPostgres() {
 	}
 }
 
+// PostgresAway takes the embedded PostgreSQL away until back is called, for longer
+// than its supervisor would let a kill last: its socket is moved aside (new
+// connections find nothing there) and one of its processes is killed, so that
+// PostgreSQL ends every session (a crash restart; the postmaster stays). back puts
+// the socket back; calling it again does nothing.
+func (s *Server) PostgresAway(t testing.TB) (back func()) {
+	t.Helper()
+	if !s.opts.Embedded {
+		t.Fatal("PostgresAway needs the embedded PostgreSQL")
+	}
+	socks, err := filepath.Glob(filepath.Join(s.DataDir, "postgres", "run", ".s.PGSQL.*[0-9]"))
+	if err != nil || len(socks) != 1 {
+		t.Fatalf("embedded PostgreSQL's socket: %v %v", socks, err)
+	}
+	sock := socks[0]
+	if err := os.Rename(sock, sock+".away"); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _, _ := strings.Cut(string(b), "\n")
+	postmaster, err := strconv.Atoi(strings.TrimSpace(first))
+	if err != nil {
+		t.Fatal(err)
+	}
+	procs, err := procfs.AllProcs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var children []int
+	for _, p := range procs {
+		if st, err := p.Stat(); err == nil && st.PPID == postmaster {
+			children = append(children, p.PID)
+		}
+	}
+	if len(children) == 0 || syscall.Kill(children[0], syscall.SIGKILL) != nil {
+		t.Fatalf("no process of PostgreSQL (postmaster %d) to kill: %v", postmaster, children)
+	}
+	waitGone(t, children) // the postmaster ends the others, the sessions among them
+	return sync.OnceFunc(func() {
+		if err := os.Rename(sock+".away", sock); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
 // killTree kills pid and its children with SIGKILL, as a host going down would.
 func killTree(pid int) {
 	pids := []int{pid}
