@@ -315,7 +315,15 @@ func scenarios() []scenario {
 					if len(list) == 0 {
 						return fmt.Errorf("no snapshot of %s", w.ids[0])
 					}
-					w.snaps = append(w.snaps, list[0].ID)
+					id := list[0].ID
+					w.snaps = append(w.snaps, id)
+					// Its operation is not known (a list does not carry it): the capture
+					// ends when the snapshot leaves creating (seen once in CI: checked
+					// while the recovered capture still ran).
+					w.done = func() bool {
+						sn, err := s.C.GetSnapshot(ctx(t, 5*time.Second), id)
+						return client.IsNotFound(err) || err == nil && sn.State != api.SnapshotCreating
+					}
 					return nil
 				})
 				return

@@ -45,8 +45,10 @@ type Store struct {
 // connect (PostgreSQL refuses, is not there, or is still starting) tries again with a
 // growing pause, for up to wait since it was first tried, before it fails. A statement
 // that meets a connection PostgreSQL dropped before the statement reached it (lost)
-// runs again at once on a fresh connection: after PostgreSQL is back, nobody sees the
-// stale connections of before.
+// runs again at once on a fresh connection, and so does a read or a BEGIN whose
+// connection failed after it was sent (dropped): after PostgreSQL is back, nobody sees
+// the stale connections of before. A write whose connection failed after it was sent
+// may have happened, and is never run again.
 type db struct {
 	p    *pgxpool.Pool
 	wait time.Duration
