@@ -302,9 +302,11 @@ func attackImpersonation(t *testing.T, su *suite) {
 
 // fakeAgentScript stands in for the agent, as sandbox root may try to: it connects to
 // the node's socket in a loop (every millisecond), asks for the control connection as
-// the agent does and, once the node takes it (sends it the key), makes a data
-// connection whenever the node asks for one and serves its own HTTP on it. While the agent's own connection answers
-// the node refuses it; after a restart of the node it may connect first.
+// the agent does (presenting the key in /tmp/fake.key if there is one, else none) and,
+// once the node takes it (sends it the key), makes a data connection whenever the node
+// asks for one and serves its own HTTP on it. While the agent's own connection answers
+// the node refuses it; after a restart of the node it is refused unless it presents
+// the agent's key, which sandbox root cannot learn (the test hands it over).
 // /v1/health and every path it does not name answer with a 1 GiB body; GET
 // /v1/processes never ends (a byte every 200 ms); it accepts a process (pid 4242) whose
 // output stream is garbage frames. It signals that the node took it with a file in the
@@ -373,7 +375,8 @@ def serve(key):
 def control():
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
-    s.sendall(b'space-agent control\n')
+    k = open('/tmp/fake.key').read().strip() if os.path.exists('/tmp/fake.key') else '-'
+    s.sendall(('space-agent control %s\n' % k).encode())
     f = s.makefile('rb')
     line = f.readline().decode(errors='replace').split()
     if len(line) != 2 or line[0] != 'key':
@@ -400,8 +403,10 @@ for line in f:
 // TestHostileAgentAfterRestart: sandbox root cannot replace its agent while the agent
 // is connected (the node refuses other connections while the agent's answers:
 // TestAdversarial/AgentImpersonationAfterRestore; it cannot stop the agent either, which
-// gVisor's ptrace refuses), but when the node restarts, a process that connects first
-// takes the agent's place, as the threat model allows. Such a hostile HTTP server then
+// gVisor's ptrace refuses), nor when the node restarts: a process that connects first
+// is refused without the agent's key (until 2026-12-07 it took the agent's place).
+// Given the key (as a compromised agent, or a VM's root, would have it), a process that
+// connects first takes the agent's place, as the threat model allows. Such a hostile HTTP server then
 // fails only its own sandbox's requests: the API answers them with a clear 502 within
 // the agent client's bounds (size and time), the server's memory does not grow by more
 // than a few MiB while the node's own health polls meet 1 GiB bodies, and the sandbox
@@ -421,8 +426,26 @@ func TestHostileAgentAfterRestart(t *testing.T) {
 	if out := su.mustSh(t, sb.ID, "echo real"); out != "real\n" {
 		t.Fatalf("the real agent: %q", out)
 	}
-	// A restart: the agent connects again within a second; the fake, trying every
-	// millisecond, is most often first. The real agent may win a round: restart again.
+	// Restarts: the agent connects again within a second; the fake, trying every
+	// millisecond, is most often first, and is refused: the agent's command answers.
+	// (Were the fake taken, the command would meet its HTTP and fail.)
+	for round := 1; round <= 2; round++ {
+		su.s.Kill()
+		su.s.Restart()
+		out := su.mustSh(t, sb.ID, "echo real")
+		if _, err := os.Stat(ready); err == nil || out != "real\n" {
+			t.Fatalf("restart %d: the fake without the key took the agent's place (echo: %q)", round, out)
+		}
+	}
+	// The fake gets the agent's key, which the node keeps in the instance's state
+	// directory out of the sandbox's sight.
+	key, err := os.ReadFile(filepath.Join(su.s.DataDir, "runtime", sb.ID, "agent-link.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	su.put(t, sb.ID, "/tmp/fake.key", string(key), 0o600)
+	// A restart: the fake, with the key, is most often first. The real agent may win a
+	// round: restart again.
 	taken := false
 	for round := 0; round < 4 && !taken; round++ {
 		su.s.Kill()

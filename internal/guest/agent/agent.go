@@ -24,6 +24,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spacedev/space/internal/guest/agentlink"
 	"github.com/spacedev/space/internal/guest/rundirs"
 	"github.com/spacedev/space/internal/guest/wire"
 )
@@ -123,6 +124,9 @@ type Agent struct {
 
 	quiesce chan struct{}
 	tunnels tunnels
+	// linkKey is the key of the link to the node (gVisor), kept across quiesces: the
+	// agent presents it whenever it connects again (package agentlink).
+	linkKey agentlink.Key
 
 	freezeMu sync.Mutex
 	frozen   bool
@@ -271,7 +275,7 @@ func (a *Agent) listen(ctx context.Context, retry bool) (net.Listener, error) {
 	delay := 2 * time.Millisecond
 	var lastErr string
 	for {
-		ln, err := listen(ctx, a.cfg.Listen)
+		ln, err := listen(ctx, a.cfg.Listen, &a.linkKey)
 		if err == nil || !retry {
 			return ln, err
 		}

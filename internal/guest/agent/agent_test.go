@@ -1261,7 +1261,7 @@ func hostLink(t *testing.T, path string) func(ctx context.Context) (net.Conn, er
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := agentlink.NewHost(ln, slog.New(slog.DiscardHandler))
+	h := agentlink.NewHost(ln, slog.New(slog.DiscardHandler), agentlink.Keys{})
 	t.Cleanup(h.Close)
 	return h.Dial
 }

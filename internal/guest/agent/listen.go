@@ -46,7 +46,7 @@ func parseListen(s string) (listenSpec, error) {
 // server above does not care which one it is: vsock is an AF_VSOCK socket, serial a
 // yamux session over the port (yamux.Session implements net.Listener), and connect the
 // connections the agent makes to the host's unix socket when the host asks for them.
-func listen(ctx context.Context, s string) (net.Listener, error) {
+func listen(ctx context.Context, s string, key *agentlink.Key) (net.Listener, error) {
 	ls, err := parseListen(s)
 	if err != nil {
 		return nil, err
@@ -55,7 +55,7 @@ func listen(ctx context.Context, s string) (net.Listener, error) {
 	case "unix":
 		return listenUnix(ctx, ls.address)
 	case "connect":
-		return listenConnect(ctx, ls.address)
+		return listenConnect(ctx, ls.address, key)
 	case "serial":
 		return listenSerial(ctx, ls.address)
 	case "vsock":
@@ -97,7 +97,8 @@ func listenUnix(ctx context.Context, path string) (net.Listener, error) {
 // node asks for. Under gVisor the agent then binds no socket on a host file system, so
 // runsc can run with --host-uds=open: a socket a program binds on the disk is the
 // Sentry's, which a checkpoint saves (with --host-uds=create it was a host socket, and
-// the sandbox could not be suspended while it existed).
-func listenConnect(ctx context.Context, path string) (net.Listener, error) {
-	return agentlink.Listen(ctx, path)
+// the sandbox could not be suspended while it existed). key is the agent's for its
+// life: it presents it whenever it connects.
+func listenConnect(ctx context.Context, path string, key *agentlink.Key) (net.Listener, error) {
+	return agentlink.Listen(ctx, path, key)
 }

@@ -22,7 +22,7 @@ func TestListenVsock(t *testing.T) {
 	}
 	unix.Close(probe)
 	port := 40000 + time.Now().Nanosecond()%20000
-	ln, err := listen(t.Context(), "vsock:"+strconv.Itoa(port))
+	ln, err := listen(t.Context(), "vsock:"+strconv.Itoa(port), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestListenVsock(t *testing.T) {
 		t.Errorf("Addr() = %v %v, want vsock port %d", a.Network(), a, port)
 	}
 	// The port is taken while the listener lives.
-	if ln2, err := listen(t.Context(), "vsock:"+strconv.Itoa(port)); err == nil {
+	if ln2, err := listen(t.Context(), "vsock:"+strconv.Itoa(port), nil); err == nil {
 		ln2.Close()
 		t.Error("second listener on the same port succeeded")
 	}
@@ -50,7 +50,7 @@ func TestListenVsock(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Close did not end Accept")
 	}
-	if _, err := listen(t.Context(), "vsock:x"); err == nil {
+	if _, err := listen(t.Context(), "vsock:x", nil); err == nil {
 		t.Error("vsock:x accepted")
 	}
 }

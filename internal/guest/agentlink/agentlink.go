@@ -12,8 +12,10 @@
 // connection was measured a fifth slower for output: docs/benchmarks.md, twentieth
 // pass). The node asks for them over a control connection:
 //
-//	agent → node   "space-agent control\n"        opens the control connection
-//	node → agent   "key <64 hex digits>\n"        the secret of this control session
+//	agent → node   "space-agent control <key>\n"  opens the control connection,
+//	                                              presenting the key it was given
+//	                                              ("-": none yet)
+//	node → agent   "key <64 hex digits>\n"        the agent's key
 //	node → agent   "dial\n"                       make one data connection
 //	node → agent   "ping\n" / agent → node "pong\n"
 //	agent → node   "space-agent data <key>\n"     opens a data connection, which then
@@ -28,12 +30,16 @@
 //
 // One control connection holds the agent's place at a time. After a start or a restore
 // the agent connects before any user process runs (it thaws them once connected), so
-// the first control connection is the agent's; a later one is closed unanswered while
-// the one holding the place answers a ping. When it does not (the agent's connection
-// broke, or this is a new node process), the newcomer takes the place: as with a
-// listening agent, sandbox root can stand in for the agent at run time
-// (docs/security.md), never across a checkpoint. A data connection needs the current
-// key, which only the control connection carried.
+// the first control connection is the agent's; it is given a new key. A later one is
+// closed unanswered while the one holding the place answers a ping. When it does not
+// (the agent's connection broke, or this is a new node process), only a newcomer that
+// presents the agent's key takes the place: the key the agent confirmed by using it on
+// a data connection, which the node saves outside the sandbox (Keys) for its next
+// process. A process of the sandbox cannot learn it (it lives in the agent's memory,
+// and gVisor refuses root a ptrace of PID 1), so it cannot stand in for the agent,
+// neither while it runs nor after a restart of the node. Until 2026-12-07 the first
+// newcomer took the place; an agent from before then presents no key and is still
+// taken so. A data connection needs the key too.
 //
 // Hand-rolled on purpose: the protocol is five lines, and the libraries made for
 // multiplexing (yamux, HTTP/2) are what the measurement above rejected.
@@ -49,6 +55,7 @@ import (
 // The protocol's lines (without their newline).
 const (
 	helloControl = "space-agent control"
+	noKey        = "-" // presented by an agent that has no key yet
 	helloData    = "space-agent data "
 	keyPrefix    = "key "
 	reqDial      = "dial"

@@ -26,19 +26,29 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 // host listens on a new socket and serves it with a Host.
 func host(t *testing.T, path string) *Host {
 	t.Helper()
+	return hostWith(t, path, Keys{})
+}
+
+func hostWith(t *testing.T, path string, keys Keys) *Host {
+	t.Helper()
 	ln, err := net.Listen("unix", path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := NewHost(ln, slog.New(slog.DiscardHandler))
+	h := NewHost(ln, slog.New(slog.DiscardHandler), keys)
 	t.Cleanup(h.Close)
 	return h
 }
 
-// agent connects to path as the agent does and answers every request with name; the
+// agent connects to path as a new agent does and answers every request with name; the
 // returned function stops it (its listener closed, as a quiesce does).
 func agent(t *testing.T, ctx context.Context, path, name string) (stop func(), err error) {
-	ln, err := Listen(ctx, path)
+	return agentWith(t, ctx, path, name, new(Key))
+}
+
+// agentWith is agent with the key an agent keeps across its listeners.
+func agentWith(t *testing.T, ctx context.Context, path, name string, key *Key) (stop func(), err error) {
+	ln, err := Listen(ctx, path, key)
 	if err != nil {
 		return nil, err
 	}
@@ -69,14 +79,16 @@ func get(ctx context.Context, c *http.Client) (string, error) {
 }
 
 // TestLink: requests reach the agent over connections it dials, also many at once; a
-// second control connection is refused while the agent's answers, and takes the place
-// once the agent's has ended; a data connection without the key gets nothing.
+// second control connection is refused while the agent's answers, and also once the
+// agent's has ended unless it presents the agent's key (the agent connecting again
+// does); a data connection without the key gets nothing.
 func TestLink(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "node.sock")
 	h := host(t, path)
 	c := client(h)
 	ctx := ctxFor(t, 30*time.Second)
-	stopAgent, err := agent(t, ctx, path, "agent")
+	var key Key
+	stopAgent, err := agentWith(t, ctx, path, "agent", &key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,19 +129,137 @@ func TestLink(t *testing.T) {
 		t.Fatalf("after the impostors: %q %v", got, err)
 	}
 
-	// Once the agent's connection ends, the next control connection takes the place.
+	// Once the agent's connection ends, a control connection without its key is
+	// refused (the node no longer waits for a ping), with a key made up too, or as an
+	// agent from before keys; the agent itself takes its place again.
 	stopAgent()
 	c.CloseIdleConnections()
-	for { // as the agent does, until the node has seen the first one go
-		if _, err := agent(t, ctx, path, "next"); err == nil {
-			break
-		} else if ctx.Err() != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(10 * time.Millisecond)
+	waitFree(t, h)
+	if _, err := agent(t, ctxFor(t, 5*time.Second), path, "impostor"); err == nil || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("a control connection without the key after the agent left: %v", err)
 	}
-	if got, err := get(ctx, c); err != nil || got != "next" {
-		t.Fatalf("after the agent left: %q %v", got, err)
+	made := new(Key)
+	made.set(strings.Repeat("ab", 32))
+	if _, err := agentWith(t, ctxFor(t, 5*time.Second), path, "impostor", made); err == nil || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("a control connection with a made-up key: %v", err)
+	}
+	if refusedAsOld(t, path) {
+		t.Fatal("a control connection greeting as an agent from before keys took the place")
+	}
+	if _, err := agentWith(t, ctx, path, "agent again", &key); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := get(ctx, c); err != nil || got != "agent again" {
+		t.Fatalf("after the agent came back: %q %v", got, err)
+	}
+}
+
+// waitFree waits until h has seen its control connection end.
+func waitFree(t *testing.T, h *Host) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		h.mu.Lock()
+		c := h.ctl
+		h.mu.Unlock()
+		if c == nil || c.isClosed() {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the node did not see the agent's control connection end")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// refusedAsOld greets as an agent from before 2026-12-07 (no key) and reports whether
+// the node took the connection (sent it a key) rather than closing it.
+func refusedAsOld(t *testing.T, path string) (taken bool) {
+	t.Helper()
+	conn, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	io.WriteString(conn, helloControl+"\n")
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	line, err := readLine(conn)
+	return err == nil && strings.HasPrefix(line, keyPrefix)
+}
+
+// TestLinkKeyAcrossNodes: the key the agent confirmed is saved; a node process that
+// starts with it (Keys.Known) refuses control connections without it, and takes the
+// agent's. One that knows no key (an agent from before keys, or a node stopped before
+// it saved one) takes the first control connection, and an agent from before keys
+// keeps no key there. After Forget (a start again), the first one is taken and gets a
+// new key.
+func TestLinkKeyAcrossNodes(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "node.sock")
+	ctx := ctxFor(t, 30*time.Second)
+	saved := make(chan string, 4)
+	save := func(key string) error { saved <- key; return nil }
+	h := hostWith(t, path, Keys{Save: save})
+	var key Key
+	stop, err := agentWith(t, ctx, path, "agent", &key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := get(ctx, client(h)); err != nil || got != "agent" {
+		t.Fatalf("%q %v", got, err)
+	}
+	var known string
+	select {
+	case known = <-saved:
+	case <-ctx.Done():
+		t.Fatal("the agent's key was not saved")
+	}
+	if known != key.get() || len(known) != 64 {
+		t.Fatalf("saved %q, the agent holds %q", known, key.get())
+	}
+	// The node restarts: the agent's connection ends, a new Host knows the key.
+	h.Close()
+	os.Remove(path)
+	h2 := hostWith(t, path, Keys{Known: known, Save: save})
+	for range 3 {
+		if _, err := agent(t, ctxFor(t, 5*time.Second), path, "impostor"); err == nil || !strings.Contains(err.Error(), "refused") {
+			t.Fatalf("a new agent's control connection at a node that knows the key: %v", err)
+		}
+		if refusedAsOld(t, path) {
+			t.Fatal("a greeting as an agent from before keys took the place at a node that knows the key")
+		}
+	}
+	if got, err := get(ctx, client(h2)); err != nil || got != "agent" { // the agent, reconnecting in its loop
+		t.Fatalf("after the node's restart: %q %v", got, err)
+	}
+	if key.get() != known {
+		t.Fatal("the agent's key changed across the node's restart")
+	}
+	stop()
+
+	// A node that knows no key takes the first control connection, whatever it presents.
+	h2.Close()
+	os.Remove(path)
+	h3 := hostWith(t, path, Keys{Save: save})
+	stopRestored, err := agentWith(t, ctx, path, "restored", &key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := get(ctx, client(h3)); err != nil || got != "restored" {
+		t.Fatalf("%q %v", got, err)
+	}
+	if fresh := <-saved; fresh == known || fresh != key.get() {
+		t.Fatalf("a node that knew no key gave the agent %q (before %q), saved %q", key.get(), known, fresh)
+	}
+	// Forget: the next first control connection takes the place.
+	h3.Forget()
+	stopRestored()
+	waitFree(t, h3)
+	if _, err := agent(t, ctx, path, "after a start"); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := get(ctx, client(h3)); err != nil || got != "after a start" {
+		t.Fatalf("after Forget: %q %v", got, err)
 	}
 }
 
@@ -140,8 +270,9 @@ func TestLinkQuiesce(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "node.sock")
 	h := host(t, path)
 	ctx := ctxFor(t, 30*time.Second)
+	var key Key // the agent's, across its quiesces
 	for round := range 3 {
-		stop, err := agent(t, ctx, path, fmt.Sprint("agent", round))
+		stop, err := agentWith(t, ctx, path, fmt.Sprint("agent", round), &key)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -172,6 +303,9 @@ func TestLinkNodeRestart(t *testing.T) {
 	if got, err := get(ctx, client(h)); err != nil || got != "agent" {
 		t.Fatalf("%q %v", got, err)
 	}
+	h.kmu.Lock()
+	known := h.known
+	h.kmu.Unlock()
 	h.Close()
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatal(err)
@@ -179,7 +313,7 @@ func TestLinkNodeRestart(t *testing.T) {
 	if _, err := h.Dial(ctx); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Dial after Close: %v", err)
 	}
-	h2 := host(t, path)
+	h2 := hostWith(t, path, Keys{Known: known})
 	if got, err := get(ctx, client(h2)); err != nil || got != "agent" {
 		t.Fatalf("after the node's restart: %q %v", got, err)
 	}

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -42,6 +43,23 @@ type Host struct {
 	rmu     sync.Mutex
 	refused int       // connections refused since the last log line
 	logged  time.Time // of the last refusal logged
+
+	kmu   sync.Mutex
+	known string             // the key the agent has (kmu); empty: not known yet
+	save  func(string) error // records a key the agent confirmed
+}
+
+// Keys is what a Host knows of the agent's key when it starts.
+type Keys struct {
+	// Known is the key the instance's agent holds, as an earlier node process saved it:
+	// only a control connection that presents it takes the agent's place. Empty after a
+	// start or a restore (no user process runs before the agent has connected, so the
+	// first control connection is the agent's) and for an agent from before 2026-12-07,
+	// which presents none.
+	Known string
+	// Save records a key the agent confirmed (its first data connection carried it)
+	// for the next node process; nil keeps it in memory only.
+	Save func(key string) error
 }
 
 // spare is a data connection that arrived, with its session: Dial takes none whose
@@ -55,12 +73,15 @@ type spare struct {
 
 // control is one control connection held by the node.
 type control struct {
-	conn   net.Conn
-	key    string
-	wmu    sync.Mutex
-	pong   chan struct{} // one token per pong
-	closed chan struct{}
-	once   sync.Once
+	conn net.Conn
+	key  string
+	// unconfirmed: a new key given to an agent that keeps its key (it presented one,
+	// or that it has none), not yet seen on a data connection.
+	unconfirmed atomic.Bool
+	wmu         sync.Mutex
+	pong        chan struct{} // one token per pong
+	closed      chan struct{}
+	once        sync.Once
 }
 
 func (c *control) send(line string) error {
@@ -89,8 +110,9 @@ func (c *control) isClosed() bool {
 
 // NewHost serves the agent's connections arriving on ln (which it owns from then on)
 // in the background. log receives refusals and protocol errors.
-func NewHost(ln net.Listener, log *slog.Logger) *Host {
-	h := &Host{ln: ln, log: log, done: make(chan struct{}), conns: make(chan spare, spareConns), chg: make(chan struct{})}
+func NewHost(ln net.Listener, log *slog.Logger, keys Keys) *Host {
+	h := &Host{ln: ln, log: log, done: make(chan struct{}), conns: make(chan spare, spareConns), chg: make(chan struct{}),
+		known: keys.Known, save: keys.Save}
 	go h.accept()
 	return h
 }
@@ -197,11 +219,12 @@ func (h *Host) handle(conn net.Conn, hello string, err error) {
 	case err != nil:
 		conn.Close()
 		h.refuse("no greeting", err)
-	case hello == helloControl:
+	case hello == helloControl, strings.HasPrefix(hello, helloControl+" "):
+		presented, keyed := strings.CutPrefix(hello, helloControl+" ")
 		h.wg.Add(1)
 		go func() {
 			defer h.wg.Done()
-			h.takeControl(conn)
+			h.takeControl(conn, presented, keyed)
 		}()
 	case strings.HasPrefix(hello, helloData):
 		h.takeData(conn, strings.TrimPrefix(hello, helloData))
@@ -223,8 +246,9 @@ func (h *Host) refuse(why string, err error) {
 }
 
 // takeControl gives conn the agent's place unless the control connection holding it
-// answers a ping.
-func (h *Host) takeControl(conn net.Conn) {
+// answers a ping, or the agent's key is known and conn did not present it (keyed:
+// conn's greeting carried presented, a key or noKey).
+func (h *Host) takeControl(conn net.Conn, presented string, keyed bool) {
 	h.cmu.Lock()
 	defer h.cmu.Unlock()
 	if h.held() {
@@ -232,9 +256,21 @@ func (h *Host) takeControl(conn net.Conn) {
 		h.refuse("another control connection holds the agent's place", nil)
 		return
 	}
-	var k [32]byte
-	_, _ = rand.Read(k[:]) // never fails (crypto/rand)
-	c := &control{conn: conn, key: hex.EncodeToString(k[:]), pong: make(chan struct{}, 1), closed: make(chan struct{})}
+	h.kmu.Lock()
+	key := h.known
+	h.kmu.Unlock()
+	if key != "" && (!keyed || subtle.ConstantTimeCompare([]byte(presented), []byte(key)) != 1) {
+		conn.Close()
+		h.refuse("control connection without the agent's key", nil)
+		return
+	}
+	c := &control{conn: conn, key: key, pong: make(chan struct{}, 1), closed: make(chan struct{})}
+	if key == "" {
+		var k [32]byte
+		_, _ = rand.Read(k[:]) // never fails (crypto/rand)
+		c.key = hex.EncodeToString(k[:])
+		c.unconfirmed.Store(keyed)
+	}
 	if err := c.send(keyPrefix + c.key); err != nil {
 		conn.Close()
 		h.refuse("write key", err)
@@ -284,11 +320,36 @@ func (h *Host) takeData(conn net.Conn, key string) {
 		h.refuse("data connection without the current key", nil)
 		return
 	}
+	if c.unconfirmed.Swap(false) {
+		h.confirm(c.key)
+	}
 	select {
 	case h.conns <- spare{conn: conn, ctl: c}:
 	default:
 		conn.Close() // more than any Dial asked for
 	}
+}
+
+// confirm makes key, which the agent has shown it holds, the one a control connection
+// must present from now on, and saves it for the next node process.
+func (h *Host) confirm(key string) {
+	h.kmu.Lock()
+	h.known = key
+	save := h.save
+	h.kmu.Unlock()
+	if save != nil {
+		if err := save(key); err != nil {
+			h.log.Warn("agent link: save the agent's key (after a restart of the node, the first control connection will take its place)", "err", err)
+		}
+	}
+}
+
+// Forget forgets the agent's key: the next control connection takes the place, as
+// after a start (the instance is started or restored again).
+func (h *Host) Forget() {
+	h.kmu.Lock()
+	h.known = ""
+	h.kmu.Unlock()
 }
 
 // drain closes data connections that wait for a Dial.

@@ -1,6 +1,7 @@
 package agentlink
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -10,23 +11,44 @@ import (
 	"time"
 )
 
+// Key is the agent's key for its link: the one the node gave it, which it presents
+// whenever it connects again. The agent keeps one Key for its life, across Listens (a
+// quiesce closes the listener, and the agent listens again after it).
+type Key struct {
+	mu  sync.Mutex
+	key string
+}
+
+func (k *Key) get() string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.key
+}
+
+func (k *Key) set(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.key = key
+}
+
 // Listen is the agent's end: it connects to the node's socket at path and returns a
 // listener whose Accept yields the data connections the node asks for. It returns once
 // the node has accepted a control connection (so the caller can let user processes
 // run only then), or with the error of the first attempt. A control connection that
 // ends later (the node restarted) is made again until the listener is closed: at once
 // after one that lasted a second, else after a pause that doubles from 10 ms to a
-// second. The listener is closed when ctx ends.
-func Listen(ctx context.Context, path string) (net.Listener, error) {
+// second. Every control connection presents key and keeps the one the node answers
+// with in it. The listener is closed when ctx ends.
+func Listen(ctx context.Context, path string, key *Key) (net.Listener, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	l := &listener{path: path, ctx: ctx, cancel: cancel, conns: make(chan *primed), pending: map[net.Conn]bool{}}
-	ctl, key, err := l.connect()
+	l := &listener{path: path, key: key, ctx: ctx, cancel: cancel, conns: make(chan *primed), pending: map[net.Conn]bool{}}
+	ctl, current, err := l.connect()
 	if err != nil {
 		cancel()
 		return nil, err
 	}
 	l.setControl(ctl)
-	go l.run(ctl, key)
+	go l.run(ctl, current)
 	go func() {
 		<-ctx.Done() // ctx's end, or Close
 		l.Close()
@@ -36,6 +58,7 @@ func Listen(ctx context.Context, path string) (net.Listener, error) {
 
 type listener struct {
 	path   string
+	key    *Key
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
 	conns  chan *primed // to Accept
@@ -54,7 +77,7 @@ func (l *listener) connect() (net.Conn, string, error) {
 		return nil, "", err
 	}
 	_ = conn.SetDeadline(time.Now().Add(helloTimeout))
-	if _, err := io.WriteString(conn, helloControl+"\n"); err != nil {
+	if _, err := io.WriteString(conn, helloControl+" "+cmp.Or(l.key.get(), noKey)+"\n"); err != nil {
 		conn.Close()
 		return nil, "", fmt.Errorf("agent link: %w", err)
 	}
@@ -69,6 +92,7 @@ func (l *listener) connect() (net.Conn, string, error) {
 		return nil, "", fmt.Errorf("agent link: unexpected answer %q", line)
 	}
 	_ = conn.SetDeadline(time.Time{})
+	l.key.set(key)
 	return conn, key, nil
 }
 

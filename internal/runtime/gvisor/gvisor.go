@@ -356,7 +356,7 @@ func (r *Runtime) start(ctx context.Context, spec runtime.Spec, cgroup string, m
 	opts.layout = mem
 	if mem.AgentDials {
 		// Before runsc: the agent connects as soon as it runs.
-		if _, err := r.links.open(spec.ID, filepath.Join(spec.StateDir, runDir), r.log, false); err != nil {
+		if _, err := r.links.open(spec.ID, spec.StateDir, r.log, starting); err != nil {
 			return nil, err
 		}
 	}
@@ -599,7 +599,7 @@ func (r *Runtime) Dial(ctx context.Context, id string) (net.Conn, error) {
 	l := r.links.get(id) // the instance's record is read only when it has none yet
 	if l == nil {
 		if rec, err := r.readRecord(id); err == nil && rec.AgentDials {
-			if l, err = r.links.open(id, filepath.Join(rec.StateDir, runDir), r.log, true); err != nil {
+			if l, err = r.links.open(id, rec.StateDir, r.log, reopening); err != nil {
 				return nil, fmt.Errorf("gvisor dial %s: %w", id, err)
 			}
 		}
@@ -807,7 +807,7 @@ func (r *Runtime) Adopt(ctx context.Context, spec runtime.Spec) error {
 	}
 	if rec.AgentDials {
 		// The agent connects again within a second (agent listenConnect).
-		if _, err := r.links.open(spec.ID, filepath.Join(spec.StateDir, runDir), r.log, false); err != nil {
+		if _, err := r.links.open(spec.ID, spec.StateDir, r.log, adopting); err != nil {
 			return fmt.Errorf("gvisor adopt %s: %w", spec.ID, err)
 		}
 	}
@@ -890,8 +890,10 @@ func (r *Runtime) destroy(ctx context.Context, id, stateDir string) error {
 		return fmt.Errorf("release mounts: %w", err)
 	}
 	if stateDir != "" {
-		if err := os.RemoveAll(filepath.Join(stateDir, configFile)); err != nil {
-			return fmt.Errorf("clean state dir: %w", err)
+		for _, f := range []string{configFile, linkKeyFile} {
+			if err := os.RemoveAll(filepath.Join(stateDir, f)); err != nil {
+				return fmt.Errorf("clean state dir: %w", err)
+			}
 		}
 	}
 	if err := r.removeRecord(id); err != nil {

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -38,10 +39,24 @@ type agentLink struct {
 	log  *slog.Logger
 }
 
-// listenLink listens on the node's socket in runDir (a socket left there by an earlier
-// node process is replaced) and accepts the agent's connections in the background.
-func listenLink(id, runDir string, log *slog.Logger) (*agentLink, error) {
-	path := filepath.Join(runDir, wire.NodeSocketName)
+// linkKeyFile, in the instance's state directory (outside its run directory, so out of
+// the sandbox's sight), holds the key the agent confirmed (agentlink.Keys): after a
+// restart of the node only a control connection that presents it takes the agent's
+// place.
+const linkKeyFile = "agent-link.key"
+
+// listenLink listens on the node's socket in the run directory of stateDir (a socket
+// left there by an earlier node process is replaced) and accepts the agent's
+// connections in the background. fresh: the instance is being started or restored,
+// its agent has no key yet (one saved for an earlier instance is removed); otherwise
+// the key saved by an earlier node process is the one the agent must present.
+func listenLink(id, stateDir string, fresh bool, log *slog.Logger) (*agentLink, error) {
+	log = log.With("id", id)
+	keys, err := linkKeys(stateDir, fresh, log)
+	if err != nil {
+		return nil, err
+	}
+	path := filepath.Join(stateDir, runDir, wire.NodeSocketName)
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode().Type() != fs.ModeSocket {
 			return nil, fmt.Errorf("agent link %s: exists and is not a socket", path)
@@ -60,8 +75,37 @@ func listenLink(id, runDir string, log *slog.Logger) (*agentLink, error) {
 		ln.Close()
 		return nil, fmt.Errorf("agent link: %w", err)
 	}
-	log = log.With("id", id)
-	return &agentLink{path: path, host: agentlink.NewHost(ln, log), log: log}, nil
+	return &agentLink{path: path, host: agentlink.NewHost(ln, log, keys), log: log}, nil
+}
+
+// linkKeys is what the node knows of the agent's key in stateDir (see listenLink).
+func linkKeys(stateDir string, fresh bool, log *slog.Logger) (agentlink.Keys, error) {
+	path := filepath.Join(stateDir, linkKeyFile)
+	keys := agentlink.Keys{Save: func(key string) error {
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(key+"\n"), 0o600); err != nil {
+			return err
+		}
+		return os.Rename(tmp, path)
+	}}
+	if fresh {
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return keys, fmt.Errorf("agent link: %w", err)
+		}
+		return keys, nil
+	}
+	b, err := os.ReadFile(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		// An agent from before 2026-12-07, or a node stopped between the agent's first
+		// connection and its saving the key: the first control connection takes the place.
+		log.Info("agent link: no key saved for the agent; the first control connection takes its place")
+	case err != nil:
+		return keys, fmt.Errorf("agent link: %w", err)
+	default:
+		keys.Known = strings.TrimSpace(string(b))
+	}
+	return keys, nil
 }
 
 // listenUnix listens on a unix socket, also when its path is too long for
@@ -112,21 +156,34 @@ type links struct {
 	dying map[string]bool
 }
 
-// open returns the instance's link, listening in runDir first if it has none: a start
-// or a restore, Adopt, or the first Dial of this node process to an instance it found
-// running (a warm-pool member resumed after a restart, say). A lazy open (Dial's) is
-// refused while the instance is being destroyed.
-func (ls *links) open(id, runDir string, log *slog.Logger, lazy bool) (*agentLink, error) {
+// How a link is opened.
+type opening int
+
+const (
+	starting  opening = iota // a start or a restore: the agent has no key yet
+	adopting                 // Adopt: an instance a node process before this one ran
+	reopening                // the first Dial of this node process to an instance it found running (a warm-pool member resumed after a restart, say)
+)
+
+// open returns the instance's link, listening in stateDir's run directory first if it
+// has none. A reopening is refused while the instance is being destroyed.
+func (ls *links) open(id, stateDir string, log *slog.Logger, how opening) (*agentLink, error) {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	if l := ls.m[id]; l != nil {
+		if how == starting {
+			l.host.Forget()
+			if _, err := linkKeys(stateDir, true, l.log); err != nil {
+				return nil, err
+			}
+		}
 		return l, nil
 	}
-	if lazy && ls.dying[id] {
+	if how == reopening && ls.dying[id] {
 		return nil, errLinkClosed
 	}
 	delete(ls.dying, id)
-	l, err := listenLink(id, runDir, log)
+	l, err := listenLink(id, stateDir, how == starting, log)
 	if err != nil {
 		return nil, err
 	}

@@ -258,13 +258,14 @@ func run() error {
 		quiesce <- struct{}{}
 	})
 	dir := path[:strings.LastIndex(path, "/")]
+	var key agentlink.Key // kept across quiesces, as space-agent keeps its own
 	for {
 		var l net.Listener
 		var err error
 		if connect {
 			// As space-agent: retried until the node listens (it may be restarting).
 			for {
-				if l, err = agentlink.Listen(context.Background(), path); err == nil {
+				if l, err = agentlink.Listen(context.Background(), path, &key); err == nil {
 					break
 				}
 				time.Sleep(10 * time.Millisecond)
