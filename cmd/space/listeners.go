@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/activation"
 	"golang.org/x/sys/unix"
 
 	"github.com/spacedev/space/internal/fault"
@@ -27,14 +30,46 @@ type listeners struct {
 
 // bindListeners binds every listener serve needs; the first that cannot bind fails
 // serve with an error naming its flag and address (nothing is left bound).
+//
+// Socket activation: systemd (or anything that speaks its protocol: LISTEN_PID,
+// LISTEN_FDS, LISTEN_FDNAMES) may pass the listening sockets instead, each named after
+// its flag (FileDescriptorName=listen, e2b-listen or metrics-listen in the .socket
+// unit; a single unnamed socket is --listen's). A passed socket is used in place of
+// binding its flag's address. It outlives the process, so connections made while
+// space serve restarts wait in its queue for the next process instead of being refused
+// (docs/operations.md, "Running under systemd").
 func (c *serveConfig) bindListeners() (_ *listeners, err error) {
 	l := &listeners{}
+	passed, err := activation.ListenersWithNames()
+	if err != nil {
+		return nil, fmt.Errorf("sockets passed by systemd: %w", err)
+	}
+	if len(passed) == 1 {
+		for name, lns := range passed {
+			if strings.HasPrefix(name, "LISTEN_FD_") && len(lns) == 1 { // unnamed
+				passed = map[string][]net.Listener{"listen": lns}
+			}
+		}
+	}
 	defer func() {
 		if err != nil {
 			l.close()
+			for _, lns := range passed {
+				for _, ln := range lns {
+					_ = ln.Close()
+				}
+			}
 		}
 	}()
 	bind := func(flag, addr, hint string) (net.Listener, error) {
+		name := strings.TrimPrefix(flag, "--")
+		if lns := passed[name]; len(lns) > 0 {
+			if len(lns) > 1 {
+				return nil, fmt.Errorf("%s: systemd passed %d sockets named %q; pass one", flag, len(lns), name)
+			}
+			delete(passed, name)
+			return lns[0], nil
+		}
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
 			if errors.Is(err, unix.EADDRINUSE) {
@@ -56,6 +91,10 @@ func (c *serveConfig) bindListeners() (_ *listeners, err error) {
 		if l.metrics, err = bind("--metrics-listen", c.metricsListen, ""); err != nil {
 			return nil, err
 		}
+	}
+	if len(passed) > 0 {
+		names := slices.Sorted(maps.Keys(passed))
+		return nil, fmt.Errorf("systemd passed sockets space serve has no use for: %s (name them after the flag they stand for: FileDescriptorName=listen, e2b-listen or metrics-listen; e2b-listen needs the api role and a non-empty --e2b-listen, metrics-listen a non-empty --metrics-listen)", strings.Join(names, ", "))
 	}
 	return l, nil
 }

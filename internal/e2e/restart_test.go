@@ -2,6 +2,10 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptrace"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +17,7 @@ import (
 	"github.com/spacedev/space/client"
 	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/store"
+	"github.com/spacedev/space/internal/testenv"
 )
 
 var execCommand = exec.Command
@@ -312,5 +317,79 @@ func TestHostReboot(t *testing.T) {
 			t.Fatalf("delete %s: %+v %v", sb.ID, op, err)
 		}
 		assertGone(t, s, sb.ID)
+	}
+}
+
+// TestRestartWithPassedSocket: with its --listen socket passed by systemd (socket
+// activation), a restart of space serve refuses no connection. Requests sent while the
+// server is down (killed with SIGKILL, then stopped with SIGTERM) wait in the socket's
+// queue and are answered by the next process; without the passed socket they are
+// refused. A passed socket named for no flag stops space serve with an error that
+// names it.
+func TestRestartWithPassedSocket(t *testing.T) {
+	s := start(t, options{Socket: true})
+	const waiting = 6
+	for _, down := range []struct {
+		name string
+		do   func()
+	}{{"SIGKILL", s.Kill}, {"SIGTERM", s.Stop}} {
+		down.do() // returns once the process is gone
+		sent := time.Now()
+		connected := make(chan error, waiting)
+		answers := make(chan error, waiting)
+		for range waiting {
+			go func() {
+				trace := &httptrace.ClientTrace{ConnectDone: func(_, _ string, err error) { connected <- err }}
+				req, err := http.NewRequestWithContext(httptrace.WithClientTrace(ctx(t, 2*time.Minute), trace), "GET", s.URL+"/v1/sandboxes", nil)
+				if err != nil {
+					answers <- err
+					return
+				}
+				req.Header.Set("Authorization", "Bearer "+s.Key)
+				c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+				resp, err := c.Do(req)
+				if err == nil {
+					resp.Body.Close()
+					if resp.StatusCode != http.StatusOK {
+						err = fmt.Errorf("status %d", resp.StatusCode)
+					}
+				}
+				answers <- err
+			}()
+		}
+		// Every one is connected (in the socket's queue) before the next process starts.
+		for range waiting {
+			if err := <-connected; err != nil {
+				t.Fatalf("%s: a connection while space serve was down: %v", down.name, err)
+			}
+		}
+		s.Restart()
+		for range waiting {
+			if err := <-answers; err != nil {
+				t.Errorf("%s: a request sent while space serve was down: %v", down.name, err)
+			}
+		}
+		t.Logf("%s: %d requests sent while space serve was down answered within %v", down.name, waiting, time.Since(sent).Round(time.Millisecond))
+	}
+
+	// A socket named for no flag.
+	bin, _ := testenv.Binaries(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	f, err := ln.(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cmd := exec.Command("/bin/sh", "-c", `export LISTEN_PID=$$ && exec "$@"`, "sh", bin, "serve", "--data-dir", t.TempDir(),
+		"--database-url", "postgres://nobody@127.0.0.1:1/none", "--listen", freeAddr(t), "--e2b-listen", "")
+	cmd.Env = append(os.Environ(), "LISTEN_FDS=1", "LISTEN_FDNAMES=api")
+	cmd.ExtraFiles = []*os.File{f}
+	out, err := cmd.CombinedOutput()
+	if want := "systemd passed sockets space serve has no use for: api"; err == nil || !strings.Contains(string(out), want) {
+		t.Fatalf("space serve with a socket named api: %v, want an error with %q:\n%s", err, want, out)
 	}
 }

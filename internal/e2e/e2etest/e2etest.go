@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -62,6 +63,10 @@ type Options struct {
 	// Addr is the --listen address of the first start ("": a free one). Should it be
 	// taken, the server starts on another (the harness's own tests use that).
 	Addr string
+	// Socket: the test binds the --listen address and passes the socket to every start
+	// of the server as systemd's socket activation does (LISTEN_FDS, named "listen"),
+	// so that it outlives the server's restarts.
+	Socket bool
 }
 
 // Server is a space serve process under test.
@@ -80,6 +85,7 @@ type Server struct {
 	cmd  *exec.Cmd
 	log  *lockedWriter
 	done chan struct{}
+	sock *os.File // the socket passed to the server (Options.Socket)
 }
 
 // RequireHost skips the test unless it runs as root with runsc and a store the base
@@ -148,6 +154,30 @@ func StartWith(t testing.TB, o Options, prepare func(dataDir string)) *Server {
 	return s
 }
 
+// socket returns the socket passed to the server (Options.Socket), bound at s.Addr on
+// first use: nil (orTaken) or a failure if that address is taken.
+func (s *Server) socket(orTaken bool) *os.File {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.sock != nil {
+		return s.sock
+	}
+	ln, err := net.Listen("tcp", s.Addr)
+	if err != nil {
+		if orTaken {
+			return nil
+		}
+		s.t.Fatal(err)
+	}
+	f, err := ln.(*net.TCPListener).File()
+	ln.Close() // f is a socket of its own, still listening
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.sock = f
+	return f
+}
+
 // launch starts the process and waits for /healthz. With orTaken, a process that
 // exits at start-up because its --listen address is taken is not a failure: launch
 // reports false instead.
@@ -175,6 +205,16 @@ func (s *Server) launch(orTaken bool) bool {
 		cmd = exec.Command("/bin/sh", append([]string{"-c", `umask "$0" && exec "$@"`, o.Umask, s.Bin}, args...)...)
 	}
 	cmd.Env = append(os.Environ(), o.Env...)
+	if o.Socket {
+		// A shell says its pid, which the server keeps (socket activation passes the
+		// sockets to that pid only).
+		cmd = exec.Command("/bin/sh", append([]string{"-c", `export LISTEN_PID=$$ && exec "$@"`, "sh", s.Bin}, args...)...)
+		cmd.Env = append(os.Environ(), append(o.Env, "LISTEN_FDS=1", "LISTEN_FDNAMES=listen")...)
+		cmd.ExtraFiles = []*os.File{s.socket(orTaken)} // fd 3
+		if cmd.ExtraFiles[0] == nil {
+			return false
+		}
+	}
 	w := &lockedWriter{b: &bytes.Buffer{}}
 	cmd.Stdout, cmd.Stderr = w, w
 	if os.Getenv("SPACE_TEST_VERBOSE") != "" {
@@ -529,6 +569,9 @@ func (s *Server) killVMs() {
 
 func (s *Server) cleanup() {
 	s.Stop()
+	if s.sock != nil {
+		s.sock.Close()
+	}
 	// The gVisor runtime's Destroy also removes what it mounts for a sandbox (run dir,
 	// log, id-mapped views), which killing the runsc container would leave behind.
 	if len(s.RunscIDs()) > 0 {

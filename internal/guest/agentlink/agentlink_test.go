@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -342,14 +343,14 @@ func TestLinkSilentFlood(t *testing.T) {
 	}
 	stop := make(chan struct{})
 	flooded := make(chan int)
+	var opened atomic.Int64
 	go func() {
 		var open []net.Conn
-		opened := 0
 		defer func() {
 			for _, c := range open {
 				c.Close()
 			}
-			flooded <- opened
+			flooded <- int(opened.Load())
 		}()
 		for { // at most 500 open at once; then the oldest makes way for a new one
 			select {
@@ -367,9 +368,18 @@ func TestLinkSilentFlood(t *testing.T) {
 				continue
 			}
 			open = append(open, conn)
-			opened++
+			opened.Add(1)
 		}
 	}()
+	// The requests start once the flood is on (until 2026-12-07 they could all end
+	// before its first connection).
+	deadline := time.Now().Add(10 * time.Second)
+	for opened.Load() < 2*maxPending {
+		if time.Now().After(deadline) {
+			t.Fatalf("the flood opened %d connections in 10 s", opened.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
 	for i := range 20 {
 		c.CloseIdleConnections() // every request on a new data connection
 		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
