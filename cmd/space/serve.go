@@ -127,7 +127,14 @@ On first start space creates the operator's API key and writes it to
 terminal it is also shown there once. It never goes to the log.
 
 Tenants are created with "space tenant create"; --quota-* set the quotas of tenants
-that have none of their own (-1: unlimited).`,
+that have none of their own (-1: unlimited).
+
+Under systemd the listening sockets may be passed by socket activation, each named
+after its flag (FileDescriptorName=listen, e2b-listen, metrics-listen): they are used
+instead of binding the flags' addresses, and outlive restarts, so no connection is
+refused while space serve restarts (docs/operations.md, "Running under systemd").
+PostgreSQL away (a restart, a failover) is waited for up to --database-wait before a
+request is answered 503.`,
 		Example: `  sudo space serve
   space serve --data-dir /srv/space --listen 0.0.0.0:7700 --advertise-url http://node1:7700
   space serve --roles node --database-url postgres://space@db/space --listen 0.0.0.0:7701`,
