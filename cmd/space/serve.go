@@ -37,6 +37,7 @@ import (
 	"github.com/spacedev/space/internal/network"
 	"github.com/spacedev/space/internal/node"
 	"github.com/spacedev/space/internal/pgmanaged"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/runtime"
 	"github.com/spacedev/space/internal/runtime/firecracker"
 	"github.com/spacedev/space/internal/runtime/gvisor"
@@ -441,7 +442,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		BaseContext:       func(net.Listener) context.Context { return gctx },
+		BaseContext:       func(net.Listener) context.Context { return rest.BaseContext(gctx) },
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
 	g.Go(func() error {

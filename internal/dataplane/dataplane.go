@@ -516,8 +516,8 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 		Transport:     agent.Transport(),
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
-			if r.Context().Err() != nil {
-				return
+			if r.Context().Err() != nil && !rest.ShuttingDown(r) {
+				return // the client is gone
 			}
 			rest.WriteError(w, r, d.log, fault.New(fault.Unavailable, "sandbox agent unreachable: %v", err))
 		},

@@ -128,6 +128,9 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // fail writes err with the status space's one mapping gives it; internal errors are
 // logged and not shown.
 func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
+	if rest.ShuttingDown(r) {
+		err = rest.ErrShuttingDown
+	}
 	status := rest.StatusOf(err)
 	msg := fault.Message(err)
 	if fault.KindOf(err) == fault.Internal {

@@ -34,6 +34,7 @@ import (
 
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
@@ -165,7 +166,7 @@ func (g *Gateway) Serve(ctx context.Context, ln net.Listener) error {
 		Handler:           g,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
+		BaseContext:       func(net.Listener) context.Context { return rest.BaseContext(ctx) },
 		ErrorLog:          slog.NewLogLogger(g.log.Handler(), slog.LevelDebug),
 	}
 	done := make(chan struct{})

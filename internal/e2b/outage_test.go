@@ -4,15 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/internal/e2b"
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/agentclient"
+	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
@@ -79,4 +83,119 @@ func TestRelaysAnswer503WhileTheDatabaseIsAway(t *testing.T) {
 	check("port request", g.do("GET", "/", nil, "Host", fmt.Sprintf("8080-%s.sandboxes.example", a.SandboxID)))
 	get.Store(false)
 	want(t, "envd file read once the database is back", g.envd("GET", a.SandboxID, "/files?path=/etc/hostname", nil, "X-Access-Token", a.EnvdAccessToken), http.StatusOK)
+}
+
+// heldPlatform is a space whose creates and relays wait, while hold is set, until their
+// request ends (as a create waits for its sandbox to run) and tell when they wait.
+type heldPlatform struct {
+	e2b.Platform
+	hold    *atomic.Bool
+	waiting chan string
+}
+
+func (h heldPlatform) Create(ctx context.Context, p *service.Principal, req api.CreateSandboxRequest, idem *service.Idempotency) (*service.Created, error) {
+	if h.hold.Load() {
+		h.waiting <- "create"
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return h.Platform.Create(ctx, p, req, idem)
+}
+
+func (h heldPlatform) Sandbox(ctx context.Context, p *service.Principal, id string) (*store.Sandbox, error) {
+	if h.hold.Load() {
+		h.waiting <- "sandbox"
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return h.Platform.Sandbox(ctx, p, id)
+}
+
+func (h heldPlatform) Reach(ctx context.Context, p *service.Principal, id string, noWake bool) (*agentclient.Client, error) {
+	if h.hold.Load() {
+		h.waiting <- "envd"
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return h.Platform.Reach(ctx, p, id, noWake)
+}
+
+// TestRequestsInFlightAtShutdownAnswer503: requests that wait when the gateway stops
+// (a restart of space serve) are answered 503 with Retry-After: 1: an E2B create, an
+// envd request to a running sandbox and one to a paused sandbox. Until 2026-12-07
+// their context's end was taken for their client's going away and nothing was written:
+// an empty 200, which the E2B SDK took for a created sandbox without an id ("Cannot
+// read properties of undefined (reading 'envdVersion')"), an empty file, or a Connect
+// answer without a content type; the paused sandbox's was a 502 "The sandbox was not
+// found".
+func TestRequestsInFlightAtShutdownAnswer503(t *testing.T) {
+	var hold atomic.Bool
+	waiting := make(chan string, 3)
+	var gw *e2b.Gateway
+	g := startGatewayOver(t, spacetest.Options{}, func(c *e2b.Config) {
+		c.API = heldPlatform{c.API, &hold, waiting}
+		var err error
+		if gw, err = e2b.New(context.Background(), *c); err != nil {
+			t.Fatal(err)
+		}
+	})
+	a := g.create("/v2/sandboxes", map[string]any{"templateID": "base"})
+	b := g.create("/v2/sandboxes", map[string]any{"templateID": "base"})
+	want(t, "pause", g.do("POST", "/sandboxes/"+b.SandboxID+"/pause", nil), http.StatusNoContent)
+	bToken := g.get(b.SandboxID).EnvdAccessToken // a pause rotates it
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- gw.Serve(ctx, ln) }()
+	base := "http://" + ln.Addr().String()
+	hold.Store(true)
+	type answer struct {
+		what string
+		r    reply
+	}
+	const sent = 3
+	answers := make(chan answer, sent)
+	send := func(what, method, path string, body string, hdr ...string) {
+		req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
+		for i := 0; i+1 < len(hdr); i += 2 {
+			req.Header.Set(hdr[i], hdr[i+1])
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			answers <- answer{what, reply{code: -1, body: []byte(err.Error())}}
+			return
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		answers <- answer{what, reply{code: resp.StatusCode, hdr: resp.Header, body: b}}
+	}
+	go send("E2B create", "POST", "/sandboxes", `{"templateID":"base"}`, "X-API-KEY", g.key, "Content-Type", "application/json")
+	go send("envd file read", "GET", "/files?path=/etc/hostname", "", "E2b-Sandbox-Id", a.SandboxID,
+		"E2b-Sandbox-Port", fmt.Sprint(envdpb.Port), "X-Access-Token", a.EnvdAccessToken)
+	go send("envd file read (paused)", "GET", "/files?path=/etc/hostname", "", "E2b-Sandbox-Id", b.SandboxID,
+		"E2b-Sandbox-Port", fmt.Sprint(envdpb.Port), "X-Access-Token", bToken)
+	var held []string
+	for range sent {
+		select {
+		case w := <-waiting:
+			held = append(held, w)
+		case got := <-answers:
+			t.Fatalf("%s answered before the shutdown: %s (held: %v)", got.what, got.r, held)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("held %v; want %d requests held", held, sent)
+		}
+	}
+	stop()
+	for range sent {
+		got := <-answers
+		if got.r.code != http.StatusServiceUnavailable || got.r.hdr.Get("Retry-After") != "1" || !strings.Contains(string(got.r.body), "restarting") {
+			t.Errorf("%s in flight at shutdown: %s, want 503 with Retry-After: 1", got.what, got.r)
+		}
+	}
+	if err := <-served; err != nil {
+		t.Fatal(err)
+	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
@@ -85,7 +86,7 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 	if err == nil {
 		sb, err = g.runningSandbox(ctx, p, id)
 	}
-	if fault.Is(err, fault.QuotaExceeded) || fault.Is(err, fault.TooManyRequests) || later(err) {
+	if fault.Is(err, fault.QuotaExceeded) || fault.Is(err, fault.TooManyRequests) || later(err) || rest.ShuttingDown(r) {
 		g.fail(w, r, err)
 		return
 	}
@@ -124,7 +125,13 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 	}
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, sandboxCtxKey{}, portRequest{sb, p})))
-	if proxyErr == nil || ctx.Err() != nil {
+	if proxyErr == nil {
+		return
+	}
+	if ctx.Err() != nil {
+		if rest.ShuttingDown(r) { // nothing written yet: the proxy reports only such errors
+			g.fail(w, r, rest.ErrShuttingDown)
+		}
 		return
 	}
 	var closed *errPortClosed

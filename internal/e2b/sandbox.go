@@ -18,6 +18,7 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/store"
 )
@@ -274,8 +275,10 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		sb, err = g.runningSandbox(ctx, p, sb.ID)
 	}
 	if err != nil {
-		if fault.Is(err, fault.QuotaExceeded) {
-			g.fail(w, r, err) // an autoResume over the tenant's quota: say why
+		// An autoResume over the tenant's quota says why; the database away, or this
+		// process stopping, says to retry (never that the sandbox is gone).
+		if fault.Is(err, fault.QuotaExceeded) || later(err) || rest.ShuttingDown(r) {
+			g.fail(w, r, err)
 			return
 		}
 		if ctx.Err() == nil {
@@ -319,6 +322,9 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 			return
 		}
 		if ctx.Err() != nil {
+			if rest.ShuttingDown(r) {
+				g.fail(w, r, rest.ErrShuttingDown)
+			}
 			return
 		}
 		if later(err) {

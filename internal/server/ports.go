@@ -152,7 +152,13 @@ func (a *API) portProxy(w http.ResponseWriter, r *http.Request) error {
 	}
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, portCtxKey{}, portTarget{p: p, id: id, port: port, noWake: nw})))
-	if proxyErr == nil || ctx.Err() != nil {
+	if proxyErr == nil {
+		return nil
+	}
+	if ctx.Err() != nil {
+		if rest.ShuttingDown(r) { // nothing written yet: the proxy reports only such errors
+			return rest.ErrShuttingDown
+		}
 		return nil
 	}
 	if fault.KindOf(proxyErr) != fault.Internal {
