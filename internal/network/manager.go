@@ -281,7 +281,7 @@ func (m *Manager) findUplink() (string, error) {
 		}
 		return m.cfg.Uplink, nil
 	}
-	routes, err := h.RouteList(nil, netlink.FAMILY_V4)
+	routes, err := dump(func() ([]netlink.Route, error) { return h.RouteList(nil, netlink.FAMILY_V4) })
 	if err != nil {
 		return "", fmt.Errorf("network: list routes: %w", err)
 	}
@@ -305,6 +305,25 @@ func (m *Manager) forbidden() (*netipx.IPSet, error) {
 	return forbiddenSet(m.cfg.AllowPrivate, append(hostAddrs, m.cfg.Pool)...), nil
 }
 
+// dumpTries bounds the tries of a netlink dump that the kernel interrupts.
+const dumpTries = 5
+
+// dump runs a netlink dump (a list of addresses, routes) again when the kernel says it
+// was interrupted (netlink.ErrDumpInterrupted: the table changed while it was read,
+// and the list may miss entries), up to dumpTries times. Several sandboxes set up at
+// once change the host's links and addresses all the time: an interrupted list of the
+// host's addresses failed a sandbox's network set-up (seen under an E2B SDK burst:
+// "list host addresses: results may be incomplete or inconsistent"; the node booted
+// the sandbox instead of restoring it).
+func dump[T any](list func() ([]T, error)) ([]T, error) {
+	for try := 1; ; try++ {
+		out, err := list()
+		if !errors.Is(err, netlink.ErrDumpInterrupted) || try == dumpTries {
+			return out, err
+		}
+	}
+}
+
 // hostAddrs lists the host namespace's own addresses as host prefixes.
 func (m *Manager) hostAddrs() ([]netip.Prefix, error) {
 	h, err := m.host.netlink()
@@ -312,7 +331,7 @@ func (m *Manager) hostAddrs() ([]netip.Prefix, error) {
 		return nil, fmt.Errorf("network: netlink: %w", err)
 	}
 	defer h.Close()
-	list, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	list, err := dump(func() ([]netlink.Addr, error) { return h.AddrList(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return nil, fmt.Errorf("network: list host addresses: %w", err)
 	}
@@ -671,7 +690,7 @@ func (m *Manager) findHostAddr(hh *netlink.Handle, name string) (netip.Addr, boo
 	if err != nil {
 		return netip.Addr{}, false
 	}
-	addrs, err := hh.AddrList(l, netlink.FAMILY_V4)
+	addrs, err := dump(func() ([]netlink.Addr, error) { return hh.AddrList(l, netlink.FAMILY_V4) })
 	if err != nil {
 		return netip.Addr{}, false
 	}
