@@ -412,7 +412,9 @@ func TestGatedStart(t *testing.T) {
 	e := startAgent(t, func(c *agent.Config) { c.HeartbeatInterval = time.Hour })
 	ctx := testCtx(t, 20*time.Second)
 	pi, err := e.c.StartProcess(ctx, wire.ProcessSpec{
-		Argv:  []string{"sh", "-c", `echo first; echo "second $(id -u)" >&2; echo third`},
+		// It runs for a second, so that the second start below meets it running (without
+		// the sleep it had once exited already: CI, 2026-12-07).
+		Argv:  []string{"sh", "-c", `echo first; echo "second $(id -u)" >&2; sleep 1; echo third`},
 		Gated: true,
 		User:  "user",
 		Tag:   "t1",
