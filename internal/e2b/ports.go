@@ -130,7 +130,7 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 	}
 	if ctx.Err() != nil {
 		if rest.ShuttingDown(r) { // nothing written yet: the proxy reports only such errors
-			g.fail(w, r, rest.ErrShuttingDown)
+			g.fail(w, r, proxyErr) // says to retry
 		}
 		return
 	}

@@ -323,7 +323,7 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 		}
 		if ctx.Err() != nil {
 			if rest.ShuttingDown(r) {
-				g.fail(w, r, rest.ErrShuttingDown)
+				g.fail(w, r, err) // says to retry
 			}
 			return
 		}

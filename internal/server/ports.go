@@ -157,7 +157,7 @@ func (a *API) portProxy(w http.ResponseWriter, r *http.Request) error {
 	}
 	if ctx.Err() != nil {
 		if rest.ShuttingDown(r) { // nothing written yet: the proxy reports only such errors
-			return rest.ErrShuttingDown
+			return proxyErr // written as a shutdown (rest.WriteError)
 		}
 		return nil
 	}

@@ -427,12 +427,19 @@ func (s *Server) KillPostgres() {
 	if !s.opts.Embedded {
 		return
 	}
-	if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
-		first, _, _ := strings.Cut(string(b), "\n")
-		if pid, err := strconv.Atoi(strings.TrimSpace(first)); err == nil && pid > 1 {
-			killTree(pid)
-		}
+	if pid, err := s.postmaster(); err == nil && pid > 1 {
+		killTree(pid)
 	}
+}
+
+// postmaster returns the pid the embedded PostgreSQL's postmaster.pid names.
+func (s *Server) postmaster() (int, error) {
+	b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid"))
+	if err != nil {
+		return 0, err
+	}
+	first, _, _ := strings.Cut(string(b), "\n")
+	return strconv.Atoi(strings.TrimSpace(first))
 }
 
 // PostgresAway takes the embedded PostgreSQL away until back is called, for longer
@@ -453,12 +460,7 @@ func (s *Server) PostgresAway(t testing.TB) (back func()) {
 	if err := os.Rename(sock, sock+".away"); err != nil {
 		t.Fatal(err)
 	}
-	b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	first, _, _ := strings.Cut(string(b), "\n")
-	postmaster, err := strconv.Atoi(strings.TrimSpace(first))
+	postmaster, err := s.postmaster()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -594,12 +596,8 @@ func (s *Server) cleanup() {
 	s.killVMs()
 	if s.opts.Embedded {
 		// A killed server may leave its PostgreSQL running: stop it.
-		if b, err := os.ReadFile(filepath.Join(s.DataDir, "postgres", "data", "postmaster.pid")); err == nil {
-			var pid int
-			fmt.Sscanf(string(b), "%d", &pid)
-			if pid > 0 {
-				_ = syscall.Kill(pid, syscall.SIGQUIT)
-			}
+		if pid, err := s.postmaster(); err == nil && pid > 0 {
+			_ = syscall.Kill(pid, syscall.SIGQUIT)
 		}
 	}
 	_ = os.RemoveAll(s.RunscRoot())

@@ -78,6 +78,14 @@ func listenLink(id, stateDir string, fresh bool, log *slog.Logger) (*agentLink, 
 	return &agentLink{path: path, host: agentlink.NewHost(ln, log, keys), log: log}, nil
 }
 
+// removeLinkKey removes the key saved in stateDir, if any.
+func removeLinkKey(stateDir string) error {
+	if err := os.Remove(filepath.Join(stateDir, linkKeyFile)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("agent link: %w", err)
+	}
+	return nil
+}
+
 // linkKeys is what the node knows of the agent's key in stateDir (see listenLink).
 func linkKeys(stateDir string, fresh bool, log *slog.Logger) (agentlink.Keys, error) {
 	path := filepath.Join(stateDir, linkKeyFile)
@@ -89,10 +97,7 @@ func linkKeys(stateDir string, fresh bool, log *slog.Logger) (agentlink.Keys, er
 		return os.Rename(tmp, path)
 	}}
 	if fresh {
-		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return keys, fmt.Errorf("agent link: %w", err)
-		}
-		return keys, nil
+		return keys, removeLinkKey(stateDir)
 	}
 	b, err := os.ReadFile(path)
 	switch {
@@ -173,7 +178,7 @@ func (ls *links) open(id, stateDir string, log *slog.Logger, how opening) (*agen
 	if l := ls.m[id]; l != nil {
 		if how == starting {
 			l.host.Forget()
-			if _, err := linkKeys(stateDir, true, l.log); err != nil {
+			if err := removeLinkKey(stateDir); err != nil {
 				return nil, err
 			}
 		}
