@@ -4,18 +4,20 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"os/user"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -97,6 +99,7 @@ type serveConfig struct {
 	capacity       string
 	dbMaxConns     int32
 	dbWait         time.Duration
+	shutdownGrace  time.Duration
 	placement      string
 	placeTimeout   time.Duration
 	nodeTimeout    time.Duration
@@ -135,7 +138,14 @@ after its flag (FileDescriptorName=listen, e2b-listen, metrics-listen): they are
 instead of binding the flags' addresses, and outlive restarts, so no connection is
 refused while space serve restarts (docs/operations.md, "Running under systemd").
 PostgreSQL away (a restart, a failover) is waited for up to --database-wait before a
-request is answered 503.`,
+request is answered 503.
+
+On SIGTERM or SIGINT space serve stops taking connections and gives the requests in
+flight up to --shutdown-grace to finish (a create, a file upload, an E2B command's
+stream); streams that space's clients resume by themselves (attach, exec, the event
+feed) end at once and reconnect. Requests still in flight after the grace are
+answered 503, or their streams end; then the roles stop. A second signal ends the
+grace at once. Sandboxes keep running across the restart.`,
 		Example: `  sudo space serve
   space serve --data-dir /srv/space --listen 0.0.0.0:7700 --advertise-url http://node1:7700
   space serve --roles node --database-url postgres://space@db/space --listen 0.0.0.0:7701`,
@@ -160,6 +170,7 @@ request is answered 503.`,
 	f.StringVar(&c.databaseURL, "database-url", os.Getenv("SPACE_DATABASE_URL"), "PostgreSQL URL (env SPACE_DATABASE_URL); empty runs a private cluster in <data-dir>/postgres")
 	f.Int32Var(&c.dbMaxConns, "database-max-conns", 0, "size of this process's PostgreSQL connection pool (0: the URL's pool_max_conns, at least 16); the process opens up to 7 more connections of its own, by role (docs/operations.md, \"Connection budget\")")
 	f.DurationVar(&c.dbWait, "database-wait", store.DefaultWait, "how long a request waits for PostgreSQL to come back (a restart, a failover) before it answers 503; 0 answers at once")
+	f.DurationVar(&c.shutdownGrace, "shutdown-grace", DefaultShutdownGrace, "on SIGTERM or SIGINT, how long requests in flight may go on before they are answered 503 or their streams end (a second signal ends it at once)")
 	f.StringVar(&c.listen, "listen", envOr("SPACE_LISTEN", "127.0.0.1:7700"), "HTTP listen address of the API and data plane (env SPACE_LISTEN)")
 	f.StringVar(&roles, "roles", "api,controller,node", "roles to run: any of api, controller, node")
 	f.StringVar(&c.runtime, "runtime", envOr("SPACE_RUNTIME", "auto"), "sandbox runtime: auto (firecracker, else qemu with hardware KVM, else gvisor), gvisor, qemu or firecracker (env SPACE_RUNTIME)")
@@ -309,9 +320,30 @@ func serve(ctx context.Context, c *serveConfig) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	opMetrics := node.NewOperationMetrics(reg)
 
-	// Every role runs in this group: the first that fails stops the others, and
-	// serve returns once all have ended.
-	g, gctx := errgroup.WithContext(ctx)
+	// Every role and every HTTP server runs in this group: the first that fails stops
+	// the others, and serve returns once all have ended. A stop (ctx: SIGTERM, SIGINT)
+	// or a failure first drains the HTTP servers (rest.Serve): they take no new
+	// connection, and the requests in flight get --shutdown-grace to finish. The roles
+	// (and the embedded PostgreSQL) run on until the servers are done, because those
+	// requests need them; then they stop.
+	rolesCtx, stopRoles := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRoles()
+	g, gctx := errgroup.WithContext(rolesCtx)
+	stopping, beginStop := context.WithCancel(ctx)
+	defer beginStop()
+	context.AfterFunc(gctx, beginStop) // a failed role stops the servers too
+	drain := rest.Drain{Grace: c.shutdownGrace, Hurry: secondSignal(stopping, rolesCtx, log), Log: log}
+	var serving sync.WaitGroup
+	serveHTTP := func(name string, srv *http.Server, ln net.Listener) {
+		serving.Add(1)
+		g.Go(func() error {
+			defer serving.Done()
+			if err := rest.Serve(stopping, srv, ln, drain); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		})
+	}
 	if pg != nil {
 		// The embedded PostgreSQL is restarted when it dies; space reconnects by itself.
 		g.Go(func() error { return pg.Supervise(gctx) })
@@ -355,7 +387,14 @@ func serve(ctx context.Context, c *serveConfig) error {
 			if err != nil {
 				return err
 			}
-			run("e2b", func(ctx context.Context) error { return gw.Serve(ctx, lns.e2b) })
+			serving.Add(1)
+			g.Go(func() error {
+				defer serving.Done()
+				if err := gw.Serve(stopping, lns.e2b, drain); err != nil {
+					return fmt.Errorf("e2b: %w", err)
+				}
+				return nil
+			})
 		}
 	}
 	if c.has("controller") {
@@ -423,40 +462,21 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mmux.HandleFunc("GET /debug/pprof/{name...}", server.DebugPprof) // Go profiles, this address only
 		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-		g.Go(func() error {
-			if err := msrv.Serve(mln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				return fmt.Errorf("metrics http: %w", err)
-			}
-			return nil
-		})
-		g.Go(func() error {
-			<-gctx.Done()
-			sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownTimeout)
-			defer cancel()
-			_ = msrv.Shutdown(sctx)
-			return nil
-		})
+		serveHTTP("metrics http", msrv, mln)
 		log.Info("metrics serving (no authentication)", "listen", mln.Addr().String())
 	}
 	srv := &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		BaseContext:       func(net.Listener) context.Context { return rest.BaseContext(gctx) },
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
+	serveHTTP("http", srv, ln)
 	g.Go(func() error {
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			return fmt.Errorf("http: %w", err)
-		}
-		return nil
-	})
-	g.Go(func() error {
-		<-gctx.Done()
+		<-stopping.Done()
 		log.Info("shutting down")
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(gctx), shutdownTimeout)
-		defer cancel()
-		_ = srv.Shutdown(sctx)
+		serving.Wait()
+		stopRoles() // after the requests that needed them
 		return nil
 	})
 	log.Info("space is serving", "listen", ln.Addr().String())
@@ -471,8 +491,34 @@ func serve(ctx context.Context, c *serveConfig) error {
 	return runErr
 }
 
-// shutdownTimeout bounds how long open HTTP requests get once serve stops.
-const shutdownTimeout = 10 * time.Second
+// DefaultShutdownGrace is --shutdown-grace's default: long enough for a create from a
+// warm pool or a short command, short enough that a restart under systemd (whose
+// TimeoutStopSec defaults to 90 s) is quick.
+const DefaultShutdownGrace = 10 * time.Second
+
+// secondSignal closes its channel when a second SIGTERM or SIGINT arrives after the
+// stop began (stopping), to end the requests' grace at once; it gives up when the
+// roles have stopped (done).
+func secondSignal(stopping, done context.Context, log *slog.Logger) <-chan struct{} {
+	hurry := make(chan struct{})
+	go func() {
+		select {
+		case <-stopping.Done():
+		case <-done.Done():
+			return
+		}
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+		defer signal.Stop(sig)
+		select {
+		case s := <-sig:
+			log.Warn("stopping: second signal; requests in flight are ended now", "signal", s.String())
+			close(hurry)
+		case <-done.Done():
+		}
+	}()
+	return hurry
+}
 
 // bootstrapAdminKey creates the first operator key (home tenant "default") and writes
 // it to <data-dir>/admin.key (mode 0600). The secret is shown on out only when out is

@@ -292,9 +292,9 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
-	defer d.track(g.id, g.epoch, g.key, cancel)()
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	defer d.track(g.id, g.epoch, g.key, func() { cancel(context.Canceled) })()
 
 	info, err := g.proc.Info(ctx)
 	if fault.Is(err, fault.Gone) {
@@ -324,11 +324,15 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 		return nil
 	}
 	_ = e.Flush()
+	// At a stop the stream ends at once: the client reconnects from its last event id.
+	defer rest.EndAtStop(r, cancel)()
 	for {
 		f, err := Next(out, e)
 		if err != nil {
 			if ctx.Err() == nil {
 				d.ended(ctx, e, g, err)
+			} else if rest.Stopping(ctx) {
+				_ = e.Error(Restarting)
 			}
 			_ = e.Flush()
 			return nil
@@ -397,6 +401,10 @@ func (d *DataPlane) ended(ctx context.Context, e Encoder, g *grant, cause error)
 	}
 	_ = e.Error(msg)
 }
+
+// Restarting is the error event that ends an attach or exec stream when space stops
+// (a restart): the client reconnects from its last event id, to the next process.
+const Restarting = "space is restarting: reconnect from the last event id"
 
 // lostCheckTimeout bounds the look at why a stream ended; lostCheckInterval spaces its
 // repeats.
@@ -515,6 +523,7 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 		},
 		Transport:     agent.Transport(),
 		FlushInterval: -1,
+		ErrorLog:      slog.NewLogLogger(d.log.Handler(), slog.LevelDebug), // a stream cut under it
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			if r.Context().Err() != nil && !rest.ShuttingDown(r) {
 				return // the client is gone

@@ -160,32 +160,17 @@ func (g *Gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// Serve serves ln until ctx ends, then shuts down (giving open streams 5 s).
-func (g *Gateway) Serve(ctx context.Context, ln net.Listener) error {
+// Serve serves ln until ctx ends, then drains (rest.Serve): requests and streams in
+// flight get d.Grace to finish, since the E2B SDKs resume none of them.
+func (g *Gateway) Serve(ctx context.Context, ln net.Listener, d rest.Drain) error {
 	srv := &http.Server{
 		Handler:           g,
 		ReadHeaderTimeout: 10 * time.Second,
 		MaxHeaderBytes:    64 << 10,
-		BaseContext:       func(net.Listener) context.Context { return rest.BaseContext(ctx) },
 		ErrorLog:          slog.NewLogLogger(g.log.Handler(), slog.LevelDebug),
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if err := srv.Shutdown(sctx); err != nil {
-			_ = srv.Close()
-		}
-	}()
 	g.log.Info("E2B-compatible API serving", "listen", ln.Addr().String())
-	err := srv.Serve(ln)
-	if errors.Is(err, http.ErrServerClosed) {
-		<-done
-		return nil
-	}
-	return err
+	return rest.Serve(ctx, srv, ln, d)
 }
 
 // accessToken is the envd access token of a sandbox: bound to its tenant, its id and

@@ -32,6 +32,7 @@ import (
 	process "github.com/spacedev/space/internal/guest/envdpb/process"
 	"github.com/spacedev/space/internal/guest/envdpb/process/processpbconnect"
 	"github.com/spacedev/space/internal/ids"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
@@ -281,7 +282,7 @@ func TestServe(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- g.Serve(ctx, ln) }()
+	go func() { done <- g.Serve(ctx, ln, rest.Drain{}) }()
 	resp, err := http.Get("http://" + ln.Addr().String() + "/health")
 	if err != nil {
 		cancel()

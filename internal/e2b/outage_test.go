@@ -17,6 +17,7 @@ import (
 	"github.com/spacedev/space/internal/fault"
 	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/envdpb"
+	"github.com/spacedev/space/internal/rest"
 	"github.com/spacedev/space/internal/service"
 	"github.com/spacedev/space/internal/spacetest"
 	"github.com/spacedev/space/internal/store"
@@ -149,7 +150,7 @@ func TestRequestsInFlightAtShutdownAnswer503(t *testing.T) {
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- gw.Serve(ctx, ln) }()
+	go func() { served <- gw.Serve(ctx, ln, rest.Drain{}) }()
 	base := "http://" + ln.Addr().String()
 	hold.Store(true)
 	type answer struct {

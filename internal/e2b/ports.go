@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -122,6 +123,7 @@ func (g *Gateway) servePort(w http.ResponseWriter, r *http.Request, id string, p
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			proxyErr = err
 		},
+		ErrorLog: slog.NewLogLogger(g.log.Handler(), slog.LevelDebug), // a stream cut under it
 	}
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, sandboxCtxKey{}, portRequest{sb, p})))
@@ -218,7 +220,7 @@ func (g *Gateway) openTunnel(ctx context.Context, sb *store.Sandbox, p *service.
 	go func() {
 		t, err := g.api.Running(tctx, p, sb.ID, true)
 		if err == nil {
-			err = g.api.Agent(t).Relay(hw, req, "/v1/ports/"+strconv.Itoa(port)+"/connect", nil)
+			err = g.api.Agent(t).Relay(hw, req, "/v1/ports/"+strconv.Itoa(port)+"/connect", nil, g.log)
 		}
 		_ = remote.Close()
 		cancel()

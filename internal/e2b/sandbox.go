@@ -314,7 +314,7 @@ func (g *Gateway) serveSandbox(w http.ResponseWriter, r *http.Request, id string
 	// and streams its output; Reach finds the agent without a query when it can.
 	agent, err := g.api.Reach(ctx, p, sb.ID, true)
 	if err == nil {
-		err = agent.Relay(uw, r, envdpb.Prefix+r.URL.Path, q)
+		err = agent.Relay(uw, r, envdpb.Prefix+r.URL.Path, q, g.log)
 	}
 	if err != nil {
 		if uw.wrote {

@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"crypto/md5"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -10,11 +12,17 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
 	"github.com/spacedev/space/api"
 	"github.com/spacedev/space/client"
+	process "github.com/spacedev/space/internal/guest/envdpb/process"
+	"github.com/spacedev/space/internal/guest/envdpb/process/processpbconnect"
 	"github.com/spacedev/space/internal/runtime/gvisor"
 	"github.com/spacedev/space/internal/store"
 	"github.com/spacedev/space/internal/testenv"
@@ -392,4 +400,210 @@ func TestRestartWithPassedSocket(t *testing.T) {
 	if want := "systemd passed sockets space serve has no use for: api"; err == nil || !strings.Contains(string(out), want) {
 		t.Fatalf("space serve with a socket named api: %v, want an error with %q:\n%s", err, want, out)
 	}
+}
+
+// TestStopDrainsRequests: on SIGTERM, space serve stops taking connections but lets
+// the requests in flight finish (--shutdown-grace) with everything they need running;
+// streams that the client resumes by itself end at once and resume on the next
+// process. Before 2026-12-07 every request in flight was answered 503 or cut at once.
+func TestStopDrainsRequests(t *testing.T) {
+	e2bAddr := freeAddr(t)
+	s := start(t, options{Socket: true, Args: []string{"--e2b-listen", e2bAddr, "--shutdown-grace", "2m"}})
+	out, errOut, code := s.cli(t, "apikey", "create", "drain", "--e2b", "--tenant", "default")
+	if code != 0 {
+		t.Fatalf("apikey create --e2b: %s", errOut)
+	}
+	e2bKey := strings.TrimSpace(out)
+	req, _ := http.NewRequestWithContext(ctx(t, time.Minute), "POST", "http://"+e2bAddr+"/v2/sandboxes", strings.NewReader(`{"templateID":"base"}`))
+	req.Header.Set("X-API-KEY", e2bKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sb struct{ SandboxID, EnvdAccessToken string }
+	err = json.NewDecoder(resp.Body).Decode(&sb)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || err != nil {
+		t.Fatalf("E2B create: %d %v", resp.StatusCode, err)
+	}
+	id := sb.SandboxID
+
+	// 1. An E2B commands.run stream (envd's process.Start through the gateway): the
+	// E2B SDKs resume none, so it gets the grace.
+	type e2bResult struct {
+		stdout string
+		exit   int32
+		ended  bool
+		at     time.Time
+		err    error
+	}
+	e2bStarted, e2bDone := make(chan struct{}), make(chan e2bResult, 1)
+	go func() {
+		var r e2bResult
+		defer func() { r.at = time.Now(); e2bDone <- r }()
+		httpc := &http.Client{Transport: envdHeaders{id: id, token: sb.EnvdAccessToken}}
+		proc := processpbconnect.NewProcessClient(httpc, "http://"+e2bAddr)
+		stream, err := proc.Start(ctx(t, 2*time.Minute), connect.NewRequest(&process.StartRequest{Process: &process.ProcessConfig{
+			Cmd: "/bin/sh", Args: []string{"-c", "echo a; sleep 3; echo b"}}}))
+		if err != nil {
+			r.err = err
+			return
+		}
+		defer stream.Close()
+		var b strings.Builder
+		for stream.Receive() {
+			ev := stream.Msg().GetEvent()
+			if d := ev.GetData().GetStdout(); len(d) > 0 {
+				if b.Len() == 0 {
+					close(e2bStarted)
+				}
+				b.Write(d)
+			}
+			if e := ev.GetEnd(); e != nil {
+				r.exit, r.ended = e.GetExitCode(), true
+			}
+		}
+		r.stdout, r.err = b.String(), stream.Err()
+	}()
+
+	// 2. A command run by space's own client (one-request exec): its stream ends at the
+	// stop and is resumed from its last byte on the next process.
+	// It runs past the stop, which waits only for the E2B command: held for the grace,
+	// it would end on the stopping process, attached once.
+	execStarted, execDone := make(chan struct{}), make(chan error, 1)
+	var execOut strings.Builder
+	var attaches atomic.Int32
+	go func() {
+		first := &firstWrite{w: &execOut, first: execStarted}
+		x, err := s.C.Run(ctx(t, 2*time.Minute), id, api.ExecRequest{Command: "echo x; sleep 12; echo y"},
+			client.Output{Stdout: first, OnStart: func(api.StartEvent) { attaches.Add(1) }})
+		if err == nil && client.ExitCode(x) != 0 {
+			err = fmt.Errorf("exit %+v", x)
+		}
+		execDone <- err
+	}()
+
+	// 3. An upload whose body is held until the stop has begun. With Expect:
+	// 100-continue its body is read only once its handler runs.
+	release := make(chan struct{})
+	uploadStarted, uploadDone := make(chan struct{}), make(chan string, 1)
+	payload := strings.Repeat("0123456789abcdef", 64<<10) // 1 MiB
+	go func() {
+		body := &heldBody{first: strings.NewReader(payload[:len(payload)/2]), rest: strings.NewReader(payload[len(payload)/2:]),
+			started: uploadStarted, release: release}
+		req, err := http.NewRequestWithContext(ctx(t, 2*time.Minute), "PUT", s.URL+"/v1/sandboxes/"+id+"/files?path=/tmp/upload", body)
+		if err != nil {
+			uploadDone <- err.Error()
+			return
+		}
+		req.Header.Set("Authorization", "Bearer "+s.Key)
+		req.Header.Set("Content-Type", "application/octet-stream")
+		req.Header.Set("Expect", "100-continue")
+		c := &http.Client{Transport: &http.Transport{ExpectContinueTimeout: time.Minute}}
+		resp, err := c.Do(req)
+		if err != nil {
+			uploadDone <- err.Error()
+			return
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		uploadDone <- fmt.Sprintf("%d %s", resp.StatusCode, b)
+	}()
+	for name, ch := range map[string]chan struct{}{"E2B command": e2bStarted, "exec": execStarted, "upload": uploadStarted} {
+		select {
+		case <-ch:
+		case <-time.After(time.Minute):
+			t.Fatalf("the %s did not start", name)
+		}
+	}
+
+	stopped := make(chan time.Time, 1)
+	go func() { s.Stop(); stopped <- time.Now() }()
+	waitFor(t, time.Minute, "space serve to wait for the requests in flight", func() bool {
+		return strings.Contains(s.Log(), "stopping: requests in flight may finish")
+	})
+	// A request sent now waits for the next process: the stopping one takes no
+	// connection (here the socket systemd would hold queues it).
+	queued := make(chan error, 1)
+	go func() {
+		_, err := s.C.ListSandboxes(ctx(t, 2*time.Minute), client.ListOptions{})
+		queued <- err
+	}()
+	close(release)
+	if got := <-uploadDone; !strings.HasPrefix(got, "200 ") && !strings.HasPrefix(got, "201 ") {
+		t.Errorf("the upload in flight at the stop: %s, want it to finish", got)
+	}
+	r := <-e2bDone
+	if r.err != nil || !r.ended || r.exit != 0 || r.stdout != "a\nb\n" {
+		t.Errorf("the E2B command in flight at the stop: %+v, want a\\nb\\n and exit 0", r)
+	}
+	var exitAt time.Time
+	select {
+	case exitAt = <-stopped:
+	case <-time.After(time.Minute):
+		t.Fatal("space serve did not stop once its requests had finished")
+	}
+	if exitAt.Before(r.at) {
+		t.Errorf("space serve exited (%v) before the E2B stream in flight ended (%v)", exitAt, r.at)
+	}
+	select {
+	case err := <-queued:
+		t.Fatalf("a request sent during the drain was answered by the stopping process (%v)", err)
+	default:
+	}
+	s.Restart()
+	if err := <-queued; err != nil {
+		t.Errorf("the request queued during the drain, on the next process: %v", err)
+	}
+	if err := <-execDone; err != nil || execOut.String() != "x\ny\n" || attaches.Load() != 2 {
+		t.Errorf("the exec across the restart: %v, stdout %q, %d attaches; want x\\ny\\n, resumed once on the next process",
+			err, execOut.String(), attaches.Load())
+	}
+	got, _, code := s.exec(t, id, "sh", "-c", "wc -c < /tmp/upload; md5sum < /tmp/upload")
+	want := fmt.Sprintf("%x", md5.Sum([]byte(payload)))
+	if code != 0 || !strings.Contains(got, fmt.Sprint(len(payload))) || !strings.Contains(got, want) {
+		t.Errorf("the uploaded file: %q, want %d bytes with md5 %s", got, len(payload), want)
+	}
+}
+
+// envdHeaders routes Connect requests to a sandbox's envd as the E2B SDKs do.
+type envdHeaders struct{ id, token string }
+
+func (e envdHeaders) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("E2b-Sandbox-Id", e.id)
+	r.Header.Set("E2b-Sandbox-Port", "49983")
+	r.Header.Set("X-Access-Token", e.token)
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// firstWrite closes first on its first write.
+type firstWrite struct {
+	w     io.Writer
+	first chan struct{}
+	once  sync.Once
+}
+
+func (f *firstWrite) Write(p []byte) (int, error) {
+	f.once.Do(func() { close(f.first) })
+	return f.w.Write(p)
+}
+
+// heldBody is a request body whose first part is read at once (closing started on
+// the first read) and whose rest only once release closes.
+type heldBody struct {
+	first, rest *strings.Reader
+	started     chan struct{}
+	release     chan struct{}
+	once        sync.Once
+}
+
+func (b *heldBody) Read(p []byte) (int, error) {
+	if b.first.Len() > 0 {
+		b.once.Do(func() { close(b.started) })
+		return b.first.Read(p)
+	}
+	<-b.release
+	return b.rest.Read(p)
 }

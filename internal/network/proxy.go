@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -419,6 +420,7 @@ func (p *sandboxProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		},
 		Transport: p.tr.Load(),
+		ErrorLog:  slog.NewLogLogger(p.m.log.Handler(), slog.LevelDebug), // a stream cut under it
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			p.sb.jr.Append(api.NetworkEvent{Kind: api.NetEventConnect, Verdict: api.NetDenied, Reason: upstreamReason(err),
 				Protocol: "https", Destination: pc.dst.String(), Domain: name})

@@ -101,8 +101,9 @@ func (n *Node) netlogHTTP(w http.ResponseWriter, r *http.Request) error {
 	}
 	n.Touch(id)
 	s := rest.NewSSE(w)
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	defer rest.EndAtStop(r, cancel)() // a follower reconnects from its last id
 	hb := time.NewTicker(rest.HeartbeatEvery)
 	defer hb.Stop()
 	for {

@@ -6,7 +6,6 @@
 package rest
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"io"
@@ -92,27 +91,18 @@ func WriteError(w http.ResponseWriter, r *http.Request, log *slog.Logger, err er
 }
 
 // ErrShuttingDown is the cause with which a server ends the contexts of the requests
-// in flight when it stops (BaseContext). They are answered 503 with Retry-After, to be
-// sent again to the next process (a restart: with the listening socket passed by
-// systemd they wait in its queue). Until 2026-12-07 a request whose context ended so
-// was taken for one whose client had gone, and got nothing written: an empty 200,
-// which the E2B SDKs took for a created sandbox without an id, an empty file, or a
-// Connect answer without a content type.
+// still in flight when its stop's grace has passed (Serve), and of the streams a client
+// resumes by itself when the stop begins (EndAtStop). They are answered 503 with
+// Retry-After, to be sent again to the next process (a restart: with the listening
+// socket passed by systemd they wait in its queue). Until 2026-12-07 a request whose
+// context ended so was taken for one whose client had gone, and got nothing written:
+// an empty 200, which the E2B SDKs took for a created sandbox without an id, an empty
+// file, or a Connect answer without a content type.
 var ErrShuttingDown = fault.Later(fault.New(fault.Unavailable, "space is restarting; retry shortly"), time.Second)
 
-// BaseContext is the base of a server's request contexts (http.Server.BaseContext):
-// it ends, with ErrShuttingDown as its cause, once ctx (the server's life) ends.
-func BaseContext(ctx context.Context) context.Context {
-	base, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
-	context.AfterFunc(ctx, func() { cancel(ErrShuttingDown) })
-	return base
-}
-
 // ShuttingDown reports whether r's context ended because its server is stopping
-// (BaseContext), not because its client went away.
-func ShuttingDown(r *http.Request) bool {
-	return r.Context().Err() != nil && errors.Is(context.Cause(r.Context()), ErrShuttingDown)
-}
+// (Serve), not because its client went away.
+func ShuttingDown(r *http.Request) bool { return Stopping(r.Context()) }
 
 // SetRetryAfter sets Retry-After on the answer to an error a client should send again
 // later: a conflict that passes on its own (fault.Later, in whole seconds rounded up)

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"net/http"
 	"time"
 
@@ -17,6 +18,10 @@ const eventWriteTimeout = time.Minute
 // events handles GET /v1/events: the changes the caller may see (service.Subscribe)
 // as SSE.
 func (a *API) events(w http.ResponseWriter, r *http.Request) error {
+	// At a stop the feed ends at once; clients reconnect (and resync) to the next process.
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	defer rest.EndAtStop(r, cancel)()
 	sub := a.svc.Subscribe(principalFrom(r.Context()))
 	defer a.svc.Unsubscribe(sub)
 	s := rest.NewSSE(w)
@@ -29,7 +34,7 @@ func (a *API) events(w http.ResponseWriter, r *http.Request) error {
 	for {
 		var ok bool
 		select {
-		case <-r.Context().Done():
+		case <-ctx.Done():
 			return nil
 		case ev := <-sub.C:
 			ok = send(ev)

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"net/http"
 
 	"github.com/spacedev/space/api"
@@ -27,7 +28,9 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	x, err := a.svc.Exec(r.Context(), principalFrom(r.Context()), r.PathValue("id"), req, nw, r.Header.Get("Idempotency-Key"))
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	x, err := a.svc.Exec(ctx, principalFrom(r.Context()), r.PathValue("id"), req, nw, r.Header.Get("Idempotency-Key"))
 	if err != nil {
 		return err
 	}
@@ -36,14 +39,18 @@ func (a *API) exec(w http.ResponseWriter, r *http.Request) error {
 	if err := e.Start(api.StartEvent{PID: x.PID, ProcessUID: x.UID}); err != nil {
 		return nil
 	}
+	// At a stop the stream ends at once: the client re-attaches from its last event id.
+	defer rest.EndAtStop(r, cancel)()
 	for {
 		f, err := dataplane.Next(x.Out, e)
 		if err != nil {
 			if r.Context().Err() == nil {
-				// Cut (revoked) or broken: the client re-attaches to pid/process_uid
-				// through a session, from its last event id.
+				// Cut (revoked), broken or stopping: the client re-attaches to
+				// pid/process_uid through a session, from its last event id.
 				msg := "exec stream ended before the process exited"
-				if x.Ctx.Err() != nil {
+				if rest.Stopping(ctx) {
+					msg = dataplane.Restarting
+				} else if x.Ctx.Err() != nil {
 					msg = "exec stream was cut: the sandbox's tokens or the API key were revoked, or the listener reconnected"
 				}
 				_ = e.Error(msg)

@@ -40,7 +40,7 @@ func checkPath(name, p string) error {
 // proxyToAgent relays the request (method, body, selected query parameters) to the
 // agent path and streams the answer back. Agent errors become API errors.
 func (a *API) proxyToAgent(w http.ResponseWriter, r *http.Request, t *service.Target, agentPath string, query url.Values) error {
-	return a.svc.Agent(t).Relay(w, r, agentPath, query)
+	return a.svc.Agent(t).Relay(w, r, agentPath, query, a.log)
 }
 
 // fileQuery copies the allowed query parameters after validating them.
@@ -226,14 +226,17 @@ func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
 	watch, err := a.svc.Agent(t).Watch(ctx, q.Get("path"), q.Get("user"), q.Get("recursive") == "1")
 	if err != nil {
 		return err
 	}
 	defer watch.Close()
 	s := rest.NewSSE(w)
+	// A watch never ends by itself: at a stop it ends at once, telling its client to
+	// watch again (with the next process).
+	defer rest.EndAtStop(r, cancel)()
 	st := watch.Start
 	if s.Event("", st.Type, api.WatchEvent{Type: st.Type, Path: st.Path, Name: st.Name, IsDir: st.IsDir}) != nil || s.Flush() != nil {
 		return nil
@@ -241,7 +244,9 @@ func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
 	for {
 		ev, err := watch.Next()
 		if err != nil {
-			if err != io.EOF && ctx.Err() == nil {
+			if rest.Stopping(ctx) {
+				_ = s.Event("", api.EventError, map[string]string{"message": "space is restarting: watch again"})
+			} else if err != io.EOF && ctx.Err() == nil {
 				_ = s.Event("", api.EventError, map[string]string{"message": fmt.Sprintf("watch ended: %v", err)})
 			}
 			return nil

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -79,12 +80,15 @@ func (a *API) netlog(w http.ResponseWriter, r *http.Request) error {
 	default:
 		return rest.Invalid("follow must be true or false")
 	}
-	body, err := a.svc.NetLog(r.Context(), principalFrom(r.Context()), r.PathValue("id"), from, follow)
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	body, err := a.svc.NetLog(ctx, principalFrom(r.Context()), r.PathValue("id"), from, follow)
 	if err != nil {
 		return err
 	}
 	defer body.Close()
 	s := rest.NewSSE(w)
+	defer rest.EndAtStop(r, cancel)() // at a stop a follower reconnects from its last id
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := body.Read(buf)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -149,6 +150,7 @@ func (a *API) portProxy(w http.ResponseWriter, r *http.Request) error {
 		Transport:     a.portTransport(),
 		FlushInterval: -1,
 		ErrorHandler:  func(w http.ResponseWriter, r *http.Request, err error) { proxyErr = err },
+		ErrorLog:      slog.NewLogLogger(a.log.Handler(), slog.LevelDebug), // a stream cut under it
 	}
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	proxy.ServeHTTP(w, r.WithContext(context.WithValue(ctx, portCtxKey{}, portTarget{p: p, id: id, port: port, noWake: nw})))

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httputil"
@@ -730,7 +731,7 @@ const ReplayableBody = 64 << 10
 // for a request body of at most ReplayableBody declared bytes, read first. An
 // error answer of the agent is turned into an error (nothing written to w yet); a
 // failure after the answer started only ends the stream.
-func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string, query url.Values) error {
+func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string, query url.Values, log *slog.Logger) error {
 	target, err := url.Parse(c.base)
 	if err != nil {
 		return err
@@ -764,6 +765,9 @@ func (c *Client) Relay(w http.ResponseWriter, r *http.Request, agentPath string,
 			return DecodeError(resp)
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) { relayErr = err },
+		// A stream cut under it (the agent's connection closed: a stop, a suspend) is
+		// logged here; it ends the request.
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
 	// A short body of declared length (an envd unary or server-streaming call, a few
 	// hundred bytes) is read first, so that the transport can send it again on another

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -163,7 +164,7 @@ func relayPost(t *testing.T, path string, body io.Reader, length int64) func(ctx
 		in := httptest.NewRequestWithContext(ctx, http.MethodPost, "/relayed", body)
 		in.ContentLength = length
 		w := httptest.NewRecorder()
-		if err := c.Relay(w, in, path, nil); err != nil {
+		if err := c.Relay(w, in, path, nil, slog.New(slog.DiscardHandler)); err != nil {
 			return err
 		}
 		if w.Code != http.StatusNoContent {

@@ -1,0 +1,149 @@
+package rest
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+)
+
+// Drain is how a server stops (Serve).
+type Drain struct {
+	// Grace is how long the requests in flight when the stop begins may go on.
+	Grace time.Duration
+	// Hurry, when it closes during the grace, ends the grace at once (an operator's
+	// second SIGTERM or Ctrl-C).
+	Hurry <-chan struct{}
+	// Log is told when the stop waits for requests and when the grace runs out.
+	Log *slog.Logger
+}
+
+// CutWait bounds how long requests whose contexts were ended (ErrShuttingDown) get to
+// write their answers (a 503, a stream's last event) before their connections close.
+const CutWait = 5 * time.Second
+
+// drainKey is the request-context key of the context that ends when the drain begins
+// (EndAtStop).
+type drainKey struct{}
+
+// Serve serves ln with srv until stop ends, then drains srv and returns once the drain
+// is over, so that its caller stops what requests depend on (the node, the database)
+// only after it:
+//
+//  1. ln closes: no new connection is taken (a socket passed by systemd keeps queueing
+//     them for the next process), and idle keep-alive connections close.
+//  2. Streams whose clients resume them by themselves, and feeds that never end, end at
+//     once (their handlers called EndAtStop), so that their clients reconnect to the
+//     next process.
+//  3. Every other request in flight goes on until it ends, d.Grace passes or d.Hurry
+//     closes; a connection closes after its answer.
+//  4. The contexts of the requests left end with ErrShuttingDown (they answer 503 with
+//     Retry-After, or end their streams), and after up to CutWait the connections left
+//     are closed.
+//
+// Serve sets srv.BaseContext and wraps srv.Handler to count the requests in flight.
+func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) error {
+	log := d.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	// Request contexts live past stop: they end (cut) only after the grace.
+	life, cut := context.WithCancelCause(context.WithoutCancel(stop))
+	draining, drainNow := context.WithCancelCause(life)
+	var inFlight atomic.Int64
+	h := srv.Handler
+	if h == nil {
+		h = http.DefaultServeMux
+	}
+	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		inFlight.Add(1)
+		defer inFlight.Add(-1)
+		h.ServeHTTP(w, r)
+	})
+	srv.BaseContext = func(net.Listener) context.Context {
+		return context.WithValue(life, drainKey{}, draining)
+	}
+
+	served := make(chan struct{}) // Serve returned by itself (a listener error)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		select {
+		case <-stop.Done():
+		case <-served:
+			cut(ErrShuttingDown)
+			return
+		}
+		drainNow(ErrShuttingDown)
+		if n := inFlight.Load(); n > 0 {
+			log.Info("stopping: requests in flight may finish", "requests", n, "grace", d.Grace, "listen", ln.Addr().String())
+		}
+		gctx, cancel := context.WithTimeout(context.Background(), d.Grace)
+		if d.Hurry != nil {
+			stopHurry := afterClose(d.Hurry, cancel)
+			defer stopHurry()
+		}
+		err := srv.Shutdown(gctx)
+		cancel()
+		// Hijacked connections (a sandbox port's WebSocket) are not waited for by
+		// Shutdown: they end here, with every request left after the grace.
+		cut(ErrShuttingDown)
+		if err == nil {
+			return
+		}
+		log.Warn("stopping: the grace ran out; requests still in flight are answered 503 or cut",
+			"requests", inFlight.Load(), "grace", d.Grace, "listen", ln.Addr().String())
+		cctx, cancel := context.WithTimeout(context.Background(), CutWait)
+		defer cancel()
+		if srv.Shutdown(cctx) != nil {
+			_ = srv.Close()
+		}
+	}()
+	err := srv.Serve(ln)
+	if errors.Is(err, http.ErrServerClosed) {
+		<-done
+		return nil
+	}
+	close(served)
+	<-done
+	_ = srv.Close()
+	return err
+}
+
+// afterClose calls f once ch closes; the returned func stops the wait.
+func afterClose(ch <-chan struct{}, f func()) (stop func()) {
+	quit := make(chan struct{})
+	go func() {
+		select {
+		case <-ch:
+			f()
+		case <-quit:
+		}
+	}()
+	return func() { close(quit) }
+}
+
+// EndAtStop ends a stream when its server begins to stop (Serve) instead of letting
+// it hold the stop for its grace: it calls cancel(ErrShuttingDown) then (at once if
+// the stop has begun). It is for streams whose client resumes them by itself (an
+// attach or exec stream from Last-Event-ID, the event feed, a followed network log)
+// and feeds that never end by themselves (a file watch), so that their clients
+// reconnect to the next process at once. A handler calls it once its stream has
+// begun (what it did before that gets the grace) and calls the returned stop when
+// the stream ends. Outside Serve it does nothing.
+func EndAtStop(r *http.Request, cancel context.CancelCauseFunc) (stop func() bool) {
+	draining, ok := r.Context().Value(drainKey{}).(context.Context)
+	if !ok {
+		return func() bool { return false }
+	}
+	return context.AfterFunc(draining, func() { cancel(ErrShuttingDown) })
+}
+
+// Stopping reports whether ctx ended because its server is stopping (Serve,
+// EndAtStop), not because its client went away.
+func Stopping(ctx context.Context) bool {
+	return ctx.Err() != nil && errors.Is(context.Cause(ctx), ErrShuttingDown)
+}
