@@ -334,11 +334,11 @@ func serve(ctx context.Context, c *serveConfig) error {
 	context.AfterFunc(gctx, beginStop) // a failed role stops the servers too
 	drain := rest.Drain{Grace: c.shutdownGrace, Hurry: secondSignal(stopping, rolesCtx, log), Log: log}
 	var serving sync.WaitGroup
-	serveHTTP := func(name string, srv *http.Server, ln net.Listener) {
+	serveHTTP := func(name string, serve func(stop context.Context) error) {
 		serving.Add(1)
 		g.Go(func() error {
 			defer serving.Done()
-			if err := rest.Serve(stopping, srv, ln, drain); err != nil {
+			if err := serve(stopping); err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			return nil
@@ -387,14 +387,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 			if err != nil {
 				return err
 			}
-			serving.Add(1)
-			g.Go(func() error {
-				defer serving.Done()
-				if err := gw.Serve(stopping, lns.e2b, drain); err != nil {
-					return fmt.Errorf("e2b: %w", err)
-				}
-				return nil
-			})
+			serveHTTP("e2b", func(stop context.Context) error { return gw.Serve(stop, lns.e2b, drain) })
 		}
 	}
 	if c.has("controller") {
@@ -462,7 +455,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		mmux.HandleFunc("GET /debug/pprof/{name...}", server.DebugPprof) // Go profiles, this address only
 		msrv := &http.Server{Handler: mmux, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 16 << 10,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-		serveHTTP("metrics http", msrv, mln)
+		serveHTTP("metrics http", func(stop context.Context) error { return rest.Serve(stop, msrv, mln, drain) })
 		log.Info("metrics serving (no authentication)", "listen", mln.Addr().String())
 	}
 	srv := &http.Server{
@@ -471,7 +464,7 @@ func serve(ctx context.Context, c *serveConfig) error {
 		MaxHeaderBytes:    64 << 10,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
-	serveHTTP("http", srv, ln)
+	serveHTTP("http", func(stop context.Context) error { return rest.Serve(stop, srv, ln, drain) })
 	g.Go(func() error {
 		<-stopping.Done()
 		log.Info("shutting down")

@@ -6,7 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"sync/atomic"
+	"sync"
 	"time"
 )
 
@@ -53,14 +53,14 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 	// Request contexts live past stop: they end (cut) only after the grace.
 	life, cut := context.WithCancelCause(context.WithoutCancel(stop))
 	draining, drainNow := context.WithCancelCause(life)
-	var inFlight atomic.Int64
+	var inFlight sync.Map // *http.Request → struct{}: the requests being served
 	h := srv.Handler
 	if h == nil {
 		h = http.DefaultServeMux
 	}
 	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		inFlight.Add(1)
-		defer inFlight.Add(-1)
+		inFlight.Store(r, struct{}{})
+		defer inFlight.Delete(r)
 		h.ServeHTTP(w, r)
 	})
 	srv.BaseContext = func(net.Listener) context.Context {
@@ -78,8 +78,8 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 			return
 		}
 		drainNow(ErrShuttingDown)
-		if n := inFlight.Load(); n > 0 {
-			log.Info("stopping: requests in flight may finish", "requests", n, "grace", d.Grace, "listen", ln.Addr().String())
+		if n, some := requests(&inFlight); n > 0 {
+			log.Info("stopping: requests in flight may finish", "requests", n, "grace", d.Grace, "listen", ln.Addr().String(), "some", some)
 		}
 		gctx, cancel := context.WithTimeout(context.Background(), d.Grace)
 		if d.Hurry != nil {
@@ -94,8 +94,9 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 		if err == nil {
 			return
 		}
+		n, some := requests(&inFlight)
 		log.Warn("stopping: the grace ran out; requests still in flight are answered 503 or cut",
-			"requests", inFlight.Load(), "grace", d.Grace, "listen", ln.Addr().String())
+			"requests", n, "grace", d.Grace, "listen", ln.Addr().String(), "some", some)
 		cctx, cancel := context.WithTimeout(context.Background(), CutWait)
 		defer cancel()
 		if srv.Shutdown(cctx) != nil {
@@ -111,6 +112,20 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 	<-done
 	_ = srv.Close()
 	return err
+}
+
+// requests counts the requests in inFlight and names a few (method and path), for the
+// log of a stop.
+func requests(inFlight *sync.Map) (n int, some []string) {
+	inFlight.Range(func(k, _ any) bool {
+		n++
+		if len(some) < 5 {
+			r := k.(*http.Request)
+			some = append(some, r.Method+" "+r.URL.Path)
+		}
+		return true
+	})
+	return n, some
 }
 
 // afterClose calls f once ch closes; the returned func stops the wait.
