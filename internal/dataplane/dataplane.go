@@ -324,8 +324,10 @@ func (d *DataPlane) attach(w http.ResponseWriter, r *http.Request) error {
 		return nil
 	}
 	_ = e.Flush()
-	// At a stop the stream ends at once: the client reconnects from its last event id.
-	defer rest.EndAtStop(r, cancel)()
+	if follow {
+		// At a stop the stream ends at once: the client reconnects from its last event id.
+		defer rest.EndAtStop(r, cancel)()
+	}
 	for {
 		f, err := Next(out, e)
 		if err != nil {

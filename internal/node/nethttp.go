@@ -103,7 +103,9 @@ func (n *Node) netlogHTTP(w http.ResponseWriter, r *http.Request) error {
 	s := rest.NewSSE(w)
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	defer rest.EndAtStop(r, cancel)() // a follower reconnects from its last id
+	if follow {
+		defer rest.EndAtStop(r, cancel)() // at a stop a follower reconnects from its last id
+	}
 	hb := time.NewTicker(rest.HeartbeatEvery)
 	defer hb.Stop()
 	for {

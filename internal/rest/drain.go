@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -34,7 +35,9 @@ type drainKey struct{}
 // only after it:
 //
 //  1. ln closes: no new connection is taken (a socket passed by systemd keeps queueing
-//     them for the next process), and idle keep-alive connections close.
+//     them for the next process). For up to LameDuck, a request that comes on a
+//     connection a client keeps open is still answered, with "Connection: close"; then
+//     the idle connections close.
 //  2. Streams whose clients resume them by themselves, and feeds that never end, end at
 //     once (their handlers called EndAtStop), so that their clients reconnect to the
 //     next process.
@@ -53,7 +56,8 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 	// Request contexts live past stop: they end (cut) only after the grace.
 	life, cut := context.WithCancelCause(context.WithoutCancel(stop))
 	draining, drainNow := context.WithCancelCause(life)
-	var inFlight sync.Map // *http.Request → struct{}: the requests being served
+	var inFlight sync.Map   // *http.Request → struct{}: the requests being served
+	var closing atomic.Bool // the drain closed ln
 	h := srv.Handler
 	if h == nil {
 		h = http.DefaultServeMux
@@ -61,8 +65,24 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		inFlight.Store(r, struct{}{})
 		defer inFlight.Delete(r)
+		if closing.Load() {
+			w.Header().Set("Connection", "close") // the client's pool drops it after this answer
+		}
 		h.ServeHTTP(w, r)
 	})
+	var open atomic.Int64 // connections not yet closed or hijacked
+	connState := srv.ConnState
+	srv.ConnState = func(c net.Conn, st http.ConnState) {
+		switch st {
+		case http.StateNew:
+			open.Add(1)
+		case http.StateClosed, http.StateHijacked:
+			open.Add(-1)
+		}
+		if connState != nil {
+			connState(c, st)
+		}
+	}
 	srv.BaseContext = func(net.Listener) context.Context {
 		return context.WithValue(life, drainKey{}, draining)
 	}
@@ -78,6 +98,8 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 			return
 		}
 		drainNow(ErrShuttingDown)
+		closing.Store(true)
+		_ = ln.Close() // no new connection: Serve returns
 		if n, some := requests(&inFlight); n > 0 {
 			log.Info("stopping: requests in flight may finish", "requests", n, "grace", d.Grace, "listen", ln.Addr().String(), "some", some)
 		}
@@ -86,6 +108,7 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 			stopHurry := afterClose(d.Hurry, cancel)
 			defer stopHurry()
 		}
+		lameDuck(gctx, &open)
 		err := srv.Shutdown(gctx)
 		cancel()
 		// Hijacked connections (a sandbox port's WebSocket) are not waited for by
@@ -104,7 +127,7 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 		}
 	}()
 	err := srv.Serve(ln)
-	if errors.Is(err, http.ErrServerClosed) {
+	if errors.Is(err, http.ErrServerClosed) || closing.Load() {
 		<-done
 		return nil
 	}
@@ -112,6 +135,33 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 	<-done
 	_ = srv.Close()
 	return err
+}
+
+// LameDuck bounds how long a stop keeps the connections that clients hold open
+// (keep-alive) before it closes the idle ones: see lameDuck.
+const LameDuck = time.Second
+
+// lameDuck waits up to LameDuck (or until ctx ends) for the open connections to close.
+// Meanwhile a request that comes on one is still answered, with "Connection: close".
+// Closing an idle keep-alive connection at once (what http.Server.Shutdown does) races
+// with a client that is sending its next request on it: the request is lost with the
+// connection, and a client retries no POST (an E2B SDK's create failed so, "fetch
+// failed", 3 times in 573 operations under 8 restarts); a client that used its
+// connection in the last second has dropped it after that answer.
+func lameDuck(ctx context.Context, open *atomic.Int64) {
+	deadline := time.NewTimer(LameDuck)
+	defer deadline.Stop()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for open.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-deadline.C:
+			return
+		case <-tick.C:
+		}
+	}
 }
 
 // requests counts the requests in inFlight and names a few (method and path), for the

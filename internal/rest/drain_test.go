@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"testing"
 	"time"
@@ -170,5 +171,52 @@ func TestDrainCutsAfterGrace(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// TestDrainAnswersOnKeptConnections: for LameDuck after the stop began, a request a
+// client sends on a keep-alive connection it holds is answered (with Connection:
+// close), not lost with a connection closed under it.
+func TestDrainAnswersOnKeptConnections(t *testing.T) {
+	url, stop, served := serving(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "ok") }),
+		Drain{Grace: time.Minute})
+	c := &http.Client{Transport: &http.Transport{}}
+	send := func() (reused bool, closed bool, err error) {
+		trace := &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }}
+		req, _ := http.NewRequestWithContext(httptrace.WithClientTrace(context.Background(), trace), "GET", url, nil)
+		resp, err := c.Do(req)
+		if err != nil {
+			return reused, false, err
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if string(b) != "ok" {
+			return reused, resp.Close, fmt.Errorf("answer %d %q", resp.StatusCode, b)
+		}
+		return reused, resp.Close, nil
+	}
+	if _, _, err := send(); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	// Once the listener is closed, the client's kept connection still takes a request.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		conn, err := net.DialTimeout("tcp", strings.TrimPrefix(url, "http://"), time.Second)
+		if err != nil {
+			break
+		}
+		conn.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("the listener still takes connections during the drain")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	reused, closed, err := send()
+	if err != nil || !reused || !closed {
+		t.Fatalf("a request on a kept connection during the drain: reused %v, Connection: close %v, %v", reused, closed, err)
+	}
+	if err := within(t, served, 10*time.Second, "Serve"); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -88,7 +88,9 @@ func (a *API) netlog(w http.ResponseWriter, r *http.Request) error {
 	}
 	defer body.Close()
 	s := rest.NewSSE(w)
-	defer rest.EndAtStop(r, cancel)() // at a stop a follower reconnects from its last id
+	if follow {
+		defer rest.EndAtStop(r, cancel)() // at a stop a follower reconnects from its last id
+	}
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := body.Read(buf)
