@@ -47,6 +47,23 @@ func get(url string) chan string {
 	return out
 }
 
+// waitRefused waits until url's listener refuses new connections (closed by a drain).
+func waitRefused(t *testing.T, url string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", strings.TrimPrefix(url, "http://"), time.Second)
+		if err != nil {
+			return
+		}
+		c.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("the listener still takes connections during the drain")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 func within[T any](t *testing.T, ch chan T, d time.Duration, what string) T {
 	t.Helper()
 	select {
@@ -96,19 +113,7 @@ func TestDrainLetsRequestsFinish(t *testing.T) {
 		t.Fatal("the resumable stream's context did not end with ErrShuttingDown while its request lived on")
 	}
 	within(t, stream, 10*time.Second, "resumable stream's answer")
-	// The listener is closed: a new connection is refused.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		c, err := net.DialTimeout("tcp", strings.TrimPrefix(url, "http://"), time.Second)
-		if err != nil {
-			break
-		}
-		c.Close()
-		if time.Now().After(deadline) {
-			t.Fatal("the listener still takes connections during the drain")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitRefused(t, url) // the listener is closed
 	select {
 	case err := <-served:
 		t.Fatalf("Serve returned (%v) with a request in flight", err)
@@ -200,18 +205,7 @@ func TestDrainAnswersOnKeptConnections(t *testing.T) {
 	}
 	stop()
 	// Once the listener is closed, the client's kept connection still takes a request.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		conn, err := net.DialTimeout("tcp", strings.TrimPrefix(url, "http://"), time.Second)
-		if err != nil {
-			break
-		}
-		conn.Close()
-		if time.Now().After(deadline) {
-			t.Fatal("the listener still takes connections during the drain")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitRefused(t, url)
 	reused, closed, err := send()
 	if err != nil || !reused || !closed {
 		t.Fatalf("a request on a kept connection during the drain: reused %v, Connection: close %v, %v", reused, closed, err)
