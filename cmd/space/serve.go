@@ -489,12 +489,13 @@ func serve(ctx context.Context, c *serveConfig) error {
 // TimeoutStopSec defaults to 90 s) is quick.
 const DefaultShutdownGrace = 10 * time.Second
 
-// secondSignal closes its channel when a second SIGTERM or SIGINT arrives after the
-// stop began (stopping), to end the requests' grace at once; it gives up when the
-// roles have stopped (done).
-func secondSignal(stopping, done context.Context, log *slog.Logger) <-chan struct{} {
-	hurry := make(chan struct{})
+// secondSignal returns a context that ends when a second SIGTERM or SIGINT arrives
+// after the stop began (stopping), to end the requests' grace at once; it gives up
+// (and ends) when the roles have stopped (done).
+func secondSignal(stopping, done context.Context, log *slog.Logger) context.Context {
+	hurry, hurryNow := context.WithCancel(context.Background())
 	go func() {
+		defer hurryNow()
 		select {
 		case <-stopping.Done():
 		case <-done.Done():
@@ -506,7 +507,6 @@ func secondSignal(stopping, done context.Context, log *slog.Logger) <-chan struc
 		select {
 		case s := <-sig:
 			log.Warn("stopping: second signal; requests in flight are ended now", "signal", s.String())
-			close(hurry)
 		case <-done.Done():
 		}
 	}()

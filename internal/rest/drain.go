@@ -15,9 +15,9 @@ import (
 type Drain struct {
 	// Grace is how long the requests in flight when the stop begins may go on.
 	Grace time.Duration
-	// Hurry, when it closes during the grace, ends the grace at once (an operator's
+	// Hurry, when it ends during the grace, ends the grace at once (an operator's
 	// second SIGTERM or Ctrl-C).
-	Hurry <-chan struct{}
+	Hurry context.Context
 	// Log is told when the stop waits for requests and when the grace runs out.
 	Log *slog.Logger
 }
@@ -47,7 +47,8 @@ type drainKey struct{}
 //     Retry-After, or end their streams), and after up to CutWait the connections left
 //     are closed.
 //
-// Serve sets srv.BaseContext and wraps srv.Handler to count the requests in flight.
+// Serve sets srv.BaseContext, and wraps srv.Handler and srv.ConnState to follow the
+// requests and connections in flight.
 func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) error {
 	log := d.Log
 	if log == nil {
@@ -103,11 +104,11 @@ func Serve(stop context.Context, srv *http.Server, ln net.Listener, d Drain) err
 		if n, some := requests(&inFlight); n > 0 {
 			log.Info("stopping: requests in flight may finish", "requests", n, "grace", d.Grace, "listen", ln.Addr().String(), "some", some)
 		}
-		gctx, cancel := context.WithTimeout(context.Background(), d.Grace)
-		if d.Hurry != nil {
-			stopHurry := afterClose(d.Hurry, cancel)
-			defer stopHurry()
+		hurry := d.Hurry
+		if hurry == nil {
+			hurry = context.Background()
 		}
+		gctx, cancel := context.WithTimeout(hurry, d.Grace)
 		lameDuck(gctx, &open)
 		err := srv.Shutdown(gctx)
 		cancel()
@@ -176,19 +177,6 @@ func requests(inFlight *sync.Map) (n int, some []string) {
 		return true
 	})
 	return n, some
-}
-
-// afterClose calls f once ch closes; the returned func stops the wait.
-func afterClose(ch <-chan struct{}, f func()) (stop func()) {
-	quit := make(chan struct{})
-	go func() {
-		select {
-		case <-ch:
-			f()
-		case <-quit:
-		}
-	}()
-	return func() { close(quit) }
 }
 
 // EndAtStop ends a stream when its server begins to stop (Serve) instead of letting

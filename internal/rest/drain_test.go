@@ -147,7 +147,8 @@ func TestDrainCutsAfterGrace(t *testing.T) {
 				<-r.Context().Done()
 				return fmt.Errorf("wait: %w", r.Context().Err())
 			})
-			hurry := make(chan struct{})
+			hurry, hurryNow := context.WithCancel(context.Background())
+			defer hurryNow()
 			url, stop, served := serving(t, h, Drain{Grace: tc.grace, Hurry: hurry})
 			answer := make(chan *http.Response, 1)
 			go func() {
@@ -160,7 +161,7 @@ func TestDrainCutsAfterGrace(t *testing.T) {
 			<-inFlight
 			stop()
 			if tc.hurry {
-				close(hurry)
+				hurryNow()
 			}
 			resp := within(t, answer, 10*time.Second, "request in flight")
 			if resp == nil {
