@@ -517,11 +517,28 @@ func (d *DataPlane) agentProxy(w http.ResponseWriter, r *http.Request) error {
 	}
 	d.cfg.Node.Touch(id)
 	path := "/" + r.PathValue("path")
+	// A stream its caller resumes by itself (the api's exec and watch streams) ends at
+	// once when this node stops, once the agent's answer has begun: the api's client
+	// goes on from its last event id, and the stop is not held for the stream.
+	// Everything before the answer (an exec's start) gets the stop's grace.
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	r = r.WithContext(ctx)
+	resumable := r.Header.Get(wire.ResumableHeader) != ""
+	endAtStop := func() bool { return false }
+	defer func() { endAtStop() }()
 	proxy := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL = &url.URL{Scheme: "http", Host: "agent", Path: path, RawQuery: r.URL.RawQuery}
 			pr.Out.Host = "agent"
 			pr.Out.Header.Del("Authorization")
+			pr.Out.Header.Del(wire.ResumableHeader)
+		},
+		ModifyResponse: func(*http.Response) error {
+			if resumable {
+				endAtStop = rest.EndAtStop(r, cancel)
+			}
+			return nil
 		},
 		Transport:     agent.Transport(),
 		FlushInterval: -1,

@@ -247,7 +247,7 @@ func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
 			if rest.Stopping(ctx) {
 				_ = s.Event("", api.EventError, map[string]string{"message": "space is restarting: watch again"})
 			} else if err != io.EOF && ctx.Err() == nil {
-				_ = s.Event("", api.EventError, map[string]string{"message": fmt.Sprintf("watch ended: %v", err)})
+				_ = s.Event("", api.EventError, map[string]string{"message": fmt.Sprintf("watch ended: %v; watch again", err)})
 			}
 			return nil
 		}

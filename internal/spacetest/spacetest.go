@@ -404,6 +404,10 @@ func (s *Space) Request(method, path, body string, hdr ...string) (int, string, 
 	return resp.StatusCode, string(b), resp.Header
 }
 
+// Handler is what the space serves at URL (its API and its node's data plane), for
+// a test that serves it itself (e.g. through rest.Serve, to stop it).
+func (s *Space) Handler() http.Handler { return s.mux }
+
 // AgentPath is the space-agent binary the fake runtime runs.
 func (s *Space) AgentPath() string { return s.agentPath }
 

@@ -177,6 +177,16 @@ func kindOf(status int) fault.Kind {
 // request sends a request and returns the response when its status is wanted;
 // otherwise it returns the decoded error.
 func (c *Client) request(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, want ...int) (*http.Response, error) {
+	return c.send(ctx, method, path, query, body, http.Header{"Content-Type": {contentType}}, want...)
+}
+
+// stream is request for a stream that its caller resumes by itself when it is cut
+// (wire.ResumableHeader): an exec's output, a followed output, a watch.
+func (c *Client) stream(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, want ...int) (*http.Response, error) {
+	return c.send(ctx, method, path, query, body, http.Header{"Content-Type": {contentType}, wire.ResumableHeader: {"1"}}, want...)
+}
+
+func (c *Client) send(ctx context.Context, method, path string, query url.Values, body io.Reader, hdr http.Header, want ...int) (*http.Response, error) {
 	u := c.base + path
 	if len(query) > 0 {
 		u += "?" + query.Encode()
@@ -185,8 +195,10 @@ func (c *Client) request(ctx context.Context, method, path string, query url.Val
 	if err != nil {
 		return nil, fmt.Errorf("agent %s %s: %w", method, path, err)
 	}
-	if contentType != "" {
-		req.Header.Set("Content-Type", contentType)
+	for k, v := range hdr {
+		if v[0] != "" {
+			req.Header[k] = v
+		}
 	}
 	if c.auth != nil {
 		tok, err := c.auth()
@@ -481,7 +493,11 @@ func (p Proc) Output(ctx context.Context, from int64, follow bool) (*OutputStrea
 	if follow {
 		q.Set("follow", "1")
 	}
-	resp, err := p.c.request(ctx, http.MethodGet, p.path("/output"), p.query(q), nil, "", http.StatusOK)
+	send := p.c.request
+	if follow {
+		send = p.c.stream
+	}
+	resp, err := send(ctx, http.MethodGet, p.path("/output"), p.query(q), nil, "", http.StatusOK)
 	if err != nil {
 		return nil, err
 	}
@@ -518,7 +534,7 @@ func (c *Client) execOne(ctx context.Context, spec wire.ProcessSpec, stdin []byt
 	if err != nil {
 		return nil, fmt.Errorf("agent exec: %w", err)
 	}
-	resp, err := c.request(ctx, http.MethodPost, "/v1/exec", nil, bytes.NewReader(data), "application/json", http.StatusOK)
+	resp, err := c.stream(ctx, http.MethodPost, "/v1/exec", nil, bytes.NewReader(data), "application/json", http.StatusOK)
 	if err != nil {
 		return nil, err
 	}

@@ -149,7 +149,7 @@ func (c *Client) Watch(ctx context.Context, path, user string, recursive bool) (
 	if recursive {
 		q.Set("recursive", "1")
 	}
-	resp, err := c.request(ctx, http.MethodGet, "/v1/files/watch", q, nil, "", http.StatusOK)
+	resp, err := c.stream(ctx, http.MethodGet, "/v1/files/watch", q, nil, "", http.StatusOK)
 	if err != nil {
 		return nil, err
 	}

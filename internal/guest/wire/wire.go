@@ -95,6 +95,13 @@ const (
 // identity (ProcessInfo.UID).
 const UIDQuery = "uid"
 
+// ResumableHeader, on a request for a stream (an exec's output, a followed output, a
+// watch), says that its caller resumes the stream by itself when it is cut. A relay in
+// front of the agent (a node's data plane, for the api role) then ends it at once when
+// it stops, instead of holding its stop for the stream (rest.EndAtStop). The agent
+// ignores it.
+const ResumableHeader = "X-Space-Resumable"
+
 // Headers of the answer to POST /v1/exec: the process's pid and identity (the body is
 // its output stream).
 const (
