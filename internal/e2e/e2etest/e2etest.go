@@ -645,12 +645,16 @@ func (s *Server) Exec(t testing.TB, id string, argv ...string) (string, string, 
 // WaitFor polls cond until it holds or the deadline passes (then the test fails).
 func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
+	start := time.Now()
+	deadline := start.Add(d)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out after %s waiting for %s", d, what)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Logf("waited %.1fs for %s", took.Seconds(), what) // where a slow test's time goes (-v)
 	}
 }
 

@@ -264,7 +264,7 @@ func SeedStore(t testing.TB, dataDir string, imageSize int64, builtins ...string
 		return
 	}
 	h := sha256.New()
-	fmt.Fprintf(h, "size=%d\n", imageSize)
+	fmt.Fprintf(h, "size=%d trimmed\n", imageSize)
 	for _, n := range names {
 		fmt.Fprintf(h, "%s\n", filepath.Base(cachePath(t, n)))
 	}
@@ -297,6 +297,13 @@ func makeGolden(t testing.TB, golden string, imageSize int64, names []string) {
 	}
 	for _, n := range names {
 		Builtin(t, st, n)
+	}
+	// What the imports wrote and freed again (the release files they unpacked) stays
+	// allocated in the image file until btrfs discards it, minutes later: trim it now,
+	// or every test copies it too (1.7 GB instead of 0.8 for the base, and the copy,
+	// its mount and its removal took 6.8 s instead of 2.4 on an ext4 host).
+	if out, err := exec.Command("fstrim", st.Root()).CombinedOutput(); err != nil {
+		t.Logf("templatetest: fstrim the golden image (it stays larger): %v: %s", err, out)
 	}
 	if err := st.Unmount(ctx); err != nil {
 		t.Fatalf("templatetest: %v", err)
