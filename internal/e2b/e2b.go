@@ -53,7 +53,7 @@ type Platform interface {
 	WaitDone(ctx context.Context, p *service.Principal, opID string) (*store.Operation, error)
 	Awake(ctx context.Context, p *service.Principal, sb *store.Sandbox, noWake bool) (*store.Sandbox, error)
 	Running(ctx context.Context, p *service.Principal, id string, noWake bool) (*service.Target, error)
-	Agent(t *service.Target) *agentclient.Client
+	Agent(ctx context.Context, t *service.Target) (*agentclient.Client, error)
 	// Reach is Running and Agent in one, without a query when a recent target is known.
 	Reach(ctx context.Context, p *service.Principal, id string, noWake bool) (*agentclient.Client, error)
 	SetExpiry(ctx context.Context, p *service.Principal, id string, at *time.Time, action string) error

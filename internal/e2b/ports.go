@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/spacedev/space/internal/fault"
+	"github.com/spacedev/space/internal/guest/agentclient"
 	"github.com/spacedev/space/internal/guest/envdpb"
 	"github.com/spacedev/space/internal/guest/wire"
 	"github.com/spacedev/space/internal/ids"
@@ -219,8 +220,12 @@ func (g *Gateway) openTunnel(ctx context.Context, sb *store.Sandbox, p *service.
 	done := make(chan error, 1)
 	go func() {
 		t, err := g.api.Running(tctx, p, sb.ID, true)
+		var agent *agentclient.Client
 		if err == nil {
-			err = g.api.Agent(t).Relay(hw, req, "/v1/ports/"+strconv.Itoa(port)+"/connect", nil, g.log)
+			agent, err = g.api.Agent(tctx, t)
+		}
+		if err == nil {
+			err = agent.Relay(hw, req, "/v1/ports/"+strconv.Itoa(port)+"/connect", nil, g.log)
 		}
 		_ = remote.Close()
 		cancel()

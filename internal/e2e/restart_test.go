@@ -510,6 +510,25 @@ func TestStopDrainsRequests(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		uploadDone <- fmt.Sprintf("%d %s", resp.StatusCode, b)
 	}()
+	// 4. A client that keeps its connection open (opened now, before the stop).
+	kept := &http.Client{Transport: &http.Transport{}}
+	keptGet := func(path string) (int, error) {
+		req, err := http.NewRequestWithContext(ctx(t, time.Minute), "GET", s.URL+path, nil)
+		if err != nil {
+			return 0, err
+		}
+		req.Header.Set("Authorization", "Bearer "+s.Key)
+		resp, err := kept.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode, nil
+	}
+	if code, err := keptGet("/v1/sandboxes/" + id); code != 200 {
+		t.Fatalf("kept connection: %d %v", code, err)
+	}
 	for name, ch := range map[string]chan struct{}{"E2B command": e2bStarted, "exec": execStarted, "upload": uploadStarted} {
 		select {
 		case <-ch:
@@ -523,6 +542,15 @@ func TestStopDrainsRequests(t *testing.T) {
 	waitFor(t, time.Minute, "space serve to wait for the requests in flight", func() bool {
 		return strings.Contains(s.Log(), "stopping: requests in flight may finish")
 	})
+	// A request on the kept connection in the stop's first second is still answered,
+	// also one that needs the sandbox's agent (its processes): one process reaches its
+	// own node's agents directly. (Through its own listener, closed now, its call would
+	// wait in the held socket's queue for the next process, and hold the stop with it:
+	// 30 s here, until 2026-12-08.)
+	keptAt := time.Now()
+	if code, err := keptGet("/v1/sandboxes/" + id + "/processes"); code != 200 || time.Since(keptAt) > 10*time.Second {
+		t.Errorf("a request on a kept connection during the stop: %d %v after %v, want 200 at once", code, err, time.Since(keptAt))
+	}
 	// A request sent now waits for the next process: the stopping one takes no
 	// connection (here the socket systemd would hold queues it).
 	queued := make(chan error, 1)

@@ -40,7 +40,11 @@ func checkPath(name, p string) error {
 // proxyToAgent relays the request (method, body, selected query parameters) to the
 // agent path and streams the answer back. Agent errors become API errors.
 func (a *API) proxyToAgent(w http.ResponseWriter, r *http.Request, t *service.Target, agentPath string, query url.Values) error {
-	return a.svc.Agent(t).Relay(w, r, agentPath, query, a.log)
+	agent, err := a.svc.Agent(r.Context(), t)
+	if err != nil {
+		return err
+	}
+	return agent.Relay(w, r, agentPath, query, a.log)
 }
 
 // fileQuery copies the allowed query parameters after validating them.
@@ -121,7 +125,11 @@ func fileCall(a *API, params []string, call func(r *http.Request, c *agentclient
 		if err != nil {
 			return err
 		}
-		status, v, err := call(r, a.svc.Agent(t), q)
+		agent, err := a.svc.Agent(r.Context(), t)
+		if err != nil {
+			return err
+		}
+		status, v, err := call(r, agent, q)
 		if err != nil {
 			return err
 		}
@@ -148,7 +156,11 @@ func fileJSONCall[T any](a *API, check func(*T) error, call func(r *http.Request
 		if err := check(&req); err != nil {
 			return err
 		}
-		status, v, err := call(r, a.svc.Agent(t), &req)
+		agent, err := a.svc.Agent(r.Context(), t)
+		if err != nil {
+			return err
+		}
+		status, v, err := call(r, agent, &req)
 		if err != nil {
 			return err
 		}
@@ -228,7 +240,11 @@ func (a *API) watchFiles(w http.ResponseWriter, r *http.Request) error {
 	}
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	watch, err := a.svc.Agent(t).Watch(ctx, q.Get("path"), q.Get("user"), q.Get("recursive") == "1")
+	agent, err := a.svc.Agent(ctx, t)
+	if err != nil {
+		return err
+	}
+	watch, err := agent.Watch(ctx, q.Get("path"), q.Get("user"), q.Get("recursive") == "1")
 	if err != nil {
 		return err
 	}

@@ -253,9 +253,12 @@ func (s *Service) kickLocal(sb *store.Sandbox) {
 	}
 }
 
-// execAgent returns a client for t's agent: the in-process node's own when t is on it,
+// Agent returns a client for t's agent: the in-process node's own when t is on it
+// (one process, space serve's default: no HTTP hop to itself, and a request that meets
+// this process's stop still reaches the agent: its own listener is closed by then, and
+// a connection to the socket that systemd holds would wait for the next process),
 // else through the node's agent proxy.
-func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client, error) {
+func (s *Service) Agent(ctx context.Context, t *Target) (*agentclient.Client, error) {
 	if l := s.local.Load(); l != nil && t.Node != nil && t.Node.ID == (*l).ID() {
 		a, err := (*l).Agent(ctx, t.Sandbox.ID)
 		if err != nil {
@@ -264,7 +267,7 @@ func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client
 		(*l).Touch(t.Sandbox.ID) // as the agent proxy does for each request
 		return a, nil
 	}
-	return s.Agent(t), nil
+	return s.relay(t), nil
 }
 
 // Reach returns a client for the agent of running sandbox id, for relays (the E2B
@@ -274,7 +277,7 @@ func (s *Service) execAgent(ctx context.Context, t *Target) (*agentclient.Client
 // Running (waking it unless noWake) and the target is remembered.
 func (s *Service) Reach(ctx context.Context, p *Principal, id string, noWake bool) (*agentclient.Client, error) {
 	if t, _ := s.fast.lookup(p, id); t != nil && s.onLocalNode(t) {
-		if a, err := s.execAgent(ctx, t); err == nil {
+		if a, err := s.Agent(ctx, t); err == nil {
 			s.touch(id)
 			return a, nil
 		}
@@ -285,7 +288,7 @@ func (s *Service) Reach(ctx context.Context, p *Principal, id string, noWake boo
 	if err != nil {
 		return nil, err
 	}
-	a, err := s.execAgent(ctx, t)
+	a, err := s.Agent(ctx, t)
 	if err != nil {
 		return nil, err
 	}
@@ -422,7 +425,7 @@ func processKey(p *Principal, kind, key string) string {
 // startExec starts the process and connects to its output in one agent call (see
 // agentclient.Exec), tracked so that a revocation cuts the stream.
 func (s *Service) startExec(ctx context.Context, p *Principal, t *Target, spec wire.ProcessSpec, stdin []byte) (*Execution, error) {
-	agent, err := s.execAgent(ctx, t)
+	agent, err := s.Agent(ctx, t)
 	if err != nil {
 		return nil, err
 	}

@@ -80,7 +80,11 @@ func (s *Service) sampleNow(ctx context.Context, sb *store.Sandbox) (store.Metri
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if err := s.Agent(t).GetJSON(ctx, envdpb.Prefix+"/metrics", &m, agentclient.MaxSmallReply); err != nil {
+	agent, err := s.Agent(ctx, t)
+	if err != nil {
+		return store.MetricSample{}, err
+	}
+	if err := agent.GetJSON(ctx, envdpb.Prefix+"/metrics", &m, agentclient.MaxSmallReply); err != nil {
 		return store.MetricSample{}, err
 	}
 	return store.MetricSample{SandboxID: sb.ID, At: time.Now().UTC().Truncate(time.Second), Resolution: int(store.SamplePeriod / time.Second),

@@ -94,8 +94,9 @@ func (s *Service) Running(ctx context.Context, p *Principal, id string, noWake b
 	return s.target(ctx, sb)
 }
 
-// Agent returns a client for the agent of a running sandbox (through its node).
-func (s *Service) Agent(t *Target) *agentclient.Client {
+// relay returns a client for the agent of a running sandbox through its node's agent
+// proxy (Agent).
+func (s *Service) relay(t *Target) *agentclient.Client {
 	return agentclient.NewVia(t.Base, s.cfg.NodeClient.Transport, func() (string, error) { return t.Token, nil })
 }
 
@@ -152,7 +153,10 @@ func (s *Service) CreateSession(ctx context.Context, p *Principal, id string, re
 	if err != nil {
 		return api.CommandSession{}, err
 	}
-	agent := s.Agent(t)
+	agent, err := s.Agent(ctx, t)
+	if err != nil {
+		return api.CommandSession{}, err
+	}
 	var info wire.ProcessInfo
 	if spec == nil {
 		info, err = agent.Proc(req.PID, req.ProcessUID).Info(ctx)
@@ -247,7 +251,11 @@ func (s *Service) Processes(ctx context.Context, p *Principal, id string, noWake
 	if err != nil {
 		return nil, err
 	}
-	list, err := s.Agent(t).ListProcesses(ctx)
+	agent, err := s.Agent(ctx, t)
+	if err != nil {
+		return nil, err
+	}
+	list, err := agent.ListProcesses(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -268,7 +276,11 @@ func (s *Service) Process(ctx context.Context, p *Principal, id, pid string, noW
 	if err != nil {
 		return api.Process{}, err
 	}
-	pi, err := s.Agent(t).GetProcess(ctx, n)
+	agent, err := s.Agent(ctx, t)
+	if err != nil {
+		return api.Process{}, err
+	}
+	pi, err := agent.GetProcess(ctx, n)
 	if err != nil {
 		return api.Process{}, err
 	}
