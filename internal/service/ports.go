@@ -47,27 +47,20 @@ func (s *Service) DialPort(ctx context.Context, p *Principal, id string, port in
 	if err != nil {
 		return nil, err
 	}
-	dctx, cancel := context.WithTimeout(ctx, portDialTimeout)
-	defer cancel()
-	// The request's context must outlive the dial: it governs the upgraded connection.
-	req, err := http.NewRequestWithContext(context.WithoutCancel(ctx), http.MethodGet, t.Base+"/v1/ports/"+strconv.Itoa(port)+"/connect", nil)
+	agent, err := s.Agent(ctx, t)
 	if err != nil {
 		return nil, err
 	}
-	req.Header.Set("Authorization", "Bearer "+t.Token)
-	req.Header.Set("Connection", "Upgrade")
-	req.Header.Set("Upgrade", wire.PortUpgrade)
+	dctx, cancel := context.WithTimeout(ctx, portDialTimeout)
+	defer cancel()
 	type result struct {
 		resp *http.Response
 		err  error
 	}
 	ch := make(chan result, 1)
 	go func() {
-		rt := s.cfg.NodeClient.Transport
-		if rt == nil {
-			rt = http.DefaultTransport
-		}
-		resp, err := rt.RoundTrip(req)
+		// The request's context must outlive the dial: it governs the upgraded connection.
+		resp, err := agent.Upgrade(context.WithoutCancel(ctx), "/v1/ports/"+strconv.Itoa(port)+"/connect", wire.PortUpgrade)
 		ch <- result{resp, err}
 	}()
 	var r result

@@ -106,6 +106,26 @@ func DialUnix(path string) func(ctx context.Context) (net.Conn, error) {
 	}
 }
 
+// Upgrade asks the agent to switch the connection of a GET of path to protocol (a port
+// tunnel) and returns its answer as it comes: 101 with a writable body, or an error
+// status for the caller to decode. ctx governs the upgraded connection too.
+func (c *Client) Upgrade(ctx context.Context, path, protocol string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("agent upgrade %s: %w", path, err)
+	}
+	if c.auth != nil {
+		tok, err := c.auth()
+		if err != nil {
+			return nil, err
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+	}
+	req.Header.Set("Connection", "Upgrade")
+	req.Header.Set("Upgrade", protocol)
+	return c.transport.RoundTrip(req)
+}
+
 // Transport is the round tripper that reaches the agent (for relays that stream
 // requests through verbatim, like the data plane's internal proxy).
 func (c *Client) Transport() http.RoundTripper { return c.transport }
