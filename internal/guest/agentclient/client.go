@@ -110,16 +110,9 @@ func DialUnix(path string) func(ctx context.Context) (net.Conn, error) {
 // tunnel) and returns its answer as it comes: 101 with a writable body, or an error
 // status for the caller to decode. ctx governs the upgraded connection too.
 func (c *Client) Upgrade(ctx context.Context, path, protocol string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+path, nil)
+	req, err := c.newRequest(ctx, http.MethodGet, path, nil, nil)
 	if err != nil {
-		return nil, fmt.Errorf("agent upgrade %s: %w", path, err)
-	}
-	if c.auth != nil {
-		tok, err := c.auth()
-		if err != nil {
-			return nil, err
-		}
-		req.Header.Set("Authorization", "Bearer "+tok)
+		return nil, err
 	}
 	req.Header.Set("Connection", "Upgrade")
 	req.Header.Set("Upgrade", protocol)
@@ -197,16 +190,17 @@ func kindOf(status int) fault.Kind {
 // request sends a request and returns the response when its status is wanted;
 // otherwise it returns the decoded error.
 func (c *Client) request(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, want ...int) (*http.Response, error) {
-	return c.send(ctx, method, path, query, body, http.Header{"Content-Type": {contentType}}, want...)
+	return c.send(ctx, method, path, query, body, contentType, nil, want...)
 }
 
 // stream is request for a stream that its caller resumes by itself when it is cut
 // (wire.ResumableHeader): an exec's output, a followed output, a watch.
 func (c *Client) stream(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, want ...int) (*http.Response, error) {
-	return c.send(ctx, method, path, query, body, http.Header{"Content-Type": {contentType}, wire.ResumableHeader: {"1"}}, want...)
+	return c.send(ctx, method, path, query, body, contentType, http.Header{wire.ResumableHeader: {"1"}}, want...)
 }
 
-func (c *Client) send(ctx context.Context, method, path string, query url.Values, body io.Reader, hdr http.Header, want ...int) (*http.Response, error) {
+// newRequest makes a request of path (with query) to the agent, authorized.
+func (c *Client) newRequest(ctx context.Context, method, path string, query url.Values, body io.Reader) (*http.Request, error) {
 	u := c.base + path
 	if len(query) > 0 {
 		u += "?" + query.Encode()
@@ -215,17 +209,26 @@ func (c *Client) send(ctx context.Context, method, path string, query url.Values
 	if err != nil {
 		return nil, fmt.Errorf("agent %s %s: %w", method, path, err)
 	}
-	for k, v := range hdr {
-		if v[0] != "" {
-			req.Header[k] = v
-		}
-	}
 	if c.auth != nil {
 		tok, err := c.auth()
 		if err != nil {
 			return nil, err
 		}
 		req.Header.Set("Authorization", "Bearer "+tok)
+	}
+	return req, nil
+}
+
+func (c *Client) send(ctx context.Context, method, path string, query url.Values, body io.Reader, contentType string, extra http.Header, want ...int) (*http.Response, error) {
+	req, err := c.newRequest(ctx, method, path, query, body)
+	if err != nil {
+		return nil, err
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	for k, v := range extra {
+		req.Header[k] = v
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
